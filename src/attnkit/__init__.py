@@ -1,0 +1,28 @@
+"""attnkit — scaled dot-product attention, the textbook and the engine.
+
+    Attention(Q, K, V) = softmax(Q Kᵀ / √d_k + M) V
+
+Attention is a soft dictionary: every query scores every allowed key, the scores become
+weights that sum to 1 over the keys, and the weights mix the values.
+
+Shape legend (PyTorch SDPA's layout)::
+
+    q (..., H_q, N_q, D_k)   k (..., H_kv, N_k, D_k)   v (..., H_kv, N_k, D_v)
+    out (..., H_q, N_q, D_v)
+
+Quick use::
+
+    import attnkit as ak
+    out = ak.attention(q, k, v, is_causal=True)
+    print(ak.explain(q, k, v, is_causal=True).to_text())
+"""
+
+from __future__ import annotations
+
+from . import backends, masks, scores
+from .api import attention
+from .explain import Trace, explain
+
+__version__ = "0.1.0"
+
+__all__ = ["attention", "explain", "Trace", "masks", "scores", "backends", "__version__"]

@@ -1,0 +1,370 @@
+"""``attention()``: validate, normalise masks and options, dispatch to a backend.
+
+    out = softmax(Q Kᵀ · scale + M) V
+
+Shape legend (PyTorch SDPA's layout)::
+
+    q    (..., H_q,  N_q, D_k)     or 2-D (N_q, D_k): one head, no batch
+    k    (..., H_kv, N_k, D_k)     H_q must be a multiple of H_kv (GQA / MQA)
+    v    (..., H_kv, N_k, D_v)     D_v may differ from D_k; N_q may differ from N_k
+    mask broadcastable to (..., H_q, N_q, N_k)
+    out  (..., H_q,  N_q, D_v)     lse (..., H_q, N_q)
+
+The order of operations on the logits is fixed:
+``S = QKᵀ → S·scale → softcap → score_mod → + float mask → bool mask (−∞) → softmax``.
+
+Caution
+-------
+- NaN/inf in K or V rows: rows no query may attend to never reach the output. A query that
+  *does* attend to such a row gets NaN (the honest answer). Finding those queries after the
+  fact evaluates the mask densely (O(N_q·N_k) bools) — only on calls whose K/V hold NaN/inf.
+- ``dropout_p`` is applied whenever it is > 0 (as in torch SDPA); modules pass 0 in eval mode.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal, overload
+
+import numpy as np
+import torch
+
+from . import backends as _backends
+from . import masks as _masks
+from .backends.base import Problem
+from .scores import ScoreMod
+
+__all__ = ["attention", "prepare", "Prepared"]
+
+BackendName = Literal["auto", "reference", "tiled", "decode", "triton"]
+
+
+@dataclass
+class Prepared:
+    """A validated call: the normalised problem plus how to give results back."""
+
+    problem: Problem
+    lead: tuple[int, ...]      # leading (batch) dims of the user's q; () for 2-D and 3-D
+    two_d: bool                # the user passed 2-D (N, D) inputs
+    numpy: bool                # the user passed NumPy arrays
+
+    def restore(self, t: torch.Tensor) -> Any:
+        """(B, H, N, ...) → the user's layout (and NumPy if NumPy came in)."""
+        t = t[0, 0] if self.two_d else t.reshape(*self.lead, *t.shape[1:])
+        if self.numpy:
+            return t.detach().cpu().numpy()
+        return t
+
+
+def _to_tensor(x: Any, name: str) -> tuple[torch.Tensor, bool]:
+    if isinstance(x, torch.Tensor):
+        return x, False
+    if isinstance(x, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(x)), True
+    raise TypeError(
+        f"{name} must be a torch.Tensor or a numpy.ndarray, got {type(x).__name__}: "
+        f"convert it with torch.as_tensor({name})"
+    )
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "(" + ", ".join(str(s) for s in t.shape) + ")"
+
+
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() < 2:
+            raise ValueError(
+                f"{name} must be 2-D (N, D) or at least 3-D (..., H, N, D), got shape "
+                f"{_shape(t)}"
+            )
+        if not t.dtype.is_floating_point:
+            raise TypeError(
+                f"{name} must be a floating-point tensor, got dtype {t.dtype}: "
+                f"convert with {name}.float()"
+            )
+    if not (q.dim() == k.dim() == v.dim()):
+        raise ValueError(
+            f"q, k, v must have the same rank, got q {_shape(q)}, k {_shape(k)}, v {_shape(v)}: "
+            "use (..., H, N, D) for all three (or 2-D (N, D) for all three)"
+        )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(
+            f"q, k, v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}: "
+            "cast them to one dtype, e.g. k.to(q.dtype)"
+        )
+    if not (q.device == k.device == v.device):
+        raise ValueError(
+            f"q, k, v must be on one device, got q on {q.device}, k on {k.device}, "
+            f"v on {v.device}: move them with .to(q.device)"
+        )
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"q and k must have the same feature width D_k, got q {_shape(q)} (D_k={q.shape[-1]})"
+            f" and k {_shape(k)} (D_k={k.shape[-1]}): project them to one width"
+        )
+    if k.shape[-2] != v.shape[-2]:
+        raise ValueError(
+            f"k and v must have the same number of keys N_k, got k {_shape(k)} "
+            f"(N_k={k.shape[-2]}) and v {_shape(v)} (N_k={v.shape[-2]}): every key needs a value"
+        )
+    if q.dim() >= 3:
+        if not (q.shape[:-3] == k.shape[:-3] == v.shape[:-3]):
+            raise ValueError(
+                f"q, k, v must have the same leading (batch) dims, got q {_shape(q)}, "
+                f"k {_shape(k)}, v {_shape(v)}: expand them to one batch shape"
+            )
+        if k.shape[-3] != v.shape[-3]:
+            raise ValueError(
+                f"k and v must have the same number of heads H_kv, got k {_shape(k)} "
+                f"(H_kv={k.shape[-3]}) and v {_shape(v)} (H_kv={v.shape[-3]})"
+            )
+        h_q, h_kv = q.shape[-3], k.shape[-3]
+        if h_kv == 0 or h_q % h_kv != 0:
+            raise ValueError(
+                f"the number of query heads H_q={h_q} must be a multiple of the number of "
+                f"key/value heads H_kv={h_kv} (q {_shape(q)}, k {_shape(k)}): use H_kv that "
+                f"divides H_q (H_kv=1 is MQA, H_kv=H_q is MHA)"
+            )
+
+
+def _check_number(x: Any, name: str) -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+        raise ValueError(f"{name} must be a finite number, got {x!r}")
+    return float(x)
+
+
+def _normalise_mask(
+    mask: Any, is_causal: bool, full_shape: tuple[int, ...], lead: tuple[int, ...],
+    device: torch.device,
+) -> tuple[_masks.Mask | None, torch.Tensor | None]:
+    """→ (structured mask or None, finite additive bias or None) in the (B, H, N_q, N_k) frame."""
+    if is_causal and mask is not None:
+        raise ValueError(
+            "give either mask=... or is_causal=True, not both: combine them as "
+            "mask=attnkit.masks.causal() & your_mask"
+        )
+    if is_causal:
+        return _masks.causal(), None
+    if mask is None:
+        return None, None
+    if isinstance(mask, _masks.Mask):
+        return mask, None
+    if isinstance(mask, np.ndarray):
+        mask = torch.from_numpy(np.ascontiguousarray(mask))
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(
+            f"mask must be an attnkit.masks.Mask, a bool tensor (True = may attend) or a float "
+            f"tensor added to the logits, got {type(mask).__name__}"
+        )
+    if mask.device != device:
+        raise ValueError(f"mask is on {mask.device} but q is on {device}: move it with .to()")
+    try:
+        torch.broadcast_shapes(mask.shape, full_shape)
+        ok = mask.dim() <= len(full_shape)
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"mask of shape {_shape(mask)} does not broadcast to (..., H_q, N_q, N_k) = "
+            f"{tuple(full_shape)}: give a mask whose dims are those sizes or 1 "
+            "(e.g. (N_q, N_k) or (B, 1, N_q, N_k))"
+        )
+    # (…lead, H, N_q, N_k) → (B|1, H|1, N_q|1, N_k|1)
+    m = mask.reshape((1,) * (len(full_shape) - mask.dim()) + tuple(mask.shape))
+    n_lead = len(lead)
+    if n_lead == 0:
+        m = m.unsqueeze(0)
+    elif all(s == 1 for s in m.shape[:n_lead]):
+        m = m.reshape(1, *m.shape[n_lead:])
+    else:
+        m = m.expand(*lead, *m.shape[n_lead:]).reshape(-1, *m.shape[n_lead:])
+    if mask.dtype == torch.bool:
+        return _masks.from_tensor(m, name=f"bool mask {_shape(mask)}"), None
+    if not mask.dtype.is_floating_point:
+        raise TypeError(
+            f"mask must be bool (True = may attend) or floating point (added to the logits), "
+            f"got dtype {mask.dtype}"
+        )
+    if torch.isnan(m).any() or (m == torch.inf).any():
+        raise ValueError("a float mask may hold finite values and -inf only (found NaN or +inf)")
+    blocked = m == -torch.inf
+    structured = None
+    if blocked.any():
+        structured = _masks.from_tensor(~blocked, name=f"float mask {_shape(mask)} (-inf)")
+        m = torch.where(blocked, torch.zeros_like(m), m)
+    bias = m if bool((m != 0).any()) else None
+    return structured, bias
+
+
+def prepare(
+    q: Any, k: Any, v: Any, *, mask: Any = None, is_causal: bool = False,
+    scale: float | None = None, softcap: float | None = None,
+    score_mod: ScoreMod | None = None, dropout_p: float = 0.0,
+) -> Prepared:
+    """Validate a call and normalise it into one :class:`Problem` (layout (B, H, N, D))."""
+    q, q_np = _to_tensor(q, "q")
+    k, k_np = _to_tensor(k, "k")
+    v, v_np = _to_tensor(v, "v")
+    _check_qkv(q, k, v)
+    two_d = q.dim() == 2
+    if two_d:
+        q4, k4, v4 = (t[None, None] for t in (q, k, v))
+        lead: tuple[int, ...] = ()
+    else:
+        lead = tuple(q.shape[:-3])
+        q4, k4, v4 = (t.reshape(-1, *t.shape[-3:]) for t in (q, k, v))
+    full_shape = (*lead, q4.shape[1], q4.shape[2], k4.shape[2])
+    structured, bias = _normalise_mask(mask, is_causal, full_shape, lead, q.device)
+    d_k = q.shape[-1]
+    if scale is None:
+        scale_f = 1.0 / math.sqrt(d_k) if d_k > 0 else 1.0
+    else:
+        scale_f = _check_number(scale, "scale")
+    if softcap is not None:
+        softcap = _check_number(softcap, "softcap")
+        if softcap <= 0:
+            raise ValueError(
+                f"softcap must be > 0 (logits are mapped to c·tanh(x/c)), got {softcap}"
+            )
+    if score_mod is not None and not callable(score_mod):
+        raise TypeError(
+            "score_mod must be a function score_mod(score, b, h, q_idx, kv_idx) -> score, "
+            f"got {type(score_mod).__name__}"
+        )
+    dropout_p = _check_number(dropout_p, "dropout_p")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    p = Problem(q4, k4, v4, mask=structured, bias=bias, scale=scale_f, softcap=softcap,
+                score_mod=score_mod, dropout_p=dropout_p)
+    if structured is not None and structured.depends_on_batch:
+        nb = structured.batch_size
+        if nb != p.batch:
+            raise ValueError(
+                f"mask {structured.name} was built for batch {nb} but the inputs have batch "
+                f"{p.batch} (q {_shape(q)}): give one length/id row per batch element"
+            )
+    return Prepared(p, lead, two_d, q_np or k_np or v_np)
+
+
+def _empty_result(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
+    """N_q = 0 → empty output; N_k = 0 → zeros (nothing to attend to), LSE −∞."""
+    out = p.q.new_zeros(p.batch, p.heads_q, p.n_q, p.d_v)
+    lse = torch.full((p.batch, p.heads_q, p.n_q), -torch.inf, device=p.device,
+                     dtype=torch.float64 if p.dtype == torch.float64 else torch.float32)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (p.q, p.k, p.v)):
+        out = out + 0.0 * (p.q.sum() + p.k.sum() + p.v.sum())   # keeps the graph: zero grads
+    return out, lse
+
+
+def _bad_kv_rows(p: Problem) -> torch.Tensor:
+    """(B, H_kv, N_k) True where a K or V row holds NaN or ±inf."""
+    return ~(torch.isfinite(p.k).all(-1) & torch.isfinite(p.v).all(-1))
+
+
+def _run(p: Problem, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if p.n_q == 0 or p.n_k == 0:
+        return _empty_result(p)
+    chosen = _backends.select(p, backend)
+    # Non-finite K/V rows must not leak through zero weights (0·NaN = NaN). Checking up front
+    # costs one read of K and V; without autograd we only check when the output shows it.
+    bad = _bad_kv_rows(p) if p.requires_grad else None
+    if bad is None or not bad.any():
+        out, lse = chosen.forward(p)
+        if bad is not None or bool(torch.isfinite(out).all()):
+            return out, lse
+        bad = _bad_kv_rows(p)
+        if not bad.any():
+            return out, lse
+    zero = torch.zeros((), dtype=p.dtype, device=p.device)
+    clean = Problem(**{**p.__dict__,
+                       "k": torch.where(bad[..., None], zero, p.k),
+                       "v": torch.where(bad[..., None], zero, p.v)})
+    out, lse = chosen.forward(clean)
+    hit = _attends_to(p, bad)                                   # (B, H_q, N_q)
+    out = torch.where(hit[..., None], torch.full_like(out, torch.nan), out)
+    lse = torch.where(hit, torch.full_like(lse, torch.nan), lse)
+    return out, lse
+
+
+def _attends_to(p: Problem, bad: torch.Tensor) -> torch.Tensor:
+    """(B, H_q, N_q) True where a query may attend to a bad key row (rows of 256 at a time)."""
+    bad_q = bad.repeat_interleave(p.group, dim=1)[:, :, None, :]   # (B, H_q, 1, N_k)
+    rows = []
+    for q0 in range(0, p.n_q, 256):
+        q1 = min(q0 + 256, p.n_q)
+        if p.mask is None:
+            allowed = torch.ones(1, 1, q1 - q0, p.n_k, dtype=torch.bool, device=p.device)
+        else:
+            allowed = p.mask._dense(p.n_q, p.n_k, p.batch, p.heads_q, p.device, (q0, q1))
+        rows.append((allowed & bad_q).any(-1).expand(p.batch, p.heads_q, q1 - q0))
+    return torch.cat(rows, dim=-1)
+
+
+@overload
+def attention(q: Any, k: Any, v: Any, *, mask: Any = ..., is_causal: bool = ...,
+              scale: float | None = ..., softcap: float | None = ...,
+              score_mod: ScoreMod | None = ..., dropout_p: float = ...,
+              backend: str = ..., return_lse: Literal[False] = ...) -> Any: ...
+@overload
+def attention(q: Any, k: Any, v: Any, *, mask: Any = ..., is_causal: bool = ...,
+              scale: float | None = ..., softcap: float | None = ...,
+              score_mod: ScoreMod | None = ..., dropout_p: float = ...,
+              backend: str = ..., return_lse: Literal[True]) -> tuple[Any, Any]: ...
+
+
+def attention(
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    mask: Any = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    softcap: float | None = None,
+    score_mod: ScoreMod | None = None,
+    dropout_p: float = 0.0,
+    backend: str = "auto",
+    return_lse: bool = False,
+) -> Any:
+    """Scaled dot-product attention: ``softmax(Q Kᵀ · scale + M) V``.
+
+    Shapes::
+
+        q (..., H_q, N_q, D_k)   k (..., H_kv, N_k, D_k)   v (..., H_kv, N_k, D_v)
+        → out (..., H_q, N_q, D_v)        [and lse (..., H_q, N_q) with return_lse=True]
+
+    2-D inputs ``(N, D)`` are one head with no batch. NumPy arrays in → NumPy array out.
+
+    Args:
+        mask: an :class:`attnkit.masks.Mask`, a bool tensor (True = may attend) or a float
+            tensor added to the logits (−inf = blocked), broadcastable to
+            ``(..., H_q, N_q, N_k)``.
+        is_causal: query i sees keys 0..i (top-left aligned, exactly like torch). Same as
+            ``mask=attnkit.masks.causal()``; giving both is an error.
+        scale: multiplies the scores; defaults to ``1/√D_k``.
+        softcap: ``c`` maps each scaled logit x to ``c·tanh(x/c)`` (before the mask).
+        score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score``, differentiable.
+        dropout_p: dropout on the weights (seeded by torch's generator), in [0, 1).
+        backend: ``"auto"`` (fastest that supports the call), or a name from
+            ``attnkit.backends.names()``.
+        return_lse: also return the natural-log log-sum-exp of the masked logits
+            (−inf for a query with no allowed key).
+
+    A query with no allowed key gets output 0 (never NaN).
+    """
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a string, got {type(backend).__name__}")
+    if backend != "auto" and backend not in _backends.names():
+        raise ValueError(
+            f"unknown backend {backend!r}: choose one of "
+            f"{', '.join(repr(n) for n in ['auto', *_backends.names()])}"
+        )
+    prep = prepare(q, k, v, mask=mask, is_causal=is_causal, scale=scale, softcap=softcap,
+                   score_mod=score_mod, dropout_p=dropout_p)
+    prep.problem.need_lse = return_lse
+    out, lse = _run(prep.problem, backend)
+    if return_lse:
+        return prep.restore(out), prep.restore(lse)
+    return prep.restore(out)

@@ -1,0 +1,118 @@
+"""The contract between ``attention()`` and its backends.
+
+``attention()`` validates and normalises every call into one :class:`Problem` with a single
+layout, then asks the registry for a backend. A backend declares what it supports through
+``not_supported_reasons(problem)`` (empty list = can run) and computes ``forward(problem)``.
+
+Shape legend (the one layout every backend sees)::
+
+    q     (B, H_q,  N_q, D_k)      B = all leading dims of the user's inputs, flattened
+    k     (B, H_kv, N_k, D_k)      H_q = G · H_kv (G = group size; GQA/MQA when G > 1)
+    v     (B, H_kv, N_k, D_v)
+    out   (B, H_q,  N_q, D_v)      same dtype as q
+    lse   (B, H_q,  N_q)           float32 (float64 for float64 inputs); -inf for empty rows
+    bias  broadcastable to (B, H_q, N_q, N_k), finite values only (−∞ entries became mask)
+
+Backends receive N_q ≥ 1 and N_k ≥ 1 (empty sizes are answered by ``attention()``), and
+K/V rows that hold NaN/inf have already been replaced by zeros where that matters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..masks import Mask
+from ..scores import ScoreMod
+
+__all__ = ["Problem", "Backend", "compute_dtype"]
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype: float64 stays float64, everything else accumulates in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@dataclass
+class Problem:
+    """One normalised attention call (see the module's shape legend)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    mask: Mask | None = None
+    bias: torch.Tensor | None = None
+    scale: float = 1.0
+    softcap: float | None = None
+    score_mod: ScoreMod | None = None
+    dropout_p: float = 0.0
+    need_lse: bool = False
+    extras: dict = field(default_factory=dict)
+
+    @property
+    def batch(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def heads_q(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def heads_kv(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def group(self) -> int:
+        """Query heads per K/V head (1 = MHA, H_q = MQA)."""
+        return self.q.shape[1] // self.k.shape[1]
+
+    @property
+    def n_q(self) -> int:
+        return self.q.shape[2]
+
+    @property
+    def n_k(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def d_k(self) -> int:
+        return self.q.shape[3]
+
+    @property
+    def d_v(self) -> int:
+        return self.v.shape[3]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.q.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    @property
+    def requires_grad(self) -> bool:
+        return torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (self.q, self.k, self.v, self.bias))
+
+    def allowed_dense(self) -> torch.Tensor | None:
+        """The mask as bool ``(B|1, H_q|1, N_q, N_k)``, or ``None`` when everything is allowed."""
+        if self.mask is None:
+            return None
+        return self.mask._dense(self.n_q, self.n_k, self.batch, self.heads_q, self.device)
+
+
+class Backend:
+    """Base class: a named way to compute attention for the problems it supports."""
+
+    name: str = "?"
+    description: str = ""
+
+    def not_supported_reasons(self, p: Problem) -> list[str]:
+        """Why this backend cannot run ``p`` (an empty list means it can)."""
+        raise NotImplementedError
+
+    def forward(self, p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return ``(out, lse)`` with shapes ``(B, H_q, N_q, D_v)`` and ``(B, H_q, N_q)``."""
+        raise NotImplementedError
