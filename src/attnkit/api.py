@@ -24,6 +24,7 @@ Caution
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, Literal, overload
 
@@ -130,7 +131,8 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 
 def _check_number(x: Any, name: str) -> float:
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real) \
+            or not math.isfinite(x):
         raise ValueError(f"{name} must be a finite number, got {x!r}")
     return float(x)
 
@@ -238,12 +240,18 @@ def prepare(
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     p = Problem(q4, k4, v4, mask=structured, bias=bias, scale=scale_f, softcap=softcap,
                 score_mod=score_mod, dropout_p=dropout_p)
-    if structured is not None and structured.depends_on_batch:
-        nb = structured.batch_size
-        if nb != p.batch:
+    if structured is not None:
+        nb, nh = structured.batch_size, structured.heads_size
+        if nb is not None and nb > 1 and nb != p.batch:
             raise ValueError(
                 f"mask {structured.name} was built for batch {nb} but the inputs have batch "
                 f"{p.batch} (q {_shape(q)}): give one length/id row per batch element"
+            )
+        if nh is not None and nh > 1 and nh != p.heads_q:
+            raise ValueError(
+                f"mask {structured.name} was built for {nh} heads but the inputs have "
+                f"H_q={p.heads_q} query heads (q {_shape(q)}): give one mask per query head "
+                "(or a head dim of 1 to share it)"
             )
     return Prepared(p, lead, two_d, q_np or k_np or v_np)
 

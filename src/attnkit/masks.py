@@ -66,6 +66,9 @@ class _Sizes:
 
     batch: int | None = None
     heads: int | None = None
+    # True for masks whose function may read ``b``/``h`` at any size (``from_fn``): they are
+    # evaluated on the full (batch, heads) grid instead of on index 0 only.
+    any_bh: bool = False
 
     def merge(self, other: _Sizes) -> _Sizes:
         def pick(a: int | None, b: int | None, what: str) -> int | None:
@@ -77,7 +80,8 @@ class _Sizes:
             return max(a, b) if (a is not None and b is not None) else (a if b is None else b)
 
         return _Sizes(pick(self.batch, other.batch, "batch"),
-                      pick(self.heads, other.heads, "heads"))
+                      pick(self.heads, other.heads, "heads"),
+                      self.any_bh or other.any_bh)
 
 
 class Mask:
@@ -131,12 +135,22 @@ class Mask:
         return self._sizes.batch
 
     @property
+    def heads_size(self) -> int | None:
+        """The number of heads this mask was built for (``from_tensor`` with H > 1), else
+        ``None``."""
+        return self._sizes.heads
+
+    @property
     def depends_on_batch(self) -> bool:
-        return self._sizes.batch is not None and self._sizes.batch > 1
+        """True when the mask may differ between batch elements: dense evaluations and block
+        maps then have the full batch size in dim 0 (else 1)."""
+        return self._sizes.any_bh or (self._sizes.batch is not None and self._sizes.batch > 1)
 
     @property
     def depends_on_heads(self) -> bool:
-        return self._sizes.heads is not None and self._sizes.heads > 1
+        """True when the mask may differ between heads: dense evaluations and block maps then
+        have the full head count in dim 1 (else 1)."""
+        return self._sizes.any_bh or (self._sizes.heads is not None and self._sizes.heads > 1)
 
     def _index_grid(
         self, n_q: int, n_k: int, batch: int, heads: int, device: torch.device | None,
@@ -160,7 +174,14 @@ class Mask:
         shape = (b.shape[0], h.shape[1], q.shape[2], n_k)
         while out.dim() < 4:
             out = out.unsqueeze(0)
-        return out.expand(torch.broadcast_shapes(out.shape, (1, 1) + shape[2:]))
+        try:
+            return out.expand(shape)
+        except RuntimeError:
+            raise ValueError(
+                f"mask {self.name} evaluated to shape {tuple(out.shape)}, which does not "
+                f"broadcast to (B, H, N_q, N_k) = {shape}: a mask function must combine the "
+                "index tensors elementwise"
+            ) from None
 
     def to_dense(
         self,
@@ -168,15 +189,16 @@ class Mask:
         n_k: int,
         *,
         batch: int | None = None,
-        heads: int = 1,
+        heads: int | None = None,
         device: torch.device | str | None = None,
     ) -> torch.Tensor:
         """The mask as a bool tensor of shape ``(B, H, N_q, N_k)`` (True = may attend).
 
-        ``batch`` defaults to the batch size the mask was built for (1 if none).
+        ``batch`` and ``heads`` default to the sizes the mask was built for (1 if none).
         """
         _check_sizes(n_q, n_k)
         batch = self._default_batch(batch)
+        heads = self._default_heads(heads)
         dev = torch.device(device) if device is not None else None
         return self._dense(n_q, n_k, batch, heads, dev).expand(batch, heads, n_q, n_k).clone()
 
@@ -189,6 +211,16 @@ class Mask:
                 "pass lengths/ids with one entry per batch element"
             )
         return batch
+
+    def _default_heads(self, heads: int | None) -> int:
+        if heads is None:
+            return self._sizes.heads or 1
+        if self._sizes.heads is not None and self._sizes.heads > 1 and heads != self._sizes.heads:
+            raise ValueError(
+                f"mask {self.name} was built for {self._sizes.heads} heads, got heads={heads}: "
+                "give the mask one entry per head (or 1 to share it)"
+            )
+        return heads
 
     # ------------------------------------------------------------------ blocks
     def _block_bounds(
@@ -241,7 +273,7 @@ class Mask:
         block_k: int = 64,
         *,
         batch: int | None = None,
-        heads: int = 1,
+        heads: int | None = None,
         device: torch.device | str | None = None,
         exact: bool = False,
     ) -> torch.Tensor:
@@ -255,6 +287,7 @@ class Mask:
         if block_q < 1 or block_k < 1:
             raise ValueError(f"block sizes must be >= 1, got block_q={block_q}, block_k={block_k}")
         batch = self._default_batch(batch)
+        heads = self._default_heads(heads)
         dev = torch.device(device) if device is not None else None
         if n_q == 0 or n_k == 0:
             return torch.zeros(1, 1, math.ceil(n_q / block_q), math.ceil(n_k / block_k),
@@ -266,11 +299,12 @@ class Mask:
         return out.expand(out.shape[0], out.shape[1], nbq, nbk)
 
     def sparsity(
-        self, n_q: int, n_k: int, *, batch: int | None = None, heads: int = 1
+        self, n_q: int, n_k: int, *, batch: int | None = None, heads: int | None = None
     ) -> float:
         """Fraction of (query, key) pairs that are blocked (0.0 = dense, 1.0 = nothing allowed)."""
         _check_sizes(n_q, n_k)
         batch = self._default_batch(batch)
+        heads = self._default_heads(heads)
         if n_q == 0 or n_k == 0:
             return 0.0
         allowed = 0
@@ -595,9 +629,9 @@ def from_fn(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
     """A mask from a function ``fn(b, h, q_idx, kv_idx) -> bool tensor``.
 
     The index tensors broadcast against each other (shapes ``(B,1,1,1)``, ``(1,H,1,1)``,
-    ``(1,1,N_q,1)``, ``(1,1,1,N_k)``); use only elementwise torch operations. The function
-    should not depend on ``b`` or ``h`` beyond what broadcasting allows (for per-batch masks,
-    see :func:`padding` and :func:`document`).
+    ``(1,1,N_q,1)``, ``(1,1,1,N_k)``); use only elementwise torch operations. ``b`` and ``h``
+    run over the whole batch and every query head, so the function may use them (e.g. a
+    different pattern per head); one that ignores them costs nothing extra.
     """
     if not callable(fn):
         raise TypeError(f"from_fn needs a callable fn(b, h, q_idx, kv_idx), got {type(fn)}")
@@ -605,7 +639,9 @@ def from_fn(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
     def wrapped(b, h, q, k, n_q, n_k):  # noqa: ANN001, ANN202
         return fn(b, h, q, k)
 
-    return Mask(wrapped, name=name or getattr(fn, "__name__", "from_fn"))
+    m = Mask(wrapped, name=name or getattr(fn, "__name__", "from_fn"))
+    m._sizes = _Sizes(any_bh=True)
+    return m
 
 
 def from_tensor(t: torch.Tensor, name: str | None = None) -> Mask:
