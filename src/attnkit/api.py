@@ -181,7 +181,7 @@ def _normalise_mask(
     elif all(s == 1 for s in m.shape[:n_lead]):
         m = m.reshape(1, *m.shape[n_lead:])
     else:
-        m = m.expand(*lead, *m.shape[n_lead:]).reshape(-1, *m.shape[n_lead:])
+        m = m.expand(*lead, *m.shape[n_lead:]).reshape(math.prod(lead), *m.shape[n_lead:])
     if mask.dtype == torch.bool:
         return _masks.from_tensor(m, name=f"bool mask {_shape(mask)}"), None
     if not mask.dtype.is_floating_point:
@@ -216,7 +216,7 @@ def prepare(
         lead: tuple[int, ...] = ()
     else:
         lead = tuple(q.shape[:-3])
-        q4, k4, v4 = (t.reshape(-1, *t.shape[-3:]) for t in (q, k, v))
+        q4, k4, v4 = (t.reshape(math.prod(lead), *t.shape[-3:]) for t in (q, k, v))
     full_shape = (*lead, q4.shape[1], q4.shape[2], k4.shape[2])
     structured, bias = _normalise_mask(mask, is_causal, full_shape, lead, q.device)
     d_k = q.shape[-1]

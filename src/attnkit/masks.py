@@ -205,7 +205,7 @@ class Mask:
     def _default_batch(self, batch: int | None) -> int:
         if batch is None:
             return self._sizes.batch or 1
-        if self.depends_on_batch and batch != self._sizes.batch:
+        if self._sizes.batch is not None and self._sizes.batch > 1 and batch != self._sizes.batch:
             raise ValueError(
                 f"mask {self.name} was built for batch {self._sizes.batch}, got batch {batch}: "
                 "pass lengths/ids with one entry per batch element"
