@@ -19,10 +19,12 @@ Quick use::
 
 from __future__ import annotations
 
-from . import backends, masks, scores
+from . import backends, cost, masks, scores
 from .api import attention
 from .explain import Trace, explain
+from .layers import KVCache, MultiHeadAttention, MultiHeadLatentAttention
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "explain", "Trace", "masks", "scores", "backends", "__version__"]
+__all__ = ["MultiHeadAttention", "MultiHeadLatentAttention", "KVCache", "cost",
+           "attention", "explain", "Trace", "masks", "scores", "backends", "__version__"]
