@@ -545,8 +545,11 @@ def _block_min_max(ids: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor):
     nblocks = starts.numel()
     block = int((ends.view(-1)[0] - starts.view(-1)[0]).item()) if nblocks else 1
     pad = nblocks * block - n
-    lo = torch.nn.functional.pad(ids, (0, pad), value=torch.iinfo(torch.long).max)
-    hi = torch.nn.functional.pad(ids, (0, pad), value=torch.iinfo(torch.long).min)
+    # (F.pad takes its fill value as a double: iinfo(long).max would wrap to min)
+    def padded(fill: int) -> torch.Tensor:
+        return torch.cat([ids, ids.new_full((ids.shape[0], pad), fill)], dim=1)
+
+    lo, hi = padded(torch.iinfo(torch.long).max), padded(torch.iinfo(torch.long).min)
     return (lo.view(ids.shape[0], nblocks, block).amin(-1),
             hi.view(ids.shape[0], nblocks, block).amax(-1))
 
