@@ -364,6 +364,20 @@ def test_kv_cache_decode_equals_full_forward(n_kv, chunks):
     torch.testing.assert_close(cache.k, m.project_k(x))
 
 
+def test_decode_step_weights_match_full_forward():
+    x = torch.randn(2, 6, 16, dtype=DT)
+    for m in (ak.MultiHeadAttention(16, 4, n_kv_heads=2).to(DT),
+              ak.MultiHeadLatentAttention(16, 4, kv_latent_dim=6).to(DT)):
+        full, w_full = m(x, is_causal=True, need_weights=True)
+        with torch.no_grad():
+            cache = ak.KVCache()
+            m(x[:, :5], cache=cache, is_causal=True)
+            out, w = m(x[:, 5:], cache=cache, is_causal=True, need_weights=True)
+        assert w.shape == (2, 4, 1, 6)
+        torch.testing.assert_close(w, w_full[:, :, 5:])
+        torch.testing.assert_close(out, full[:, 5:])
+
+
 def test_kv_cache_grows_without_recopying_every_token_and_preallocates():
     m = ak.MultiHeadAttention(8, 2).to(DT)
     x = torch.randn(1, 40, 8, dtype=DT)
@@ -406,6 +420,10 @@ def test_kv_cache_with_padding_mask_and_reorder():
     with torch.no_grad():
         cache = ak.KVCache()
         m(x[:, :5], cache=cache, is_causal=True)
+        m(x[:, 5:], cache=cache, is_causal=True)
+        cache.truncate(5)
+        with pytest.raises(ValueError, match="truncate"):
+            cache.truncate(6)
         cache.reorder(torch.tensor([1, 0]))
         step = m(x[[1, 0], 5:], cache=cache, is_causal=True)
     torch.testing.assert_close(step, m(x[[1, 0]], is_causal=True)[:, 5:])

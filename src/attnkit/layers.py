@@ -114,15 +114,19 @@ def _merge_heads(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(1, 2).reshape(b, n, h * d)
 
 
-def _causal_for(cache: KVCache | None, is_causal: bool, mask: Any) -> tuple[Any, bool]:
-    """With a cache, causal aligns bottom-right: earlier tokens are already in the cache."""
+def _causal_for(cache: KVCache | None, is_causal: bool, mask: Any, n_q: int
+                ) -> tuple[Any, bool]:
+    """With a cache, causal aligns bottom-right: earlier tokens are already in the cache.
+
+    One new query under bottom-right causal sees every cached key: no mask at all.
+    """
     if is_causal and mask is not None:
         raise ValueError(
             "give either mask=... or is_causal=True, not both: combine them as "
             "mask=attnkit.masks.causal() & your_mask"
         )
     if is_causal and cache is not None:
-        return _masks.causal(align="bottom_right"), False
+        return (None if n_q == 1 else _masks.causal(align="bottom_right")), False
     return mask, is_causal
 
 
@@ -130,13 +134,26 @@ def _attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Any, is_causal: bool,
     scale: float, softcap: float | None, dropout_p: float, need_weights: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """ak.attention on (B, H, N, D) tensors; the weights come from the reference."""
+    """ak.attention on (B, H, N, D) tensors; the weights come from the reference.
+
+    A decode step (one query, no mask) with grouped heads folds each group's G query heads
+    into G query rows of its K/V head: q (B, H, 1, D) → (B, H_kv, G, D). The problem stays
+    the same (every row sees every key), and K/V are read once per group, never repeated.
+    """
+    b, h, n_q, d = q.shape
+    h_kv = k.shape[1]
+    fold = n_q == 1 and h > h_kv and mask is None and not is_causal
+    if fold:
+        q = q.reshape(b, h_kv, h // h_kv, d)                       # (B, H_kv, G, D)
     out = attention(q, k, v, mask=mask, is_causal=is_causal, scale=scale, softcap=softcap,
                     dropout_p=dropout_p)
     weights = None
     if need_weights:
         prep = prepare(q, k, v, mask=mask, is_causal=is_causal, scale=scale, softcap=softcap)
         weights = reference(prep.problem).weights.to(q.dtype)     # (B, H, N_q, N_k)
+    if fold:
+        out = out.reshape(b, h, 1, out.shape[-1])
+        weights = weights.reshape(b, h, 1, -1) if weights is not None else None
     return out, weights
 
 
@@ -229,6 +246,15 @@ class KVCache:
         self.kind = None
         self._buffers = {}
         self._length = 0
+
+    def truncate(self, length: int) -> None:
+        """Keep only the first ``length`` tokens (e.g. to drop rejected draft tokens); the
+        storage is kept for reuse."""
+        if isinstance(length, bool) or not isinstance(length, int) \
+                or not 0 <= length <= self._length:
+            raise ValueError(f"truncate needs 0 <= length <= {self._length} (the cached "
+                             f"tokens), got {length!r}")
+        self._length = length
 
     def reorder(self, index: torch.Tensor) -> None:
         """Select/reorder batch rows (beam search): row ``i`` becomes old row ``index[i]``."""
@@ -472,7 +498,7 @@ class MultiHeadAttention(nn.Module):
         if cache is not None:
             kv = cache.append("MultiHeadAttention", k=k, v=v)
             k, v = kv["k"], kv["v"]                         # (B, H_kv, N_cache, ·)
-        mask, is_causal = _causal_for(cache, is_causal, mask)
+        mask, is_causal = _causal_for(cache, is_causal, mask, q.shape[2])
         o, weights = _attend(q, k, v, mask=mask, is_causal=is_causal, scale=self.scale,
                              softcap=self.softcap,
                              dropout_p=self.dropout if self.training else 0.0,
@@ -773,7 +799,7 @@ class MultiHeadLatentAttention(nn.Module):
         c = self.project_latent(src)                        # (B, 1, N_k, d_c)
         if cache is not None:
             c = cache.append("MultiHeadLatentAttention", latent=c)["latent"]  # (B,1,N_cache,d_c)
-        mask, is_causal = _causal_for(cache, is_causal, mask)
+        mask, is_causal = _causal_for(cache, is_causal, mask, q.shape[2])
         if absorb is None:
             absorb = cache is not None
         opts = dict(mask=mask, is_causal=is_causal, scale=self.scale, softcap=self.softcap,
