@@ -70,7 +70,7 @@ def _to_tensor(x: Any, name: str) -> tuple[torch.Tensor, bool]:
 
 
 def _shape(t: torch.Tensor) -> str:
-    return "(" + ", ".join(str(s) for s in t.shape) + ")"
+    return str(tuple(t.shape))
 
 
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
