@@ -1,0 +1,493 @@
+"""The CPU engine: block-sparse online softmax, forward + backward, O(N) memory.
+
+Python orchestrates; tuned kernels compute. The call is cut into *query blocks* of
+``block_q`` rows; the mask's block map (``block_q × block_k`` tiles, computed once per call)
+says, for each query block, which key tiles are EMPTY (skipped), FULL (no mask work) or
+PARTIAL (the mask is evaluated on that tile only). Consecutive tiles of one kind become one
+*run* — a contiguous key range computed by one big kernel call batched over
+(batch × heads) — and the runs of a query block are merged by their log-sum-exp
+(``out = Σ_r e^{lse_r − lse} out_r``, ``lse = log Σ_r e^{lse_r}``). Nothing of size
+N_q × N_k is ever allocated.
+
+Two engines compute a run:
+
+- **fused** (no softcap / score_mod / dropout, and no bias that needs a gradient): torch's
+  own fused CPU flash kernel, which returns its LSE, given the run's additive mask tile
+  (or ``is_causal`` for a diagonal square). Backward is FlashAttention-2 style inside a
+  :class:`torch.autograd.Function`: each run is recomputed by torch's fused CPU flash
+  backward, fed the *final* output and LSE of its rows — with the global LSE the run's
+  probabilities are the global ones, so its ``dq`` part and its ``dk``/``dv`` slice are exact
+  and simply add up.
+- **general** (softcap, score_mod, dropout, bias with grad): per query block, key chunks
+  of at most ``chunk_k`` keys as batched matmuls with an online softmax (running max,
+  running sum, rescaled accumulator), scores modified per tile. With autograd, each query
+  block is recomputed in backward (``torch.utils.checkpoint``): the gradients of score_mod's
+  own tensors and of a bias flow through autograd on the tile, and dropout's mask is
+  regenerated from the saved RNG state.
+
+GQA never repeats K/V: the ``G = H_q / H_kv`` query heads sharing a K/V head are stacked as
+rows, ``q (B, H_kv, G·rows, D)``, and multiplied by K once.
+
+Shape legend::
+
+    q (B, H_q, N_q, D_k)   k (B, H_kv, N_k, D_k)   v (B, H_kv, N_k, D_v)   H_q = G · H_kv
+    grouped query block    (B, H_kv, G·bq, D)        bq ≤ block_q rows of one query block
+    run                    keys [k0, k1) of one query block, one kernel call
+    out (B, H_q, N_q, D_v) lse (B, H_q, N_q)
+
+Numerical contract: float16/bfloat16 inputs are computed in float32 (one cast in, one cast
+out); a query with no allowed key gets output 0, LSE −∞ and zero gradients.
+
+Caution
+-------
+- The fused kernel needs D_v == D_k: the narrower of q/k and v is zero-padded to the wider
+  width (exact: zero columns add nothing to a dot product and give zero output columns).
+- Masks summarised conservatively (``&``/``|`` algebra, ``from_fn``) may mark a tile
+  PARTIAL that is in fact EMPTY or FULL: correct, a little slower.
+- Dropout draws its mask from torch's global generator (reproducible with
+  ``torch.manual_seed``) but in a different order than the reference does: results agree in
+  distribution, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from .. import masks as _masks
+from . import register
+from .base import Backend, Problem, compute_dtype
+
+__all__ = ["TiledBackend", "tile_sizes", "STATS", "plan"]
+
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+# Tunables (measured on a 2-core AVX2 machine, see BENCHMARKS.md): query rows per block,
+# key granularity of the block map, and the key chunk of the general engine.
+_SIZES = {"block_q": 256, "block_k": 128, "chunk_k": 1024, "general_block_q": 128}
+
+# Debug counters of the last call(s): tiles seen / skipped, kernel calls. Tests read them.
+STATS: dict[str, int] = {}
+
+
+def _reset_stats() -> None:
+    STATS.update(tiles=0, empty=0, full=0, partial=0, runs=0, causal_runs=0, masked_runs=0)
+
+
+_reset_stats()
+
+
+@contextlib.contextmanager
+def tile_sizes(**sizes: int) -> Iterator[None]:
+    """Temporarily change tile sizes (``block_q``, ``block_k``, ``chunk_k``,
+    ``general_block_q``), e.g. tiny tiles to exercise tile edges in tests."""
+    unknown = set(sizes) - set(_SIZES)
+    if unknown:
+        raise ValueError(f"unknown tile size(s) {sorted(unknown)}: choose from {sorted(_SIZES)}")
+    for k_, s in sizes.items():
+        if not isinstance(s, int) or s < 1:
+            raise ValueError(f"tile size {k_} must be a positive integer, got {s!r}")
+    old = dict(_SIZES)
+    _SIZES.update(sizes)
+    try:
+        yield
+    finally:
+        _SIZES.update(old)
+
+
+# ---------------------------------------------------------------------------- the plan
+@dataclass
+class Run:
+    """Keys ``[k0, k1)`` of one query block, computed by one kernel call."""
+
+    k0: int
+    k1: int
+    masked: bool          # evaluate the mask (some tile PARTIAL, or a bias is added)
+
+
+@dataclass
+class Plan:
+    """The schedule of one call: per query block ``[q0, q1)``, its runs (empty → skipped)."""
+
+    block_q: int
+    block_k: int
+    blocks: list[tuple[int, int, list[Run]]] = field(default_factory=list)
+    tiles: int = 0
+    empty: int = 0
+    full: int = 0
+    partial: int = 0
+
+
+def _status_map(p: Problem, block_q: int, block_k: int) -> np.ndarray | None:
+    """Per tile over all (batch, head): EMPTY if empty everywhere, FULL if full everywhere,
+    else PARTIAL → int8 ``(⌈N_q/block_q⌉, ⌈N_k/block_k⌉)``; ``None`` for no mask."""
+    if p.mask is None:
+        return None
+    bm = p.mask.block_map(p.n_q, p.n_k, block_q, block_k, batch=p.batch, heads=p.heads_q,
+                          device=torch.device("cpu"))
+    empty = (bm == _masks.EMPTY).flatten(0, 1).all(0)
+    full = (bm == _masks.FULL).flatten(0, 1).all(0)
+    st = torch.where(full, _masks.FULL, torch.where(empty, _masks.EMPTY, _masks.PARTIAL))
+    return st.to(torch.int8).numpy()
+
+
+def plan(p: Problem, block_q: int | None = None, block_k: int | None = None) -> Plan:
+    """Cut ``p`` into query blocks and key runs from the mask's block map.
+
+    A run is a maximal range of consecutive non-empty tiles of one kind: FULL tiles (no mask
+    work) or PARTIAL tiles (mask evaluated on the run). A bias makes every run masked.
+    """
+    bq = block_q or _SIZES["block_q"]
+    bk = block_k or _SIZES["block_k"]
+    st = _status_map(p, bq, bk)
+    nbq, nbk = math.ceil(p.n_q / bq), math.ceil(p.n_k / bk)
+    pl = Plan(bq, bk, tiles=nbq * nbk)
+    if st is None:
+        pl.full = nbq * nbk
+        for i in range(nbq):
+            pl.blocks.append((i * bq, min((i + 1) * bq, p.n_q),
+                              [Run(0, p.n_k, p.bias is not None)]))
+        return pl
+    pl.empty = int((st == _masks.EMPTY).sum())
+    pl.full = int((st == _masks.FULL).sum())
+    pl.partial = int((st == _masks.PARTIAL).sum())
+    for i in range(nbq):
+        row = st[i]
+        # run boundaries: where the tile kind changes
+        cuts = np.flatnonzero(np.diff(row)) + 1
+        starts = np.concatenate(([0], cuts))
+        ends = np.concatenate((cuts, [nbk]))
+        runs = []
+        for s, e in zip(starts.tolist(), ends.tolist(), strict=True):
+            kind = int(row[s])
+            if kind == _masks.EMPTY:
+                continue
+            runs.append(Run(s * bk, min(e * bk, p.n_k),
+                            kind == _masks.PARTIAL or p.bias is not None))
+        pl.blocks.append((i * bq, min((i + 1) * bq, p.n_q), runs))
+    return pl
+
+
+def _count(pl: Plan) -> None:
+    STATS["tiles"] += pl.tiles
+    STATS["empty"] += pl.empty
+    STATS["full"] += pl.full
+    STATS["partial"] += pl.partial
+
+
+# ---------------------------------------------------------------------------- tiles
+def _allowed_tile(p: Problem, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
+    """The mask on queries ``[q0, q1)`` × keys ``[k0, k1)``: bool ``(B|1, H_q|1, bq, L)``."""
+    m = p.mask
+    assert m is not None
+    dev = p.device
+    b = torch.arange(p.batch if m.depends_on_batch else 1, device=dev).view(-1, 1, 1, 1)
+    h = torch.arange(p.heads_q if m.depends_on_heads else 1, device=dev).view(1, -1, 1, 1)
+    qi = torch.arange(q0, q1, device=dev).view(1, 1, -1, 1)
+    ki = torch.arange(k0, k1, device=dev).view(1, 1, 1, -1)
+    a = m(b, h, qi, ki, p.n_q, p.n_k)
+    while a.dim() < 4:
+        a = a.unsqueeze(0)
+    return a.expand(a.shape[0], a.shape[1], q1 - q0, k1 - k0)
+
+
+def _bias_tile(bias: torch.Tensor, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
+    """``bias (B|1, H_q|1, N_q|1, N_k|1)`` restricted to the tile (size-1 dims kept)."""
+    t = bias if bias.shape[2] == 1 else bias[:, :, q0:q1]
+    return t if t.shape[3] == 1 else t[:, :, :, k0:k1]
+
+
+def _to_grouped(t: torch.Tensor, g: int, heads_kv: int) -> torch.Tensor:
+    """``(B|1, H_q|1, bq, …)`` → grouped rows ``(B|1, H_kv|1, G·bq, …)``."""
+    if g == 1:
+        return t
+    b_, h_, bq = t.shape[:3]
+    rest = tuple(t.shape[3:])
+    if h_ == 1:                       # the same rows for every query head of a group
+        return t.repeat(1, 1, g, *([1] * len(rest)))
+    return t.reshape(b_, heads_kv, g * bq, *rest)
+
+
+def _tile_is_tril(allowed: torch.Tensor) -> bool:
+    """True when a square tile's mask is exactly the top-left causal pattern (all b, h)."""
+    bq, L = allowed.shape[-2:]
+    if bq != L:
+        return False
+    tril = torch.ones(bq, L, dtype=torch.bool, device=allowed.device).tril_()
+    return bool((allowed == tril).all())
+
+
+# ---------------------------------------------------------------------------- fused engine
+@dataclass
+class _Fused:
+    """What one fused call needs, in the grouped layout (see the module legend)."""
+
+    p: Problem
+    pl: Plan
+    q: torch.Tensor       # (B, H_kv, G, N_q, D)   compute dtype, D padded
+    k: torch.Tensor       # (B, H_kv, N_k, D)
+    v: torch.Tensor       # (B, H_kv, N_k, D)
+    bias: torch.Tensor | None
+
+
+def _run_mask(f: _Fused, q0: int, q1: int, run: Run) -> tuple[torch.Tensor | None, bool,
+                                                                torch.Tensor | None]:
+    """→ (additive float mask in grouped rows or None, is_causal, rows-with-a-key or None)."""
+    p = f.p
+    if not run.masked:
+        return None, False, None
+    g = p.group
+    allowed = _allowed_tile(p, q0, q1, run.k0, run.k1) if p.mask is not None else None
+    if allowed is not None and f.bias is None and g == 1 and _tile_is_tril(allowed):
+        return None, True, None
+    dt = f.q.dtype
+    shape = (q1 - q0, run.k1 - run.k0)
+    if allowed is not None:
+        add = torch.zeros(allowed.shape, dtype=dt).masked_fill_(~allowed, -math.inf)
+    else:
+        add = torch.zeros(1, 1, *shape, dtype=dt)
+    if f.bias is not None:
+        add = add + _bias_tile(f.bias, q0, q1, run.k0, run.k1)
+        add = add.expand(*add.shape[:2], *shape)
+    has_key = _to_grouped(allowed.any(-1), g, p.heads_kv) if allowed is not None else None
+    return _to_grouped(add, g, p.heads_kv).contiguous(), False, has_key
+
+
+def _merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge per-run ``(out (…, rows, D), lse (…, rows))`` by their log-sum-exp."""
+    if len(parts) == 1:
+        return parts[0]
+    lse = torch.stack([x[1] for x in parts])                 # (R, …, rows)
+    m = lse.amax(0)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w = torch.exp(lse - m)                                   # (R, …, rows)
+    s = w.sum(0)
+    out = parts[0][0] * w[0, ..., None]
+    for r in range(1, len(parts)):
+        out.add_(parts[r][0] * w[r, ..., None])
+    nonzero = s > 0
+    out.div_(torch.where(nonzero, s, torch.ones_like(s))[..., None])
+    lse_out = torch.where(nonzero, m + torch.log(torch.where(nonzero, s, torch.ones_like(s))),
+                          torch.full_like(s, -math.inf))
+    return out, lse_out
+
+
+def _fused_forward(f: _Fused) -> tuple[torch.Tensor, torch.Tensor]:
+    """→ out (B, H_kv, G, N_q, D), lse (B, H_kv, G, N_q) in the compute dtype."""
+    p = f.p
+    B, hkv, g, n_q, d = f.q.shape
+    out = f.q.new_zeros(B, hkv, g, n_q, d)
+    lse = torch.full((B, hkv, g, n_q), -math.inf, dtype=f.q.dtype)
+    for q0, q1, runs in f.pl.blocks:
+        if not runs:
+            continue
+        bq = q1 - q0
+        qb = f.q[:, :, :, q0:q1].reshape(B, hkv, g * bq, d)
+        parts = []
+        for run in runs:
+            add, causal, has_key = _run_mask(f, q0, q1, run)
+            STATS["runs"] += 1
+            STATS["causal_runs"] += int(causal)
+            STATS["masked_runs"] += int(add is not None)
+            o, lse_r = _flash(qb, f.k[:, :, run.k0:run.k1], f.v[:, :, run.k0:run.k1],
+                              is_causal=causal, attn_mask=add, scale=p.scale)
+            if has_key is not None:                          # rows with no key: lse −∞
+                lse_r = torch.where(has_key, lse_r, torch.full_like(lse_r, -math.inf))
+            parts.append((o, lse_r.to(o.dtype)))
+        o, l_ = _merge(parts)
+        out[:, :, :, q0:q1] = o.view(B, hkv, g, bq, d)
+        lse[:, :, :, q0:q1] = l_.view(B, hkv, g, bq)
+    return out, lse
+
+
+def _fused_backward(f: _Fused, out: torch.Tensor, lse: torch.Tensor,
+                    dout: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """FlashAttention-2 style: recompute each run with the final out/LSE of its rows."""
+    p = f.p
+    B, hkv, g, n_q, d = f.q.shape
+    dq = torch.zeros_like(f.q)
+    dk = torch.zeros(f.k.shape, dtype=f.k.dtype)
+    dv = torch.zeros(f.v.shape, dtype=f.v.dtype)
+    # an empty row has lse −∞; +∞ makes every exp(s − lse) exactly 0 there
+    lse_b = torch.where(lse == -math.inf, torch.full_like(lse, math.inf), lse)
+    for q0, q1, runs in f.pl.blocks:
+        if not runs:
+            continue
+        bq = q1 - q0
+        qb = f.q[:, :, :, q0:q1].reshape(B, hkv, g * bq, d)
+        ob = out[:, :, :, q0:q1].reshape(B, hkv, g * bq, d)
+        dob = dout[:, :, :, q0:q1].reshape(B, hkv, g * bq, d)
+        lb = lse_b[:, :, :, q0:q1].reshape(B, hkv, g * bq)
+        if lb.dtype != torch.float64:
+            lb = lb.float()
+        dqb = None
+        for run in runs:
+            add, causal, _ = _run_mask(f, q0, q1, run)
+            gq, gk, gv = _flash_bwd(dob, qb, f.k[:, :, run.k0:run.k1],
+                                    f.v[:, :, run.k0:run.k1], ob, lb, 0.0, causal,
+                                    attn_mask=add, scale=p.scale)
+            dqb = gq if dqb is None else dqb.add_(gq)
+            dk[:, :, run.k0:run.k1] += gk
+            dv[:, :, run.k0:run.k1] += gv
+        if dqb is not None:
+            dq[:, :, :, q0:q1] = dqb.view(B, hkv, g, bq, d)
+    return dq, dk, dv
+
+
+class _FusedAttention(torch.autograd.Function):
+    """out, lse = attention(q, k, v) on the fused engine; backward recomputes per run."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, f):  # noqa: ANN001, ANN205
+        f = _Fused(f.p, f.pl, q, k, v, f.bias)
+        out, lse = _fused_forward(f)
+        ctx.f = f
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):  # noqa: ANN001, ANN205
+        q, k, v, out, lse = ctx.saved_tensors
+        f = _Fused(ctx.f.p, ctx.f.pl, q, k, v, ctx.f.bias)
+        dq, dk, dv = _fused_backward(f, out, lse, dout.contiguous())
+        return dq, dk, dv, None
+
+
+def _fused_attention(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
+    acc = compute_dtype(p.dtype)
+    B, hkv, g = p.batch, p.heads_kv, p.group
+    d = max(p.d_k, p.d_v)
+    q, k, v = p.q.to(acc), p.k.to(acc), p.v.to(acc)
+    if p.d_k < d:           # zero columns change no dot product
+        q, k = F.pad(q, (0, d - p.d_k)), F.pad(k, (0, d - p.d_k))
+    if p.d_v < d:           # zero value columns give zero output columns, cut off below
+        v = F.pad(v, (0, d - p.d_v))
+    q = q.view(B, hkv, g, p.n_q, d)
+    bias = p.bias.to(acc) if p.bias is not None else None
+    pl = plan(p)
+    _count(pl)
+    f = _Fused(p, pl, q, k, v, bias)
+    if p.requires_grad:
+        out, lse = _FusedAttention.apply(q, k, v, f)
+    else:
+        out, lse = _fused_forward(f)
+    out = out.reshape(B, p.heads_q, p.n_q, d)[..., : p.d_v]
+    return out.to(p.dtype), lse.reshape(B, p.heads_q, p.n_q)
+
+
+# ---------------------------------------------------------------------------- general engine
+def _general_block(p: Problem, q0: int, q1: int, runs: list[Run], chunk_k: int,
+                   qb: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One query block, online softmax over key chunks.
+
+    ``qb (B·H_kv, G·bq, D_k)`` pre-scaled, ``k (B·H_kv, N_k, D_k)``, ``v (B·H_kv, N_k, D_v)``
+    → ``out (B, H_q, bq, D_v)``, ``lse (B, H_q, bq)``.
+    """
+    B, hq, hkv, g = p.batch, p.heads_q, p.heads_kv, p.group
+    bq = q1 - q0
+    dev = qb.device
+    bi = torch.arange(B, device=dev).view(-1, 1, 1, 1)
+    hi = torch.arange(hq, device=dev).view(1, -1, 1, 1)
+    qi = torch.arange(q0, q1, device=dev).view(1, 1, -1, 1)
+    m = torch.full((B, hq, bq, 1), -math.inf, dtype=qb.dtype, device=dev)
+    lsum = torch.zeros((B, hq, bq, 1), dtype=qb.dtype, device=dev)
+    acc = torch.zeros((B * hkv, g * bq, v.shape[-1]), dtype=qb.dtype, device=dev)
+    for run in runs:
+        for k0 in range(run.k0, run.k1, chunk_k):
+            k1 = min(k0 + chunk_k, run.k1)
+            STATS["runs"] += 1
+            s = torch.bmm(qb, k[:, k0:k1].transpose(1, 2))          # (B·H_kv, G·bq, L)
+            x = s.view(B, hq, bq, k1 - k0)                            # (B, H_q, bq, L)
+            if p.softcap is not None:
+                x = p.softcap * torch.tanh(x / p.softcap)
+            if p.score_mod is not None:
+                ki = torch.arange(k0, k1, device=dev).view(1, 1, 1, -1)
+                x = p.score_mod(x, bi, hi, qi, ki)
+            if bias is not None:
+                x = x + _bias_tile(bias, q0, q1, k0, k1)
+            if run.masked and p.mask is not None:
+                allowed = _allowed_tile(p, q0, q1, k0, k1)
+                x = x.masked_fill(~allowed, -math.inf)
+            m_new = torch.maximum(m, x.detach().amax(-1, keepdim=True))
+            m_safe = torch.where(m_new == -math.inf, torch.zeros_like(m_new), m_new)
+            alpha = torch.exp(m - m_safe)                             # rescales the past
+            e = torch.exp(x - m_safe)                                 # (B, H_q, bq, L)
+            lsum = lsum * alpha + e.sum(-1, keepdim=True)
+            if p.dropout_p > 0.0:
+                keep = torch.rand(e.shape, device=dev) >= p.dropout_p
+                e = torch.where(keep, e * (1.0 / (1.0 - p.dropout_p)), torch.zeros_like(e))
+            a = alpha.view(B * hkv, g * bq, 1)
+            acc = torch.baddbmm(acc * a, e.reshape(B * hkv, g * bq, k1 - k0), v[:, k0:k1])
+            m = m_new
+    nonempty = lsum > 0
+    l_safe = torch.where(nonempty, lsum, torch.ones_like(lsum))
+    out = acc.view(B, hq, bq, -1) / l_safe
+    m_safe = torch.where(m == -math.inf, torch.zeros_like(m), m)
+    lse = torch.where(nonempty, m_safe + torch.log(l_safe), torch.full_like(lsum, -math.inf))
+    return out, lse.squeeze(-1).detach()
+
+
+def _general_attention(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
+    acc = compute_dtype(p.dtype)
+    B, hkv, g = p.batch, p.heads_kv, p.group
+    q = (p.q.to(acc) * p.scale).view(B, hkv, g, p.n_q, p.d_k)
+    k = p.k.to(acc).reshape(B * hkv, p.n_k, p.d_k)
+    v = p.v.to(acc).reshape(B * hkv, p.n_k, p.d_v)
+    bias = p.bias.to(acc) if p.bias is not None else None
+    pl = plan(p, block_q=_SIZES["general_block_q"])
+    _count(pl)
+    chunk = _SIZES["chunk_k"]
+    grad = p.requires_grad
+    outs, lses = [], []
+    for q0, q1, runs in pl.blocks:
+        bq = q1 - q0
+        qb = q[:, :, :, q0:q1].reshape(B * hkv, g * bq, p.d_k)
+        if not runs:
+            o = torch.zeros(B, p.heads_q, bq, p.d_v, dtype=acc) + 0.0 * qb.sum()
+            lse_b = torch.full((B, p.heads_q, bq), -math.inf, dtype=acc)
+        elif grad:
+            o, lse_b = checkpoint(_general_block, p, q0, q1, runs, chunk, qb, k, v, bias,
+                                  use_reentrant=False)
+        else:
+            o, lse_b = _general_block(p, q0, q1, runs, chunk, qb, k, v, bias)
+        outs.append(o)
+        lses.append(lse_b)
+    out = torch.cat(outs, dim=2)
+    return out.to(p.dtype), torch.cat(lses, dim=2)
+
+
+# ---------------------------------------------------------------------------- the backend
+def _fusable(p: Problem) -> bool:
+    return (p.softcap is None and p.score_mod is None and p.dropout_p == 0.0
+            and not (p.bias is not None and p.bias.requires_grad and torch.is_grad_enabled()))
+
+
+class TiledBackend(Backend):
+    """CPU: block-sparse online softmax with forward + backward and O(N) memory."""
+
+    name = "tiled"
+    description = ("CPU block-sparse online softmax (torch's fused flash kernel per run, "
+                   "batched matmuls for softcap/score_mod/dropout); O(N) memory; autograd")
+
+    def not_supported_reasons(self, p: Problem) -> list[str]:
+        if p.device.type != "cpu":
+            return [f"runs on CPU only (inputs are on {p.device}); use backend='triton' on GPU"]
+        return []
+
+    def forward(self, p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
+        if _fusable(p):
+            return _fused_attention(p)
+        return _general_attention(p)
+
+
+register(TiledBackend())
