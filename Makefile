@@ -18,11 +18,11 @@ demo: $(STAMP)
 	$(BIN)/attnkit explain
 
 test: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/ruff check src tests $(wildcard benchmarks examples)
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/ruff check src tests $(wildcard benchmarks examples)
 
 bench: $(STAMP)
 	$(BIN)/attnkit bench --quick
