@@ -1,19 +1,202 @@
-"""The ``attnkit`` command line: ``attnkit explain`` prints the built-in worked example."""
+"""The ``attnkit`` command line (also ``python -m attnkit``).
+
+    attnkit explain                       the default worked example (three tokens, causal)
+    attnkit explain --example NAME        a built-in example (``attnkit examples`` lists them)
+    attnkit explain --q Q --k K --v V     your own inputs (.npy, .json or .csv)
+          [--causal | --mask FILE] [--scale X] [--softcap C] [--heads N]
+          [--lang en|ko] [--html OUT.html] [--plot OUT.png]
+    attnkit examples [--lang ko]          the built-in examples, one per line
+    attnkit bench ... / attnkit cost ...  handed to attnkit.bench / attnkit.cost
+
+Bad input (an unreadable file, shapes that don't fit, an unknown example) prints one line
+on stderr — the file, the shapes seen and what would fit — and exits with status 2.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import os
 import sys
+from collections.abc import Sequence
+from typing import NoReturn
 
 from .explain.examples import DEFAULT, EXAMPLES
+from .explain.inputs import InputError, finite_number, parse_labels, prepare_inputs
+from .explain.text import LANGS, render_many
+
+__all__ = ["main"]
+
+DELEGATED = {"bench": "run the benchmarks (attnkit.bench)",
+             "cost": "parameters, FLOPs, bytes and KV-cache size (attnkit.cost)"}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="attnkit", description="attention, explained")
-    sub = parser.add_subparsers(dest="cmd")
-    sub.add_parser("explain", help="walk through an attention call step by step")
-    args = parser.parse_args(argv)
-    if args.cmd in (None, "explain"):
-        sys.stdout.write(EXAMPLES[DEFAULT].build().to_text())
+class _UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (raised, so main can exit 2 cleanly)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise _UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+def _build_parser() -> _Parser:
+    parser = _Parser(prog="attnkit", description="Attention, explained: "
+                     "O = softmax(Q Kᵀ · scale + M) V, step by step.")
+    sub = parser.add_subparsers(dest="cmd", metavar="{explain,examples,bench,cost}")
+    ex = sub.add_parser("explain", help="walk through an attention call step by step",
+                        description="Walk through softmax(Q Kᵀ · scale + M) V step by step. "
+                        "Without --q: a built-in example (default: three tokens, causal).")
+    ex.add_argument("--example", metavar="NAME",
+                    help=f"a built-in example (default {DEFAULT}); see `attnkit examples`")
+    ex.add_argument("--q", metavar="FILE", help="queries (n_q, d_k): .npy, .json or .csv")
+    ex.add_argument("--k", metavar="FILE", help="keys (n_k, d_k); default: the --q file")
+    ex.add_argument("--v", metavar="FILE", help="values (n_k, d_v); default: the --k file")
+    ex.add_argument("--causal", action="store_true", help="query i sees keys 1..i only")
+    ex.add_argument("--mask", metavar="FILE",
+                    help="(n_q, n_k) mask: true/false (true = may attend) or 0/-inf")
+    ex.add_argument("--scale", type=float, help="multiplies the scores (default 1/√d_k)")
+    ex.add_argument("--softcap", type=float, metavar="C", help="logit x → C·tanh(x/C)")
+    ex.add_argument("--heads", type=int, metavar="N",
+                    help="split the feature width into N heads")
+    ex.add_argument("--q-labels", metavar="A,B,..", help="word labels for the query rows")
+    ex.add_argument("--k-labels", metavar="A,B,..", help="word labels for the key columns")
+    ex.add_argument("--lang", choices=LANGS, default="en", help="language (default en)")
+    ex.add_argument("--decimals", type=int, default=3, help="decimal places (default 3)")
+    ex.add_argument("--color", choices=("auto", "always", "never"), default="auto",
+                    help="terminal colour (default: only on a terminal)")
+    ex.add_argument("--html", metavar="OUT.html", help="also write a self-contained HTML page")
+    ex.add_argument("--plot", metavar="OUT.png", help="also write heatmaps of the weights")
+    exs = sub.add_parser("examples", help="list the built-in examples")
+    exs.add_argument("--lang", choices=LANGS, default="en", help="language (default en)")
+    for name, text in DELEGATED.items():
+        sub.add_parser(name, help=text, add_help=False)
+    return parser
+
+
+def _delegate(name: str, rest: list[str]) -> int:
+    """``attnkit bench ...`` → ``attnkit.bench.run_cli(rest)`` (imported only now)."""
+    try:
+        run_cli = importlib.import_module(f"attnkit.{name}").run_cli
+    except (ImportError, AttributeError) as e:
+        print(f"attnkit {name}: not available in this install "
+              f"({type(e).__name__}: {e})", file=sys.stderr)
+        return 2
+    rc = run_cli(rest)
+    return int(rc) if rc is not None else 0
+
+
+def _examples(args: argparse.Namespace) -> int:
+    width = max(len(n) for n in EXAMPLES)
+    for name, ex in EXAMPLES.items():
+        mark = " *" if name == DEFAULT else "  "
+        print(f"{name.ljust(width)}{mark} {ex.describe(args.lang)}")
+    return 0
+
+
+def _traces(args: argparse.Namespace) -> list:  # noqa: ANN401
+    from .explain.trace import explain
+
+    scale = finite_number(args.scale, "scale") if args.scale is not None else None
+    softcap = finite_number(args.softcap, "softcap") if args.softcap is not None else None
+    if args.q is None:
+        own = [f"--{n}" for n in ("k", "v", "mask", "heads", "q_labels", "k_labels")
+               if getattr(args, n) is not None] + (["--causal"] if args.causal else [])
+        if own:
+            raise InputError(f"{', '.join(o.replace('_', '-') for o in own)}: only for your "
+                             "own inputs; give --q FILE (and --k, --v)")
+        name = args.example or DEFAULT
+        if name not in EXAMPLES:
+            raise InputError(f"unknown example {name!r}; choose one of "
+                             f"{', '.join(EXAMPLES)} (see `attnkit examples`)")
+        traces = EXAMPLES[name].traces()
+        if scale is None and softcap is None:
+            return traces
+        out = []
+        for tr in traces:            # the same inputs and mask, the learner's scale/soft-cap
+            causal = bool(tr.options.get("is_causal"))
+            mask = None if causal or tr.allowed.all() else tr.allowed
+            new = explain(tr.q, tr.k, tr.v, mask=mask, is_causal=causal, scale=scale,
+                          softcap=softcap)
+            new.labelled(tr.q_labels, tr.k_labels)
+            new.options.update({k: v for k, v in tr.options.items() if k == "max_heads"})
+            changed = ", ".join(f"{n} = {x:g}" for n, x in (("scale", scale),
+                                                           ("softcap", softcap))
+                                if x is not None)
+            new.title = {lang: f"{t}  [{changed}]" for lang, t in tr.title.items()}
+            new.intro = dict(tr.intro)
+            out.append(new)
+        return out
+    if args.example is not None:
+        raise InputError("give either --example or your own --q/--k/--v, not both")
+    inp = prepare_inputs(args.q, args.k, args.v, mask_path=args.mask, heads=args.heads,
+                         causal=args.causal)
+    tr = explain(inp.q, inp.k, inp.v, mask=inp.mask, is_causal=args.causal, scale=scale,
+                 softcap=softcap)
+    tr.labelled(parse_labels(args.q_labels, inp.q.shape[-2], "q"),
+                parse_labels(args.k_labels, inp.k.shape[-2], "k"))
+    return [tr]
+
+
+def _explain(args: argparse.Namespace) -> int:
+    if args.decimals < 0 or args.decimals > 12:
+        raise InputError(f"--decimals must be between 0 and 12, got {args.decimals}")
+    try:
+        traces = _traces(args)
+    except InputError:
+        raise
+    except (ValueError, TypeError) as e:      # the API's own checks (shapes, options)
+        files = ", ".join(f"--{n} {getattr(args, n)}" for n in ("q", "k", "v", "mask")
+                          if getattr(args, n, None))
+        raise InputError(f"{e}" + (f" [{files}]" if files else "")) from None
+    color = {"auto": None, "always": True, "never": False}[args.color]
+    sys.stdout.write(render_many(traces, lang=args.lang, decimals=args.decimals, color=color))
+    sys.stdout.flush()
+    if args.html:
+        from .explain.html import render_html
+
+        page = render_html(traces, lang=args.lang)
+        try:
+            with open(args.html, "w", encoding="utf-8") as f:
+                f.write(page)
+        except OSError as e:
+            raise InputError(f"cannot write --html {args.html}: {e.strerror or e}") from None
+        print(f"attnkit: wrote {args.html}", file=sys.stderr)
+    if args.plot:
+        try:
+            from .explain.plot import render_plot
+
+            render_plot(traces, args.plot, lang=args.lang)
+        except ImportError as e:
+            raise InputError(f"--plot needs matplotlib ({e}): pip install 'attnkit[plot]'"
+                             ) from None
+        except OSError as e:
+            raise InputError(f"cannot write --plot {args.plot}: {e.strerror or e}") from None
+        print(f"attnkit: wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (0 ok, 2 bad input)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in DELEGATED:
+        return _delegate(argv[0], argv[1:])
+    try:
+        args = _build_parser().parse_args(argv)
+        if args.cmd == "examples":
+            return _examples(args)
+        if args.cmd is None:            # bare `attnkit`: the default example
+            args = _build_parser().parse_args(["explain"])
+        return _explain(args)
+    except _UsageError as e:
+        print(" ".join(str(e).split("\n")), file=sys.stderr)
+        return 2
+    except InputError as e:
+        print("attnkit explain: " + " ".join(str(e).split("\n")), file=sys.stderr)
+        return 2
+    except BrokenPipeError:             # `attnkit explain | head`
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
         return 0
-    return 2

@@ -51,6 +51,24 @@ class Trace:
     has_score_mod: bool = False
     has_bias: bool = False
     options: dict[str, Any] = field(default_factory=dict)
+    # Presentation (optional): word labels for the query rows / key columns, and a title and
+    # an introduction per language ("en", "ko") shown above the walkthrough.
+    q_labels: list[str] | None = None
+    k_labels: list[str] | None = None
+    title: dict[str, str] = field(default_factory=dict)
+    intro: dict[str, str] = field(default_factory=dict)
+
+    def labelled(self, q_labels: list[str] | None = None, k_labels: list[str] | None = None,
+                 ) -> Trace:
+        """Attach word labels to the query rows and key columns (returns ``self``)."""
+        n_q, n_k = self.scores.shape[-2:]
+        for name, labels, n in (("q_labels", q_labels, n_q), ("k_labels", k_labels, n_k)):
+            if labels is not None and len(labels) != n:
+                raise ValueError(f"{name} has {len(labels)} labels but there are {n} "
+                                 f"{'queries' if name == 'q_labels' else 'keys'}: give one each")
+        self.q_labels = list(q_labels) if q_labels is not None else None
+        self.k_labels = list(k_labels) if k_labels is not None else None
+        return self
 
     def step(self, key: str) -> Step:
         for s in self.steps:
@@ -97,7 +115,7 @@ class Trace:
         """A self-contained HTML page (no network); written to ``path`` if given."""
         from .html import render_html
 
-        page = render_html(self, lang=lang)
+        page = render_html([self], lang=lang)
         if path is not None:
             Path(path).write_text(page, encoding="utf-8")
         return page
@@ -107,7 +125,7 @@ class Trace:
         """Heatmaps (PNG) of the weights per head — and optionally scores/logits."""
         from .plot import render_plot
 
-        return render_plot(self, path, what=what, lang=lang)
+        return render_plot([self], path, what=what, lang=lang)
 
 
 def _np(t: Any, two_d: bool) -> np.ndarray:

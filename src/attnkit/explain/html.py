@@ -1,0 +1,382 @@
+"""A self-contained HTML page for one or more traces (no network: inline CSS, JS and SVG).
+
+The page shows the formula, the flow Score → Scale & Mask → Softmax → Weighted sum with
+the shape on every arrow, the five-step table, and every step's matrix as a heatmap (the
+value in the cell when it fits, and on hover). Multi-head traces get one tab per head.
+
+Shape legend::
+
+    Q (n_q, d_k)  K (n_k, d_k)  V (n_k, d_v)  S, X, L, W (n_q, n_k)  O (n_q, d_v)
+    (h, …) with heads: one tab per head; the concatenated output is (n_q, h·d_v)
+
+Caution
+-------
+- Every cell is an element: a trace with many heads of large matrices makes a big page
+  (the 8-head base-model example is about 1 MB).
+- Any script error is written into the page (``#js-errors``) so a test can see it.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .text import check_lang, fmt, remarks, split_heads, step_name, step_what
+
+if TYPE_CHECKING:
+    from .trace import Trace
+
+PAGE: dict[str, dict[str, str]] = {
+    "en": {
+        "doc_title": "Attention, step by step",
+        "legend": "Every query scores every key, the scores become weights that sum to 1 "
+                  "over the keys, and the weights mix the values. Hover a cell to see its "
+                  "value.",
+        "flow": "The flow", "table": "The five steps", "inputs": "Inputs",
+        "stage_score": "Score", "stage_scale_mask": "Scale & Mask",
+        "stage_softmax": "Softmax", "stage_sum": "Weighted sum",
+        "f_score": "S = Q Kᵀ", "f_scale_mask": "L = S·scale + M", "f_softmax": "W = softmax(L)",
+        "f_sum": "O = W V", "concat": "Concatenated heads", "blocked": "blocked (−∞)",
+        "hover": "hover a cell", "rows": "rows: queries", "cols": "columns: keys",
+        "notes": "What to notice", "options": "Options",
+        "per_head": "{h} heads: every shape here is per head",
+        "generated": "Made by attnkit — a self-contained page: no network needed.",
+    },
+    "ko": {
+        "doc_title": "어텐션 단계별 풀이",
+        "legend": "모든 쿼리가 모든 키에 점수를 매기고, 점수는 키에 대해 합이 1인 가중치가 되며, "
+                  "가중치가 값을 섞습니다. 셀 위에 마우스를 올리면 값이 보입니다.",
+        "flow": "흐름", "table": "다섯 단계", "inputs": "입력",
+        "stage_score": "점수", "stage_scale_mask": "스케일 & 마스크",
+        "stage_softmax": "소프트맥스", "stage_sum": "가중합",
+        "f_score": "S = Q Kᵀ", "f_scale_mask": "L = S·scale + M", "f_softmax": "W = softmax(L)",
+        "f_sum": "O = W V", "concat": "헤드 이어붙이기", "blocked": "가려짐 (−∞)",
+        "hover": "셀에 마우스를 올리세요", "rows": "행: 쿼리", "cols": "열: 키",
+        "notes": "눈여겨볼 점", "options": "옵션",
+        "per_head": "헤드 {h}개: 여기의 모든 모양은 헤드 하나 기준",
+        "generated": "attnkit로 만든 독립 실행형 페이지: 네트워크가 필요 없습니다.",
+    },
+}
+
+CSS = """
+:root{--ink:#1d2330;--mute:#5b6475;--line:#d9dee8;--card:#fff;--bg:#f4f6fa;--acc:#2463eb}
+*{box-sizing:border-box}
+body{margin:0;background:var(--bg);color:var(--ink);
+ font:15px/1.5 system-ui,-apple-system,"Segoe UI","Noto Sans CJK KR","Noto Sans KR",
+ "NanumGothic","Apple SD Gothic Neo","Malgun Gothic",sans-serif}
+main{max-width:1120px;margin:0 auto;padding:24px}
+header h1{margin:0 0 4px;font-size:26px}
+.formula{font:600 20px/1.4 "DejaVu Serif",Georgia,serif;background:#eef3ff;border:1px solid
+ #cfdcff;border-radius:8px;padding:10px 16px;display:inline-block;margin:8px 0}
+.formula .sub{font-size:14px;font-weight:400;color:var(--mute);margin-left:14px}
+.legend{color:var(--mute);margin:4px 0 16px}
+section.trace{background:var(--card);border:1px solid var(--line);border-radius:12px;
+ padding:18px 22px;margin:18px 0;box-shadow:0 1px 3px rgba(20,30,60,.06)}
+section.trace h2{margin:0 0 6px;font-size:20px}
+.intro{white-space:pre-wrap;color:#333b4d;margin:6px 0 12px;font-size:14px}
+h3{font-size:16px;margin:18px 0 6px}
+svg.flow{width:100%;height:auto;display:block;margin:6px 0 8px}
+.flow .box{fill:#eef3ff;stroke:#7c9cf0;stroke-width:1.5}
+.flow .io{fill:#f3f4f7;stroke:#9aa3b5;stroke-width:1.2}
+.flow text{font:13px system-ui,sans-serif;fill:var(--ink)}
+.flow .name{font-weight:700}
+.flow .shape{fill:#b4361f;font:12px ui-monospace,monospace}
+.flow .arrow{stroke:#5b6475;stroke-width:1.5;fill:none;marker-end:url(#ah)}
+.flow a:hover .box{fill:#dce7ff}
+table.steps{border-collapse:collapse;font-size:14px;margin:4px 0 10px}
+table.steps th,table.steps td{border-bottom:1px solid var(--line);padding:4px 10px;
+ text-align:left}
+table.steps td.f{font-family:ui-monospace,monospace}
+.tabs{display:flex;gap:6px;flex-wrap:wrap;margin:10px 0}
+.tabs button{border:1px solid var(--line);background:#f7f8fb;border-radius:16px;
+ padding:3px 12px;cursor:pointer;font:inherit}
+.tabs button.on{background:var(--acc);color:#fff;border-color:var(--acc)}
+.grid{display:flex;flex-wrap:wrap;gap:14px 22px;align-items:flex-start}
+.card{border:1px solid var(--line);border-radius:10px;padding:10px 12px;background:#fcfdff;
+ max-width:100%;overflow-x:auto}
+.card h4{margin:0 0 2px;font-size:14px}
+.card .what{color:var(--mute);font-size:13px;margin-bottom:4px}
+.card .f{font-family:ui-monospace,monospace;font-size:13px}
+.card .shp{color:#b4361f;font-family:ui-monospace,monospace;font-size:12px}
+table.hm{border-collapse:separate;border-spacing:1px;font:12px ui-monospace,monospace;
+ margin-top:6px}
+table.hm th{font-weight:600;color:var(--mute);padding:1px 5px;white-space:nowrap}
+table.hm th.r{text-align:right}
+table.hm td{min-width:44px;height:24px;text-align:center;padding:0 4px;border-radius:3px;
+ cursor:default}
+table.hm.small td{min-width:9px;height:12px;padding:0;font-size:0}
+table.hm td.sum{background:none;color:var(--mute);border-left:2px solid var(--line)}
+table.hm td.x{background:repeating-linear-gradient(45deg,#e6e8ee 0 4px,#f6f7fa 4px 8px);
+ color:#8a93a5}
+table.hm td:hover{outline:2px solid #111}
+.notes li{margin:3px 0}
+#tip{position:fixed;pointer-events:none;background:#1d2330;color:#fff;padding:4px 8px;
+ border-radius:6px;font:12px ui-monospace,monospace;display:none;z-index:10}
+#js-errors{color:#b00020;white-space:pre-wrap}
+footer{color:var(--mute);font-size:12px;margin:20px 0}
+"""
+
+JS = """
+(function(){
+  var tip=document.getElementById('tip');
+  document.querySelectorAll('table.hm').forEach(function(t){
+    var step=t.getAttribute('data-step')||'';
+    var cols=[].map.call(t.querySelectorAll('thead th'),function(h){return h.textContent;});
+    t.addEventListener('mouseover',function(ev){
+      var td=ev.target.closest('td[data-v]'); if(!td) return;
+      var row=td.parentNode.querySelector('th').textContent;
+      var col=cols[td.cellIndex]||'';
+      tip.textContent=step+'  '+row+' \\u2192 '+col+' = '+td.getAttribute('data-v');
+      tip.style.display='block';
+    });
+    t.addEventListener('mousemove',function(ev){
+      tip.style.left=(ev.clientX+14)+'px'; tip.style.top=(ev.clientY+12)+'px';
+    });
+    t.addEventListener('mouseleave',function(){tip.style.display='none';});
+  });
+  document.querySelectorAll('.tabs').forEach(function(bar){
+    var sec=bar.parentNode;
+    bar.querySelectorAll('button').forEach(function(b){
+      b.addEventListener('click',function(){
+        bar.querySelectorAll('button').forEach(function(x){x.classList.remove('on');});
+        b.classList.add('on');
+        sec.querySelectorAll(':scope > .head').forEach(function(p){
+          p.hidden = p.getAttribute('data-head')!==b.getAttribute('data-head');
+        });
+      });
+    });
+  });
+  document.body.setAttribute('data-ready','1');
+})();
+"""
+
+ERROR_HOOK = """
+window.__errors=[];
+window.addEventListener('error',function(e){
+  window.__errors.push(String(e.message||e));
+  var p=document.getElementById('js-errors');
+  if(p){p.textContent=window.__errors.join('\\n');p.hidden=false;}
+});
+"""
+
+E = html.escape
+FORMULA_HTML = ("O = softmax( Q K<sup>T</sup> · scale + M ) V"
+                "<span class=\"sub\">  scale = 1/√d<sub>k</sub></span>")
+
+
+def _hex(rgb: tuple[float, float, float]) -> str:
+    return "#" + "".join(f"{int(round(255 * min(max(c, 0.0), 1.0))):02x}" for c in rgb)
+
+
+def _mix(a: tuple[float, ...], b: tuple[float, ...], t: float) -> tuple[float, float, float]:
+    return (a[0] + (b[0] - a[0]) * t, a[1] + (b[1] - a[1]) * t, a[2] + (b[2] - a[2]) * t)
+
+
+_WHITE = (1.0, 1.0, 1.0)
+_BLUE = (0.03, 0.19, 0.42)       # weights, and positive values
+_ORANGE = (0.70, 0.22, 0.05)     # negative values
+
+
+def cell_color(v: float, kind: str, vmax: float) -> tuple[str, bool]:
+    """(background hex, dark?) for a value: weights 0..1 white→blue; others diverge at 0."""
+    if kind == "weights":
+        t = min(max(v, 0.0), 1.0) ** 0.8
+        return _hex(_mix(_WHITE, _BLUE, t)), t > 0.5
+    t = min(abs(v) / vmax, 1.0) if vmax > 0 else 0.0
+    return _hex(_mix(_WHITE, _BLUE if v >= 0 else _ORANGE, t * 0.9)), t > 0.55
+
+
+def heatmap(m: np.ndarray, rows: Sequence[str], cols: Sequence[str], kind: str, step: str,
+            decimals: int = 3, sums: bool = False) -> str:
+    """One matrix as an HTML table: a coloured cell per value, the value in ``data-v``."""
+    m = np.atleast_2d(m)
+    fin = m[np.isfinite(m)]
+    vmax = float(np.abs(fin).max()) if fin.size else 1.0
+    small = m.shape[1] > 12 or m.shape[0] > 24
+    out = [f'<table class="hm{" small" if small else ""}" data-step="{E(step)}">',
+           "<thead><tr><th></th>" + "".join(f"<th>{E(c)}</th>" for c in cols)
+           + ("<th>Σ</th>" if sums else "") + "</tr></thead><tbody>"]
+    for i in range(m.shape[0]):
+        cells = []
+        for j in range(m.shape[1]):
+            v = float(m[i, j])
+            s = fmt(v, decimals)
+            if math.isinf(v) and v < 0:
+                cells.append(f'<td class="x" data-v="-inf">{"" if small else "−∞"}</td>')
+                continue
+            bg, dark = cell_color(v, kind, vmax)
+            color = ";color:#fff" if dark else ""
+            cells.append(f'<td style="background:{bg}{color}" data-v="{s}">'
+                         f'{"" if small else s}</td>')
+        if sums:
+            cells.append(f'<td class="sum">{fmt(float(m[i].sum()), decimals)}</td>')
+        out.append(f'<tr><th class="r">{E(rows[i])}</th>{"".join(cells)}</tr>')
+    out.append("</tbody></table>")
+    return "".join(out)
+
+
+def _shape(s: Sequence[int]) -> str:
+    return "(" + ", ".join(str(int(x)) for x in s) + ")"
+
+
+def flow_svg(trace: Trace, lang: str, anchor: str) -> str:
+    """The flow diagram: Q, K → Score → Scale & Mask → Softmax → Weighted sum (← V) → O."""
+    p = PAGE[lang]
+    n_q, n_k = trace.scores.shape[-2:]
+    d_k, d_v = trace.q.shape[-1], trace.v.shape[-1]
+    h = 1 if trace.scores.ndim == 2 else int(np.prod(trace.scores.shape[:-2]))
+    pre = ""                                       # shapes are per head
+    qk = _shape((n_q, n_k))
+    stages = [("stage_score", "f_score", 1), ("stage_scale_mask", "f_scale_mask", 2),
+              ("stage_softmax", "f_softmax", 4), ("stage_sum", "f_sum", 5)]
+    parts = ['<svg class="flow" viewBox="0 0 1104 190" role="img" '
+             f'aria-label="{E(p["flow"])}">',
+             '<defs><marker id="ah" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" '
+             'markerHeight="7" orient="auto-start-reverse"><path d="M0,0 L10,5 L0,10 z" '
+             'fill="#5b6475"/></marker></defs>']
+
+    def io(x: int, y: int, name: str, shape: str) -> None:
+        parts.append(f'<rect class="io" x="{x}" y="{y}" width="96" height="44" rx="6"/>'
+                     f'<text class="name" x="{x + 48}" y="{y + 19}" text-anchor="middle">'
+                     f'{E(name)}</text><text class="shape" x="{x + 48}" y="{y + 36}" '
+                     f'text-anchor="middle">{E(shape)}</text>')
+
+    io(8, 22, "Q", pre + _shape((n_q, d_k)))
+    io(8, 104, "K", pre + _shape((n_k, d_k)))
+    xs = [170, 390, 610, 830]
+    for (name, formula, step), x in zip(stages, xs, strict=True):
+        parts.append(f'<a href="#{anchor}-s{step}"><rect class="box" x="{x}" y="52" '
+                     f'width="150" height="64" rx="10"/>'
+                     f'<text class="name" x="{x + 75}" y="79" text-anchor="middle">'
+                     f'{E(p[name])}</text><text x="{x + 75}" y="99" text-anchor="middle">'
+                     f'{E(p[formula])}</text></a>')
+    parts.append('<path class="arrow" d="M104,44 C136,44 140,70 166,74"/>'
+                 '<path class="arrow" d="M104,126 C136,126 140,100 166,96"/>')
+    for a, b in zip(xs[:-1], xs[1:], strict=True):
+        parts.append(f'<path class="arrow" d="M{a + 150},84 L{b - 2},84"/>'
+                     f'<text class="shape" x="{(a + 150 + b) / 2}" y="76" '
+                     f'text-anchor="middle">{E(pre + qk)}</text>')
+    io(857, 142, "V", pre + _shape((n_k, d_v)))
+    parts.append('<path class="arrow" d="M905,142 L905,118"/>')
+    if h > 1:
+        parts.append(f'<text x="170" y="160">{E(p["per_head"].format(h=h))}</text>')
+    io(1004, 62, "O", pre + _shape((n_q, d_v)))
+    parts.append('<path class="arrow" d="M980,84 L1002,84"/>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def _step_table(trace: Trace, lang: str) -> str:
+    t = check_lang(lang)
+    rows = [f"<tr><th>{E(t['step'])}</th><th>{E(t['what'])}</th><th>{E(t['formula'])}</th>"
+            f"<th>{E(t['shape'])}</th></tr>"]
+    for i, s in enumerate(trace.steps):
+        rows.append(f"<tr><td>{i + 1}. {E(step_name(s, lang))}</td><td>{E(step_what(s, lang))}"
+                    f'</td><td class="f">{E(s.formula)}</td><td class="f">{_shape(s.shape)}'
+                    "</td></tr>")
+    return '<table class="steps">' + "".join(rows) + "</table>"
+
+
+def _labels(given: list[str] | None, n: int, prefix: str) -> list[str]:
+    return list(given) if given else [f"{prefix}{i + 1}" for i in range(n)]
+
+
+def _section(trace: Trace, lang: str, idx: int, decimals: int) -> str:
+    t, p = check_lang(lang), PAGE[lang]
+    anchor = f"t{idx}"
+    n_q, n_k = trace.scores.shape[-2:]
+    ql = _labels(trace.q_labels, n_q, "q")
+    kl = _labels(trace.k_labels, n_k, "k")
+    dk = [f"d{j + 1}" for j in range(trace.q.shape[-1])]
+    dv = [f"d{j + 1}" for j in range(trace.v.shape[-1])]
+    out = [f'<section class="trace" id="{anchor}">']
+    title = trace.title.get(lang) or trace.title.get("en")
+    if title:
+        out.append(f"<h2>{E(title)}</h2>")
+    intro = trace.intro.get(lang) or trace.intro.get("en")
+    if intro:
+        out.append(f'<div class="intro">{E(intro)}</div>')
+    opts = [f"{t['scale_is']} = {fmt(trace.scale, decimals)}",
+            f"{t['mask_is']}: {trace.mask_name or t['no_mask']}"]
+    if trace.softcap is not None:
+        opts.append(f"{t['softcap_is']} = {fmt(trace.softcap, decimals)}")
+    out.append(f'<div class="legend">{E(p["options"])}: {E("   ·   ".join(opts))}</div>')
+    out.append(f"<h3>{E(p['flow'])}</h3>" + flow_svg(trace, lang, anchor))
+    out.append(f"<h3>{E(p['table'])}</h3>" + _step_table(trace, lang))
+    heads = split_heads(trace.scores, lang)
+    many = len(heads) > 1
+    if many:
+        out.append('<div class="tabs" role="tablist">' + "".join(
+            f'<button type="button" data-head="{h}"{" class=on" if h == 0 else ""}>'
+            f"{E(label)}</button>" for h, (label, _) in enumerate(heads)) + "</div>")
+
+    def per_head(a: np.ndarray) -> list[np.ndarray]:
+        return [m for _, m in split_heads(a, lang)]
+
+    inputs = [per_head(trace.q), per_head(trace.k), per_head(trace.v)]
+    values = [per_head(s.value) for s in trace.steps]
+    for h in range(len(heads)):
+        hidden = " hidden" if h > 0 else ""
+        out.append(f'<div class="head" data-head="{h}"{hidden}>')
+        out.append(f"<h3>{E(p['inputs'])}</h3><div class=\"grid\">")
+        for name, mats, rows in (("Q", inputs[0], ql), ("K", inputs[1], kl),
+                                 ("V", inputs[2], kl)):
+            m = mats[h]
+            cols = dv if name == "V" else dk
+            out.append(f'<div class="card"><h4>{name} <span class="shp">{_shape(m.shape)}'
+                       f"</span></h4>{heatmap(m, rows, cols, 'input', name, decimals)}</div>")
+        out.append("</div><h3>" + E(t["rows_cols"]) + '</h3><div class="grid">')
+        for i, s in enumerate(trace.steps):
+            m = values[i][h]
+            cols = dv if s.key == "output" else kl
+            kind = "weights" if s.key == "weights" else "value"
+            out.append(
+                f'<div class="card" id="{anchor}-s{i + 1}" data-key="{s.key}">'
+                f"<h4>{i + 1}. {E(step_name(s, lang))} "
+                f'<span class="shp">{_shape(m.shape)}</span></h4>'
+                f'<div class="what">{E(step_what(s, lang))}</div>'
+                f'<div class="f">{E(s.formula)}</div>'
+                + heatmap(m, ql, cols, kind, f"{i + 1}. {step_name(s, lang)}", decimals,
+                          sums=s.key == "weights") + "</div>")
+        out.append("</div></div>")
+    if trace.output.ndim == 3 and trace.output.shape[0] > 1:
+        hh, nq, d = trace.output.shape
+        cat = trace.output.transpose(1, 0, 2).reshape(nq, hh * d)
+        cols = [f"d{j + 1}" for j in range(hh * d)]
+        out.append(f'<h3>{E(p["concat"])}</h3><div class="card" id="{anchor}-concat">'
+                   f'<h4>{E(step_name("Concat", lang))} <span class="shp">{_shape(cat.shape)}'
+                   f'</span></h4><div class="what">{E(t["Concat"])}</div>'
+                   '<div class="f">O = [O₁ | … | O_h]</div>'
+                   + heatmap(cat, ql, cols, "value", step_name("Concat", lang), decimals)
+                   + "</div>")
+    notes = remarks(trace, lang, decimals)
+    if notes:
+        out.append(f'<h3>{E(p["notes"])}</h3><ul class="notes">'
+                   + "".join(f"<li>{E(n.strip())}</li>" for n in notes) + "</ul>")
+    out.append("</section>")
+    return "".join(out)
+
+
+def render_html(traces: Trace | Sequence[Trace], lang: str = "en", decimals: int = 3) -> str:
+    """The page for one trace or several (an example and its comparisons), as a string."""
+    check_lang(lang)
+    if not isinstance(traces, Sequence):
+        traces = [traces]
+    p = PAGE[lang]
+    first = traces[0].title.get(lang) or traces[0].title.get("en") if traces else None
+    title = f"{p['doc_title']} — {first}" if first else p["doc_title"]
+    body = "".join(_section(tr, lang, i, decimals) for i, tr in enumerate(traces))
+    return (
+        f'<!doctype html><html lang="{lang}"><head><meta charset="utf-8">'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f"<title>{E(title)}</title><style>{CSS}</style><script>{ERROR_HOOK}</script></head>"
+        f"<body><main><header><h1>{E(p['doc_title'])}</h1>"
+        f'<div class="formula">{FORMULA_HTML}</div>'
+        f'<div class="legend">{E(p["legend"])}</div></header>{body}'
+        f'<pre id="js-errors" hidden></pre><footer>{E(p["generated"])}</footer></main>'
+        f'<div id="tip"></div><script>{JS}</script></body></html>\n'
+    )

@@ -1,0 +1,180 @@
+"""Heatmaps of a trace as a PNG: the weights per head (and optionally scores / logits).
+
+matplotlib is imported only when a plot is made (``pip install 'attnkit[plot]'``); the Agg
+renderer is used directly, so no display and no pyplot state are involved.
+
+Shape legend::
+
+    weights, scores, logits (n_q, n_k) per head → one panel each; rows = queries, columns = keys
+
+Caution
+-------
+- Hangul (``lang="ko"`` or Korean word labels) needs a CJK font: Debian's fonts-noto-cjk or
+  fonts-nanum. Without one, the titles fall back to English and a warning says why.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Sequence
+from functools import lru_cache
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .text import check_lang, split_heads
+
+if TYPE_CHECKING:
+    from .trace import Trace
+
+MAX_HEADS = 8          # heads drawn per trace (4 a row)
+WHAT = ("weights", "scores", "scaled", "logits")
+
+PLOT: dict[str, dict[str, str]] = {
+    "en": {"weights": "weights W = softmax(L)", "scores": "raw scores S = Q Kᵀ",
+           "scaled": "scaled X = S · scale", "logits": "logits L = X + M",
+           "queries": "queries", "keys": "keys", "masked": "grey = masked (−∞)"},
+    "ko": {"weights": "가중치 W = softmax(L)", "scores": "원점수 S = Q Kᵀ",
+           "scaled": "스케일된 점수 X = S · scale", "logits": "로짓 L = X + M",
+           "queries": "쿼리", "keys": "키", "masked": "회색 = 마스크됨 (−∞)"},
+}
+
+CJK_FAMILIES = ("Noto Sans CJK KR", "NanumGothic", "Noto Sans KR", "Noto Sans CJK JP",
+                "Noto Sans CJK SC", "UnDotum", "Droid Sans Fallback")
+_HANGUL = re.compile("[\u1100-\u11ff\u3130-\u318f\uac00-\ud7af]")
+
+
+@lru_cache(maxsize=1)
+def cjk_font() -> str | None:
+    """The name of an installed font with Hangul, or None (registers Debian's if unseen)."""
+    from matplotlib import font_manager
+
+    names = {f.name for f in font_manager.fontManager.ttflist}
+    for fam in CJK_FAMILIES:
+        if fam in names:
+            return fam
+    roots = [Path("/usr/share/fonts"), Path.home() / ".local/share/fonts"]
+    for root in roots:          # a font installed after matplotlib built its cache
+        if not root.is_dir():
+            continue
+        for pat in ("*NotoSansCJK*", "*Nanum*", "*CJK*"):
+            for f in sorted(root.rglob(pat)):
+                if f.suffix.lower() in (".ttf", ".otf", ".ttc"):
+                    try:
+                        font_manager.fontManager.addfont(str(f))
+                    except Exception:   # noqa: BLE001 - an unreadable font is just skipped
+                        continue
+                    added = {x.name for x in font_manager.fontManager.ttflist} - names
+                    for fam in CJK_FAMILIES:
+                        if fam in added:
+                            return fam
+                    if added:
+                        return sorted(added)[0]
+    return None
+
+
+def _labels(given: list[str] | None, n: int, prefix: str) -> list[str]:
+    return list(given) if given else [f"{prefix}{i + 1}" for i in range(n)]
+
+
+def _short(v: float) -> str:
+    """A cell annotation: −∞, an integer, ≈0 for a tiny weight, else two decimals."""
+    if np.isneginf(v):
+        return "−∞"
+    if not np.isfinite(v):
+        return "nan"
+    if v == round(v) and abs(v) < 1e4:
+        return str(int(v))
+    if 0 < abs(v) < 0.005:
+        return "≈0"
+    return f"{v:.2f}"
+
+
+def render_plot(traces: Trace | Sequence[Trace], path: str | Path,
+                what: Sequence[str] = ("weights",), lang: str = "en") -> Path:
+    """Write a PNG: one row of panels per (trace, quantity), one panel per head."""
+    check_lang(lang)
+    if not isinstance(traces, Sequence):
+        traces = [traces]
+    bad = [w for w in what if w not in WHAT]
+    if bad or not what:
+        raise ValueError(f"what must name some of {', '.join(WHAT)}, got {list(what)}")
+    from matplotlib import colormaps
+    from matplotlib.figure import Figure
+
+    texts = [tr.title.get(lang, "") for tr in traces] + [
+        lab for tr in traces for lab in (tr.q_labels or []) + (tr.k_labels or [])]
+    needs_cjk = lang == "ko" or any(_HANGUL.search(t) for t in texts)
+    font = cjk_font() if needs_cjk else None
+    if needs_cjk and font is None:
+        warnings.warn("no font with Hangul found (install fonts-noto-cjk or fonts-nanum); "
+                      "the heatmap titles fall back to English", stacklevel=2)
+        lang = "en"
+    family = ["DejaVu Sans", font] if font else ["DejaVu Sans"]
+    p = PLOT[lang]
+
+    n_heads = [min(len(split_heads(tr.weights, lang)), MAX_HEADS) for tr in traces]
+    n_cols = min(max(n_heads), 4)
+    grid = [-(-h // n_cols) for h in n_heads]          # rows of heads per quantity
+    shapes = [tr.scores.shape[-2:] for tr in traces]
+    pw = min(max(0.5 * max(n_k for _, n_k in shapes) + 1.3, 3.0), 4.5)
+    heights = [min(max(0.5 * n_q + 1.4, 2.2), 4.5) * len(what) * g + 0.5
+               for (n_q, _), g in zip(shapes, grid, strict=True)]
+    fig = Figure(figsize=(max(pw * n_cols + 1.4, 6.0), sum(heights)), dpi=110,
+                 layout="constrained")
+    import matplotlib as mpl
+    from matplotlib.colors import Normalize
+
+    with mpl.rc_context({"font.family": family}), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Glyph .* missing")
+        subs = fig.subfigures(len(traces), 1, squeeze=False, height_ratios=heights)[:, 0]
+        for sf, tr, g in zip(subs, traces, grid, strict=True):
+            title = tr.title.get(lang) or tr.title.get("en") or ""
+            if title:
+                sf.suptitle(title, fontsize=11, fontweight="bold")
+            axes = sf.subplots(len(what) * g, n_cols, squeeze=False)
+            n_q, n_k = tr.scores.shape[-2:]
+            ql, kl = _labels(tr.q_labels, n_q, "q"), _labels(tr.k_labels, n_k, "k")
+            for r, w in enumerate(what):
+                mats = split_heads(getattr(tr, w), lang)[:MAX_HEADS]
+                if w == "weights":
+                    cmap, norm = colormaps["Blues"].copy(), Normalize(0.0, 1.0)
+                else:
+                    fin = np.concatenate([m[np.isfinite(m)] for _, m in mats] + [np.zeros(1)])
+                    lim = float(np.abs(fin).max()) or 1.0
+                    cmap, norm = colormaps["RdBu_r"].copy(), Normalize(-lim, lim)
+                cmap.set_bad("#c9ccd3")
+                im = None
+                row_axes = [ax for gr in range(g) for ax in axes[r * g + gr]]
+                for c, ax in enumerate(row_axes):
+                    if c >= len(mats):
+                        ax.axis("off")
+                        continue
+                    label, m = mats[c]
+                    im = ax.imshow(np.ma.masked_invalid(m), cmap=cmap, norm=norm)
+                    step = max(1, -(-max(n_q, n_k) // 12))
+                    ax.set_xticks(range(0, n_k, step), kl[::step], fontsize=8,
+                                  rotation=45 if max(map(len, kl)) > 3 else 0)
+                    ax.set_yticks(range(0, n_q, step), ql[::step], fontsize=8)
+                    ax.set_xlabel(p["keys"], fontsize=8)
+                    if c % n_cols == 0:
+                        ax.set_ylabel(p["queries"], fontsize=8)
+                    ax.set_title((f"{label}: " if label else "") + p[w], fontsize=9)
+                    if n_q * n_k <= 64:
+                        for i in range(n_q):
+                            for j in range(n_k):
+                                v = float(m[i, j])
+                                rgb = cmap(norm(v))[:3] if np.isfinite(v) else (0.8,) * 3
+                                lum = 0.3 * rgb[0] + 0.59 * rgb[1] + 0.11 * rgb[2]
+                                ax.text(j, i, _short(v), ha="center", va="center", fontsize=8,
+                                        color="white" if lum < 0.5 else "#1d2330")
+                if im is not None:
+                    sf.colorbar(im, ax=row_axes, shrink=0.8)
+        if "logits" in what and any(np.isneginf(tr.logits).any() for tr in traces):
+            fig.text(0.99, 0.002, p["masked"], ha="right", va="bottom", fontsize=7,
+                     color="#5b6475")
+        out = Path(path)
+        fig.savefig(out, format="png")
+    return out
