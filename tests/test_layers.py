@@ -277,6 +277,20 @@ def test_qk_norm_makes_scores_invariant_to_scaling_w_q():
             assert (w2 - w1).abs().max() > 1e-2
 
 
+def test_qk_norm_gives_unit_rms_per_head_times_gain():
+    m = ak.MultiHeadAttention(16, 4, qk_norm=True).to(DT)
+    x = torch.randn(2, 6, 16, dtype=DT)
+    q = m.project_q(x)                                   # (B, H, N, d_k)
+    torch.testing.assert_close(q.pow(2).mean(-1), torch.ones(2, 4, 6, dtype=DT),
+                               rtol=1e-4, atol=1e-4)
+    with torch.no_grad():
+        m.k_norm.weight.copy_(torch.arange(1.0, 5.0))
+    k = m.project_k(x)
+    raw = m.k_proj(x).view(2, 6, 4, 4).transpose(1, 2)
+    want = raw / raw.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt() * torch.arange(1.0, 5.0)
+    torch.testing.assert_close(k, want.to(DT))
+
+
 def test_softcap_bounds_the_logits():
     m = ak.MultiHeadAttention(8, 2, softcap=0.5).to(DT)
     x = 50 * torch.randn(1, 5, 8, dtype=DT)

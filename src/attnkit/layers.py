@@ -55,6 +55,7 @@ __all__ = [
     "KVCache",
     "MultiHeadAttention",
     "MultiHeadLatentAttention",
+    "RMSNorm",
     "TorchStyleMultiheadAttention",
     "torch_masks_to_attnkit",
 ]
@@ -157,8 +158,20 @@ def _attend(
     return out, weights
 
 
-def _rms_norm(width: int) -> nn.Module:
-    return nn.RMSNorm(width, eps=1e-6)
+class RMSNorm(nn.Module):
+    """``x / √(mean(x²) + eps) · gain`` over the last dim (gain: learnable, ``(width,)``)."""
+
+    def __init__(self, width: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ms = x.pow(2).mean(-1, keepdim=True)                 # (…, 1) mean square
+        return x * torch.rsqrt(ms + self.eps) * self.weight
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
 
 
 # ---------------------------------------------------------------------------- KV cache
@@ -400,8 +413,8 @@ class MultiHeadAttention(nn.Module):
         self.v_proj = nn.Linear(kv_dim, n_kv_heads * v_head_dim, bias=bias)
         self.out_proj = nn.Linear(n_heads * v_head_dim, d_model, bias=bias)
         if qk_norm:
-            self.q_norm = _rms_norm(head_dim)
-            self.k_norm = _rms_norm(head_dim)
+            self.q_norm = RMSNorm(head_dim)
+            self.k_norm = RMSNorm(head_dim)
 
     def extra_repr(self) -> str:
         opts = [f"d_model={self.d_model}", f"n_heads={self.n_heads}",
@@ -736,7 +749,7 @@ class MultiHeadLatentAttention(nn.Module):
             self.q_up = nn.Linear(q_latent_dim, n_heads * head_dim, bias=bias)
         self.kv_down = nn.Linear(kv_dim, kv_latent_dim, bias=bias)
         if latent_norm:
-            self.kv_norm = _rms_norm(kv_latent_dim)
+            self.kv_norm = RMSNorm(kv_latent_dim)
         self.k_up = nn.Linear(kv_latent_dim, n_heads * head_dim, bias=False)
         self.v_up = nn.Linear(kv_latent_dim, n_heads * v_head_dim, bias=False)
         self.out_proj = nn.Linear(n_heads * v_head_dim, d_model, bias=bias)
