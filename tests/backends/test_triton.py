@@ -1,0 +1,249 @@
+"""The triton backend: kernels vs the float64 reference, run in Triton's CPU interpreter.
+
+``TRITON_INTERPRET`` is set per test (``monkeypatch``), never for the whole process: the backend
+reads it at each call and loads an interpreted copy of its kernels, so other tests in the same
+pytest process still see a CPU-only triton backend that ``auto`` skips.
+
+Shapes are small and awkward (N 1, 17, 33; D 8 and 24, padded to 16/32 in-kernel; N_q ≠ N_k;
+GQA) and the tiles are 16 × 16, so every case crosses tile boundaries and partial tiles.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import attnkit as ak
+from attnkit import backends
+from attnkit import masks as M
+from attnkit.api import prepare
+from attnkit.backends import triton as tb
+from attnkit.backends.base import Problem
+
+needs_triton = pytest.mark.skipif(not tb.triton_available(),
+                                  reason="the triton package is not installed")
+
+
+@pytest.fixture
+def interpret(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run the kernels in Triton's interpreter (CPU tensors) for this test only."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def _problem(b, hq, hkv, nq, nk, dk, dv, dtype=torch.float64, **kw) -> Problem:  # noqa: ANN001
+    q = torch.randn(b, hq, nq, dk, dtype=dtype)
+    k = torch.randn(b, hkv, nk, dk, dtype=dtype)
+    v = torch.randn(b, hkv, nk, dv, dtype=dtype)
+    return prepare(q, k, v, **kw).problem
+
+
+def _cast(p: Problem, dtype: torch.dtype, grad: bool = False) -> Problem:
+    """The same problem in another dtype (q, k, v fresh leaves when ``grad``)."""
+    t = [x.detach().to(dtype).requires_grad_(grad) for x in (p.q, p.k, p.v)]
+    return Problem(**{**p.__dict__, "q": t[0], "k": t[1], "v": t[2]})
+
+
+def _run(backend, p: Problem, d_out: torch.Tensor, d_lse: torch.Tensor):  # noqa: ANN001, ANN202
+    """out, lse and the gradients of  Σ out·d_out + Σ_finite lse·d_lse  w.r.t. q, k, v."""
+    out, lse = backend.forward(p)
+    lse_used = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    loss = (out.double() * d_out).sum() + (lse_used.double() * d_lse).sum()
+    grads = torch.autograd.grad(loss, (p.q, p.k, p.v))
+    return (out.detach(), lse.detach(), *grads)
+
+
+def _worst(x: torch.Tensor, ref: torch.Tensor) -> float:
+    finite = torch.isfinite(ref)
+    assert torch.equal(torch.isfinite(x), finite), "non-finite entries differ from the reference"
+    assert torch.equal(x[~finite].double(), ref[~finite]), "−∞ entries differ from the reference"
+    return float((x.double() - ref)[finite].abs().max()) if finite.any() else 0.0
+
+
+def _check_against_reference(p64: Problem, dtype: torch.dtype, block: int = 16) -> None:
+    """The kernel's error vs float64 must be within 2× (gradients 3×) of the error the
+    reference itself makes in ``dtype`` (plus a few units in the last place)."""
+    d_out = torch.randn(p64.batch, p64.heads_q, p64.n_q, p64.d_v, dtype=torch.float64)
+    d_lse = torch.randn(p64.batch, p64.heads_q, p64.n_q, dtype=torch.float64)
+    exact = _run(backends.get("reference"), _cast(p64, torch.float64, True), d_out, d_lse)
+    low = _run(backends.get("reference"), _cast(p64, dtype, True), d_out, d_lse)
+    got = _run(tb.TritonBackend(block, block), _cast(p64, dtype, True), d_out, d_lse)
+    assert got[0].dtype == dtype and got[0].shape == exact[0].shape
+    assert got[1].dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    eps = torch.finfo(dtype).eps
+    for name, g, lo, ex, factor in zip(("out", "lse", "dq", "dk", "dv"), got, low, exact,
+                                       (2, 2, 3, 3, 3), strict=True):
+        finite = ex[torch.isfinite(ex)]
+        floor = 8 * eps * max(1.0, float(finite.abs().max()) if finite.numel() else 1.0)
+        err, base = _worst(g, ex), _worst(lo, ex)
+        assert err <= factor * base + floor, f"{name}: error {err:.3g}, reference's {base:.3g}"
+
+
+CASES = {
+    "single query and key, D 8": dict(shape=(1, 1, 1, 1, 1, 8, 8)),
+    "n_q < n_k, D_k 24, GQA": dict(shape=(1, 2, 1, 17, 33, 24, 8)),
+    "causal top_left, n_q > n_k, softcap": dict(shape=(1, 2, 1, 33, 17, 8, 24),
+                                                is_causal=True, softcap=2.0),
+    "causal bottom_right, n_q < n_k, GQA": dict(shape=(1, 3, 1, 17, 33, 8, 8),
+                                                mask=M.causal("bottom_right")),
+    "causal bottom_right, n_q > n_k (empty rows)": dict(shape=(1, 1, 1, 33, 17, 8, 8),
+                                                        mask=M.causal("bottom_right")),
+    "two-sided sliding window, softcap": dict(shape=(1, 1, 1, 33, 33, 8, 8), softcap=1.5,
+                                              mask=M.sliding_window(5, causal=False)),
+    "causal & sliding window, bottom_right": dict(
+        shape=(1, 2, 2, 17, 33, 8, 8),
+        mask=M.causal("bottom_right") & M.sliding_window(4, align="bottom_right")),
+    "padding with empty queries & causal": dict(
+        shape=(2, 2, 1, 17, 17, 8, 8), mask=M.padding([17, 9], q_lengths=[17, 5]) & M.causal()),
+    "prefix_lm (a general mask)": dict(shape=(1, 1, 1, 33, 33, 8, 8), mask=M.prefix_lm(7)),
+}
+
+
+@needs_triton
+@pytest.mark.parametrize("case", list(CASES))
+def test_forward_backward_match_reference_float32(interpret: None, case: str) -> None:
+    spec = dict(CASES[case])
+    p = _problem(*spec.pop("shape"), **spec)
+    _check_against_reference(p, torch.float32)
+
+
+@needs_triton
+def test_bool_mask_with_fully_masked_rows_gives_zero_output_and_grads(interpret: None) -> None:
+    allowed = torch.rand(17, 9) > 0.4
+    allowed[[0, 5, 16]] = False                                # rows with no allowed key
+    p = _problem(1, 2, 1, 17, 9, 8, 24, mask=allowed)
+    _check_against_reference(p, torch.float32)
+    q, k, v = (x.float().requires_grad_() for x in (p.q, p.k, p.v))
+    out, lse = ak.attention(q, k, v, mask=allowed, backend="triton", return_lse=True)
+    assert torch.isneginf(lse[:, :, [0, 5, 16]]).all() and torch.isfinite(lse[:, :, 1]).all()
+    assert (out[:, :, [0, 5, 16]] == 0).all()
+    dq, dk, dv = torch.autograd.grad(out.sum() + lse[:, :, 1:5].sum(), (q, k, v))
+    assert all(torch.isfinite(g).all() for g in (dq, dk, dv))
+    assert (dq[:, :, [0, 5, 16]] == 0).all()
+
+
+@needs_triton
+def test_float_mask_becomes_bias_and_mask(interpret: None) -> None:
+    add = torch.randn(2, 17, 33, dtype=torch.float64)          # (H, N_q, N_k)
+    add[0, 3, ::2] = -math.inf
+    p = _problem(1, 2, 2, 17, 33, 8, 8, mask=add)
+    assert p.bias is not None and p.mask is not None
+    _check_against_reference(p, torch.float32)
+
+
+@needs_triton
+def test_float16_within_twice_the_reference_error(interpret: None) -> None:
+    p = _problem(1, 2, 1, 33, 17, 24, 8, is_causal=True, softcap=3.0)
+    _check_against_reference(p, torch.float16, block=32)
+
+
+@needs_triton
+def test_bfloat16(interpret: None) -> None:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _dot(X, Y):
+        o = tl.arange(0, 16)
+        x = tl.load(X + o[:, None] * 16 + o[None, :])
+        tl.store(Y + o[:, None] * 16 + o[None, :], tl.dot(x, x))
+
+    x = torch.eye(16, dtype=torch.bfloat16)
+    y = torch.zeros(16, 16)
+    _dot[(1,)](x, y)
+    if not torch.equal(y, torch.eye(16)):
+        pytest.skip("Triton's interpreter computes tl.dot on bfloat16 from the raw bits "
+                    "(triton-lang/triton#11584): bfloat16 can only be checked on a GPU")
+    _check_against_reference(_problem(1, 2, 1, 17, 33, 8, 8, is_causal=True), torch.bfloat16)
+
+
+@needs_triton
+def test_gradcheck_float64(interpret: None) -> None:
+    p = _problem(1, 2, 1, 5, 7, 3, 2, mask=M.causal("bottom_right"), softcap=1.0)
+    be = tb.TritonBackend()
+
+    def fn(q, k, v):  # noqa: ANN001, ANN202
+        out, lse = be.forward(Problem(**{**p.__dict__, "q": q, "k": k, "v": v}))
+        return out, lse
+
+    inputs = [x.detach().clone().requires_grad_() for x in (p.q, p.k, p.v)]
+    assert torch.autograd.gradcheck(fn, inputs, fast_mode=True)
+
+
+@needs_triton
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # 0·inf, redone
+def test_public_api_non_contiguous_inputs_and_nan_in_masked_rows(interpret: None) -> None:
+    # (B, N, H, D) storage viewed as (B, H, N, D): strides are not contiguous
+    q = torch.randn(2, 17, 2, 8).transpose(1, 2)
+    k = torch.randn(2, 33, 1, 8).transpose(1, 2)
+    v = torch.randn(2, 33, 1, 24).transpose(1, 2)
+    k[:, :, 20:] = math.nan                                    # keys no query may see
+    v[:, :, 20:] = math.inf
+    mask = M.padding([20, 20])
+    assert backends.select(prepare(q, k, v, mask=mask).problem).name == "triton"
+    out = ak.attention(q, k, v, mask=mask, backend="auto")
+    ref = ak.attention(q.double(), k.double(), v.double(), mask=mask, backend="reference")
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=2e-6)
+
+
+# ----------------------------------------------------------------- no kernels needed below
+def test_cpu_tensors_without_interpreter_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    p = _problem(1, 1, 1, 4, 4, 8, 8, dtype=torch.float32)
+    reasons = backends.get("triton").not_supported_reasons(p)
+    assert any("CUDA" in r and "TRITON_INTERPRET" in r for r in reasons), reasons
+    assert backends.select(p).name != "triton"
+    with pytest.raises(ValueError, match="backend 'triton' cannot run"):
+        ak.attention(p.q, p.k, p.v, backend="triton")
+
+
+def test_registered_first_in_priority() -> None:
+    assert backends.PRIORITY[0] == "triton"
+
+
+def test_reasons_name_each_unsupported_option(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    be = backends.get("triton")
+    assert be.not_supported_reasons(_problem(1, 1, 1, 4, 4, 8, 8, is_causal=True)) == [] or \
+        not tb.triton_available()
+    cases = {
+        "score_mod": _problem(1, 2, 2, 4, 4, 8, 8, score_mod=ak.scores.alibi(2)),
+        "dropout": _problem(1, 1, 1, 4, 4, 8, 8, dropout_p=0.1),
+        "exceed 256": _problem(1, 1, 1, 2, 2, 8, 300),
+    }
+    for needle, p in cases.items():
+        reasons = be.not_supported_reasons(p)
+        assert any(needle in r for r in reasons), (needle, reasons)
+    p = _problem(1, 1, 1, 4, 4, 8, 8, mask=torch.randn(4, 4))
+    p.bias.requires_grad_()
+    assert any("bias requires grad" in r for r in be.not_supported_reasons(p))
+
+
+BANDS = [M.causal(), M.causal("bottom_right"), M.sliding_window(3),
+         M.sliding_window(4, causal=False, align="bottom_right"),
+         M.sliding_window(2, align="bottom_right") & M.causal(), M.full() & M.causal()]
+
+
+@pytest.mark.parametrize("mask", BANDS, ids=repr)
+@pytest.mark.parametrize(("n_q", "n_k"), [(5, 9), (9, 5), (7, 7)])
+def test_band_detection_matches_the_mask(mask: M.Mask, n_q: int, n_k: int) -> None:
+    p = _problem(1, 1, 1, n_q, n_k, 4, 4, mask=mask)
+    plan = tb._plan_mask(p)
+    assert plan.dense is None and plan.band is not None
+    lo, hi = plan.band
+    d = torch.arange(n_q)[:, None] - torch.arange(n_k)[None, :]
+    assert torch.equal((d >= lo) & (d <= hi), mask.to_dense(n_q, n_k)[0, 0])
+
+
+def test_general_mask_is_kept_small_and_band_terms_still_bound_the_loops() -> None:
+    mask = M.padding([3, 5]) & M.causal()
+    p = _problem(2, 3, 3, 6, 8, 4, 4, mask=mask)
+    plan = tb._plan_mask(p)
+    assert plan.band == (0, 6 + 8 + 1)
+    assert plan.dense is not None and plan.dense.dtype == torch.uint8
+    assert plan.dense.shape == (2, 1, 1, 8)                    # padding depends on b and key
+    full = (plan.dense.bool() & ((torch.arange(6)[:, None] - torch.arange(8)) >= 0))
+    assert torch.equal(full.expand(2, 1, 6, 8), mask.to_dense(6, 8, batch=2))
