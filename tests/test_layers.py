@@ -392,6 +392,28 @@ def test_decode_step_weights_match_full_forward():
         torch.testing.assert_close(out, full[:, 5:])
 
 
+def test_decode_steps_dispatch_through_attention_auto(monkeypatch):
+    seen = []
+    real = ak.backends.select
+
+    def spy(p, name="auto"):
+        seen.append((name, tuple(p.q.shape), tuple(p.k.shape), p.mask))
+        return real(p, name)
+
+    m = ak.MultiHeadAttention(16, 8, n_kv_heads=2)
+    mla = ak.MultiHeadLatentAttention(16, 8, kv_latent_dim=4)
+    with torch.no_grad():
+        c1, c2 = ak.KVCache(), ak.KVCache()
+        m(torch.randn(1, 3, 16), cache=c1, is_causal=True)
+        mla(torch.randn(1, 3, 16), cache=c2, is_causal=True)
+        monkeypatch.setattr(ak.backends, "select", spy)
+        m(torch.randn(1, 1, 16), cache=c1, is_causal=True)
+        mla(torch.randn(1, 1, 16), cache=c2, is_causal=True)
+    # one query per head, folded onto its K/V head: (B, H_kv, G, D) against the cache
+    assert seen == [("auto", (1, 2, 4, 2), (1, 2, 4, 2), None),
+                    ("auto", (1, 1, 8, 4), (1, 1, 4, 4), None)]
+
+
 def test_kv_cache_grows_without_recopying_every_token_and_preallocates():
     m = ak.MultiHeadAttention(8, 2).to(DT)
     x = torch.randn(1, 40, 8, dtype=DT)
