@@ -182,6 +182,18 @@ def test_attention_function_matches_stock_sdpa(what: str, case: dict[str, Any]) 
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_with_an_eager_mask_of_that_dtype(dtype: torch.dtype) -> None:
+    q, k, v = _qkv(n_q=6, n_k=6)
+    allowed = sdpa_mask(2, 6, 6, attention_mask=_padding([6, 3], 6).bool())
+    ref = _eager(q, k, v, _as_eager(allowed))                        # float64 truth
+    out, _ = FN(_Module(), *(t.to(dtype) for t in (q, k, v)), _as_eager(allowed, dtype))
+    naive = _eager(*(t.to(dtype) for t in (q, k, v)), _as_eager(allowed, dtype).to(dtype))
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    err, budget = (out.double() - ref).abs().max(), (naive.double() - ref).abs().max()
+    assert err <= 2 * budget + 1e-6, f"{dtype}: error {err:.3g} vs naive {budget:.3g}"
+
+
 def test_gqa_passes_key_and_value_through_without_copies(calls: list[dict[str, Any]]) -> None:
     q, k, v = _qkv(h_q=6, h_kv=2)
     FN(_Module(groups=3), q, k, v, None, dropout=0.25)
