@@ -206,30 +206,31 @@ def test_return_lse_is_logsumexp_of_masked_logits():
 
 
 # ============================================================================ dropout
-def test_dropout_reproducible_with_manual_seed():
+def test_dropout_reproducible_with_manual_seed(backend):
     q, k, v = qkv(nq=16, nk=16)
+    skip_unless_supported(backend, q, k, v, dropout_p=0.3)
     torch.manual_seed(7)
-    a = ak.attention(q, k, v, dropout_p=0.3)
+    a = ak.attention(q, k, v, dropout_p=0.3, backend=backend)
     torch.manual_seed(7)
-    b = ak.attention(q, k, v, dropout_p=0.3)
-    c = ak.attention(q, k, v, dropout_p=0.3)
+    b = ak.attention(q, k, v, dropout_p=0.3, backend=backend)
+    c = ak.attention(q, k, v, dropout_p=0.3, backend=backend)
     torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert not torch.equal(a, c)
-    assert not torch.allclose(a, ak.attention(q, k, v))
+    assert not torch.allclose(a, ak.attention(q, k, v, backend=backend))
 
 
-def test_dropout_statistics():
+def test_dropout_statistics(backend):
     n, p = 256, 0.3
     q = torch.zeros(1, 1, n, 4, dtype=torch.float64)             # uniform weights 1/n
     k = randn(1, 1, n, 4)
     eye = torch.eye(n, dtype=torch.float64)[None, None]          # out[i, j] = kept w_ij
-    out = ak.attention(q, k, eye, dropout_p=p)
+    out = run_backend(backend, q, k, eye, dropout_p=p)
     dropped = (out == 0).double().mean().item()
     assert abs(dropped - p) < 0.01, dropped                      # 65 536 Bernoulli draws
     kept = out[out != 0]
     torch.testing.assert_close(kept, torch.full_like(kept, 1 / (n * (1 - p))))
     ones = torch.ones(1, 1, n, 1, dtype=torch.float64)
-    mean = ak.attention(q, k, ones, dropout_p=p).mean().item()  # E[out] = 1
+    mean = ak.attention(q, k, ones, dropout_p=p, backend=backend).mean().item()  # E[out] = 1
     assert abs(mean - 1.0) < 0.01, mean
 
 
