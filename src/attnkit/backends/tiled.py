@@ -52,6 +52,7 @@ Caution
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -139,11 +140,32 @@ def _status_map(p: Problem, block_q: int, block_k: int) -> np.ndarray | None:
     return st.to(torch.int8).numpy()
 
 
-def plan(p: Problem, block_q: int | None = None, block_k: int | None = None) -> Plan:
+def _coarsen(st: np.ndarray, f: int) -> np.ndarray:
+    """Merge ``f`` consecutive block rows: EMPTY if all are, FULL if all are, else PARTIAL."""
+    nbq, nbk = st.shape
+    pad = (-nbq) % f
+    empty = np.concatenate([st == _masks.EMPTY, np.ones((pad, nbk), bool)])
+    full = np.concatenate([st == _masks.FULL, np.ones((pad, nbk), bool)])
+    empty = empty.reshape(-1, f, nbk).all(1)
+    full = full.reshape(-1, f, nbk).all(1)
+    return np.where(full, _masks.FULL, np.where(empty, _masks.EMPTY, _masks.PARTIAL))
+
+
+def _cost(st: np.ndarray, bq: int, n_q: int, bk: int) -> int:
+    """Score pairs computed with query blocks of ``bq`` rows (every non-empty tile)."""
+    rows = np.minimum(bq, n_q - bq * np.arange(st.shape[0]))
+    return int((rows * (st != _masks.EMPTY).sum(1)).sum()) * bk
+
+
+def plan(p: Problem, block_q: int | None = None, block_k: int | None = None,
+         coarsen: bool = True) -> Plan:
     """Cut ``p`` into query blocks and key runs from the mask's block map.
 
     A run is a maximal range of consecutive non-empty tiles of one kind: FULL tiles (no mask
     work) or PARTIAL tiles (mask evaluated on the run). A bias makes every run masked.
+    With ``coarsen``, query blocks grow to 2× or 4× ``block_q`` rows (bigger, faster kernel
+    calls) when that computes at most 25% more score pairs than the fine blocks.
+    Without a mask or bias the whole call is one block and one run.
     """
     bq = block_q or _SIZES["block_q"]
     bk = block_k or _SIZES["block_k"]
@@ -152,14 +174,22 @@ def plan(p: Problem, block_q: int | None = None, block_k: int | None = None) -> 
     pl = Plan(bq, bk, tiles=nbq * nbk)
     if st is None:
         pl.full = nbq * nbk
-        for i in range(nbq):
-            pl.blocks.append((i * bq, min((i + 1) * bq, p.n_q),
-                              [Run(0, p.n_k, p.bias is not None)]))
+        step = p.n_q if (p.bias is None and coarsen) else bq
+        for q0 in range(0, p.n_q, step):
+            pl.blocks.append((q0, min(q0 + step, p.n_q), [Run(0, p.n_k, p.bias is not None)]))
         return pl
     pl.empty = int((st == _masks.EMPTY).sum())
     pl.full = int((st == _masks.FULL).sum())
     pl.partial = int((st == _masks.PARTIAL).sum())
-    for i in range(nbq):
+    if coarsen:
+        base = _cost(st, bq, p.n_q, bk)
+        for f in (4, 2):
+            cst = _coarsen(st, f)
+            if _cost(cst, f * bq, p.n_q, bk) <= 1.25 * base:
+                st, bq = cst, f * bq
+                pl.block_q = bq
+                break
+    for i in range(st.shape[0]):
         row = st[i]
         # run boundaries: where the tile kind changes
         cuts = np.flatnonzero(np.diff(row)) + 1
@@ -221,8 +251,12 @@ def _tile_is_tril(allowed: torch.Tensor) -> bool:
     bq, L = allowed.shape[-2:]
     if bq != L:
         return False
-    tril = torch.ones(bq, L, dtype=torch.bool, device=allowed.device).tril_()
-    return bool((allowed == tril).all())
+    return bool((allowed == _tril(bq)).all())
+
+
+@functools.lru_cache(maxsize=8)
+def _tril(n: int) -> torch.Tensor:
+    return torch.ones(n, n, dtype=torch.bool).tril_()
 
 
 # ---------------------------------------------------------------------------- fused engine
@@ -262,21 +296,25 @@ def _run_mask(f: _Fused, q0: int, q1: int, run: Run) -> tuple[torch.Tensor | Non
 
 
 def _merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge per-run ``(out (…, rows, D), lse (…, rows))`` by their log-sum-exp."""
+    """Merge per-run ``(out (…, rows, D), lse (…, rows))`` by their log-sum-exp.
+
+    Weights are formed on the small ``(…, rows)`` tensors; the outputs are combined in place
+    in the first run's buffer (one multiply and one fused multiply-add per further run).
+    """
     if len(parts) == 1:
         return parts[0]
     lse = torch.stack([x[1] for x in parts])                 # (R, …, rows)
     m = lse.amax(0)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    m = torch.where(m == -math.inf, torch.zeros_like(m), m)
     w = torch.exp(lse - m)                                   # (R, …, rows)
     s = w.sum(0)
-    out = parts[0][0] * w[0, ..., None]
-    for r in range(1, len(parts)):
-        out.add_(parts[r][0] * w[r, ..., None])
     nonzero = s > 0
-    out.div_(torch.where(nonzero, s, torch.ones_like(s))[..., None])
-    lse_out = torch.where(nonzero, m + torch.log(torch.where(nonzero, s, torch.ones_like(s))),
-                          torch.full_like(s, -math.inf))
+    s_safe = torch.where(nonzero, s, torch.ones_like(s))
+    w = (w / s_safe).unsqueeze(-1)                           # normalised weights
+    out = parts[0][0].mul_(w[0])
+    for r in range(1, len(parts)):
+        out.addcmul_(parts[r][0], w[r])
+    lse_out = torch.where(nonzero, m + torch.log(s_safe), torch.full_like(s, -math.inf))
     return out, lse_out
 
 
@@ -444,7 +482,7 @@ def _general_attention(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     k = p.k.to(acc).reshape(B * hkv, p.n_k, p.d_k)
     v = p.v.to(acc).reshape(B * hkv, p.n_k, p.d_v)
     bias = p.bias.to(acc) if p.bias is not None else None
-    pl = plan(p, block_q=_SIZES["general_block_q"])
+    pl = plan(p, block_q=_SIZES["general_block_q"], coarsen=False)
     _count(pl)
     chunk = _SIZES["chunk_k"]
     grad = p.requires_grad
