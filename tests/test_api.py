@@ -526,3 +526,13 @@ def test_low_precision_rule_catches_a_bad_result():
     with pytest.raises(AssertionError):
         assert_low_precision_close(bad.half(), lowp, ref64)
     assert max_err(lowp, ref64) > 0
+
+
+def test_read_only_numpy_arrays_work_without_warnings(recwarn):
+    a = np.frombuffer(np.arange(12, dtype=np.float64).tobytes()).reshape(3, 4) / 10
+    assert not a.flags.writeable
+    m = np.broadcast_to(np.array([True, True, False]), (3, 3))
+    out = ak.attention(a, a, a, mask=m)
+    ref = oracle(*(torch.tensor(a) for _ in range(3)), allowed=torch.tensor(m))[0].numpy()
+    np.testing.assert_allclose(out, ref, rtol=1e-12)
+    assert not [w for w in recwarn if "not writable" in str(w.message)]

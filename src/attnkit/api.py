@@ -62,7 +62,10 @@ def _to_tensor(x: Any, name: str) -> tuple[torch.Tensor, bool]:
     if isinstance(x, torch.Tensor):
         return x, False
     if isinstance(x, np.ndarray):
-        return torch.from_numpy(np.ascontiguousarray(x)), True
+        x = np.ascontiguousarray(x)
+        if not x.flags.writeable:                 # torch warns on read-only buffers
+            x = x.copy()
+        return torch.from_numpy(x), True
     raise TypeError(
         f"{name} must be a torch.Tensor or a numpy.ndarray, got {type(x).__name__}: "
         f"convert it with torch.as_tensor({name})"
@@ -154,7 +157,7 @@ def _normalise_mask(
     if isinstance(mask, _masks.Mask):
         return mask, None
     if isinstance(mask, np.ndarray):
-        mask = torch.from_numpy(np.ascontiguousarray(mask))
+        mask, _ = _to_tensor(mask, "mask")
     if not isinstance(mask, torch.Tensor):
         raise TypeError(
             f"mask must be an attnkit.masks.Mask, a bool tensor (True = may attend) or a float "

@@ -43,6 +43,9 @@ def safe_softmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Returns ``(weights, lse)``; ``lse`` is −∞ for a row with no allowed key, and neither the
     weights nor their gradients are ever NaN for such a row.
     """
+    if logits.shape[-1] == 0:                             # no keys at all: every row empty
+        return logits, torch.full(logits.shape[:-1], -torch.inf, dtype=logits.dtype,
+                                  device=logits.device)
     m = logits.amax(-1, keepdim=True).detach()           # (…, N_q, 1) row max
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))   # empty row: shift by 0
     e = torch.exp(logits - m)                             # (…, N_q, N_k) in (0, 1]

@@ -119,3 +119,10 @@ def test_text_lists_every_head():
     w = tr.weights
     for h in range(2):
         assert f"{w[0, h, 0, 0]:.3f}" in text
+
+
+@pytest.mark.parametrize("n_q,n_k", [(0, 3), (3, 0)])
+def test_empty_sequences(n_q, n_k):
+    tr = ak.explain(randn(n_q, 4), randn(n_k, 4), randn(n_k, 2), is_causal=True)
+    assert tr.weights.shape == (n_q, n_k) and tr.output.shape == (n_q, 2)
+    assert (tr.output == 0).all() and np.isneginf(tr.lse).all()
