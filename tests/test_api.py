@@ -529,7 +529,7 @@ def test_low_precision_rule_catches_a_bad_result():
 
 
 def test_read_only_numpy_arrays_work_without_warnings(recwarn):
-    a = np.frombuffer(np.arange(12, dtype=np.float64).tobytes()).reshape(3, 4) / 10
+    a = np.frombuffer((np.arange(12, dtype=np.float64) / 10).tobytes()).reshape(3, 4)
     assert not a.flags.writeable
     m = np.broadcast_to(np.array([True, True, False]), (3, 3))
     out = ak.attention(a, a, a, mask=m)
