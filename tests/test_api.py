@@ -163,12 +163,13 @@ def test_softcap_applies_to_scaled_logits_before_mask():
     assert not torch.allclose(out, ak.attention(q, k, v, is_causal=True, scale=0.3))
 
 
-def test_score_mod_gets_indices_and_is_differentiable():
+def test_score_mod_gets_indices_and_is_differentiable(backend):
+    """Gradients reach a score mod's own parameters (q, k, v need no grad)."""
     torch.manual_seed(3)
     q, k, v = qkv(b=2, hq=3, hkv=3, nq=4, nk=6, dk=4)
     table = torch.randn(3, 2 * 3 + 1, dtype=torch.float64, requires_grad=True)
     mod = relative_bias(table, 3)
-    out = ak.attention(q, k, v, score_mod=mod)
+    out = run_backend(backend, q, k, v, score_mod=mod)
     b = torch.arange(2).view(-1, 1, 1, 1)
     h = torch.arange(3).view(1, -1, 1, 1)
     qi, ki = torch.arange(4).view(1, 1, -1, 1), torch.arange(6).view(1, 1, 1, -1)

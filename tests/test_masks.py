@@ -201,6 +201,8 @@ def test_algebra_with_bool_tensor_and_errors():
     got = dense2d(masks.causal() & t, 4, 4)
     i, j = ij(4, 4)
     assert torch.equal(got, t & (j <= i))
+    assert torch.equal(dense2d(t & masks.causal(), 4, 4), t & (j <= i))   # tensor on the left
+    assert torch.equal(dense2d(t | masks.causal(), 4, 4), t | (j <= i))
     with pytest.raises(TypeError, match="needs two Masks"):
         masks.causal() & 3                                  # type: ignore[operator]
     with pytest.raises(ValueError, match="batch 2 and 3"):

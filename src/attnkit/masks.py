@@ -367,6 +367,12 @@ class Mask:
 
         return _combined(fn, f"({a.name} | {b_.name})", blocks, a, b_)
 
+    def __rand__(self, other: Mask) -> Mask:     # bool_tensor & mask
+        return _as_mask(other, "&") & self
+
+    def __ror__(self, other: Mask) -> Mask:      # bool_tensor | mask
+        return _as_mask(other, "|") | self
+
     def __invert__(self) -> Mask:
         a = self
 
