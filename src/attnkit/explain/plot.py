@@ -140,12 +140,12 @@ def render_plot(traces: Trace | Sequence[Trace], path: str | Path,
             for r, w in enumerate(what):
                 mats = split_heads(getattr(tr, w), lang)[:MAX_HEADS]
                 if w == "weights":
-                    cmap, norm = colormaps["Blues"].copy(), Normalize(0.0, 1.0)
+                    cmap, norm = colormaps["Blues"], Normalize(0.0, 1.0)
                 else:
                     fin = np.concatenate([m[np.isfinite(m)] for _, m in mats] + [np.zeros(1)])
                     lim = float(np.abs(fin).max()) or 1.0
-                    cmap, norm = colormaps["RdBu_r"].copy(), Normalize(-lim, lim)
-                cmap.set_bad("#c9ccd3")
+                    cmap, norm = colormaps["RdBu_r"], Normalize(-lim, lim)
+                cmap = cmap.with_extremes(bad="#c9ccd3")
                 im = None
                 row_axes = [ax for gr in range(g) for ax in axes[r * g + gr]]
                 for c, ax in enumerate(row_axes):

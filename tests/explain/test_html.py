@@ -1,0 +1,190 @@
+"""The HTML page: self-contained, complete, and working in a real (headless) Chromium.
+
+The browser tests need Debian's chromium and chromium-driver (``.ci/setup-system`` installs
+them) and selenium (requirements-dev.txt); they skip only where chromium is absent.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import attnkit as ak
+from attnkit.explain.examples import EXAMPLES
+from attnkit.explain.html import render_html
+from attnkit.explain.text import fmt
+
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         "--disable-dev-shm-usage", "--hide-scrollbars", "--window-size=1200,1600"]
+
+
+def find_chromium() -> str | None:
+    for name in ("chromium", "chromium-browser"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+needs_chromium = pytest.mark.skipif(
+    find_chromium() is None,
+    reason="chromium is not installed: apt-get install chromium chromium-driver "
+           "(.ci/setup-system does this in CI)")
+
+
+def cells(page: str, step: str) -> list[list[str]]:
+    """The data-v values of the first heatmap whose data-step starts with ``step``."""
+    m = re.search(r'<table class="hm[^"]*" data-step="' + re.escape(step) + r'[^"]*">(.*?)</table>',
+                  page)
+    assert m, step
+    return [re.findall(r'data-v="([^"]+)"', r) for r in re.findall(r"<tr>(.*?)</tr>",
+                                                                    m.group(1))[1:]]
+
+
+# ---------------------------------------------------------------------------- the page
+
+
+def test_page_is_self_contained():
+    page = render_html(EXAMPLES["masked"].traces())
+    assert page.startswith("<!doctype html>")
+    assert not re.search(r"https?://|<link|\bsrc=|@import|url\((?!#)", page)
+
+
+def test_page_shows_flow_formula_steps_and_values():
+    tr = EXAMPLES["worked"].build()
+    page = render_html([tr])
+    for text in ("Score", "Scale &amp; Mask", "Softmax", "Weighted sum", "O = W V",
+                 "softmax( Q K<sup>T</sup>", "S = Q Kᵀ", "W = softmax_keys(L)"):
+        assert text in page, text
+    # the shapes on the arrows of the flow
+    flow = page[page.index('<svg class="flow"'):page.index("</svg>")]
+    assert flow.count(">(1, 3)<") == 3 and ">(1, 4)<" in flow and ">(1, 2)<" in flow
+    # every step's heatmap holds every value
+    assert cells(page, "4.") == [[fmt(float(x)) for x in tr.weights[0]]]
+    assert cells(page, "1.") == [[fmt(float(x)) for x in tr.scores[0]]]
+
+
+def test_masked_cells_are_marked():
+    page = render_html(EXAMPLES["causal"].traces())
+    logits = cells(page, "3.")
+    assert logits[0][1:] == ["-inf", "-inf"] and logits[2].count("-inf") == 0
+    assert page.count('class="x"') == 3
+
+
+def test_multihead_page_has_one_tab_and_panel_per_head():
+    page = render_html(EXAMPLES["multihead"].traces())
+    assert re.findall(r'<button type="button" data-head="(\d)"', page) == ["0", "1"]
+    assert len(re.findall(r'<div class="head" data-head="\d"', page)) == 2
+    assert 'data-head="1" hidden' in page
+    assert "Concat" in page
+
+
+def test_korean_page():
+    page = render_html(EXAMPLES["cross"].traces(), lang="ko")
+    assert '<html lang="ko">' in page
+    for text in ("점수", "스케일 &amp; 마스크", "소프트맥스", "가중합", "나는", "학교에"):
+        assert text in page, text
+
+
+def test_trace_to_html_writes_the_file(tmp_path):
+    q = torch.randn(2, 3, 4, dtype=torch.float64)
+    tr = ak.explain(q, q, q, is_causal=True)
+    page = tr.to_html(tmp_path / "p.html")
+    assert (tmp_path / "p.html").read_text(encoding="utf-8") == page
+    assert len(re.findall(r'<div class="head"', page)) == 2
+
+
+# ---------------------------------------------------------------------------- a real browser
+
+
+def not_blank(png: bytes) -> None:
+    from PIL import Image
+
+    img = np.asarray(Image.open(io.BytesIO(png)).convert("RGB"), dtype=float)
+    assert img.shape[0] > 400 and img.shape[1] > 400
+    background = np.median(img.reshape(-1, 3), axis=0)
+    differs = np.abs(img - background).sum(-1) > 40
+    assert differs.mean() > 0.03, f"only {differs.mean():.1%} of the page differs from background"
+    assert len(np.unique(img.reshape(-1, 3)[::7], axis=0)) > 50       # colours, not a blank
+
+
+@needs_chromium
+def test_page_in_chromium_dump_dom(tmp_path):
+    path = tmp_path / "ko.html"
+    path.write_text(render_html(EXAMPLES["cross"].traces(), lang="ko"), encoding="utf-8")
+    r = subprocess.run([find_chromium(), *FLAGS, f"--user-data-dir={tmp_path / 'profile'}",
+                        "--dump-dom", path.as_uri()], capture_output=True, text=True,
+                       timeout=120)
+    dom = r.stdout
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert 'data-ready="1"' in dom                      # the page's script ran to the end
+    assert re.search(r'<pre id="js-errors" hidden=""></pre>', dom), "the page logged errors"
+    for text in ("소프트맥스", "가중합", "W = softmax_keys(L)", "학교에"):
+        assert text in dom, text
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    chromium = find_chromium()
+    if chromium is None:
+        pytest.skip("chromium is not installed: apt-get install chromium chromium-driver "
+                    "(.ci/setup-system does this in CI)")
+    driver_path = shutil.which("chromedriver")
+    if driver_path is None:
+        pytest.skip("chromedriver is not installed: apt-get install chromium-driver")
+    import os
+
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    os.environ.setdefault("SE_OFFLINE", "true")          # selenium must not download anything
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = chromium
+    for flag in FLAGS:
+        opts.add_argument(flag)
+    opts.add_argument(f"--user-data-dir={tmp_path_factory.mktemp('profile')}")
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(options=opts, service=Service(executable_path=driver_path))
+    yield driver
+    driver.quit()
+
+
+def test_page_in_chromium_with_selenium(browser, tmp_path):
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+
+    tr = EXAMPLES["multihead"].build()
+    path = tmp_path / "page.html"
+    tr.to_html(path)
+    browser.get(path.as_uri())
+    assert browser.find_element(By.TAG_NAME, "body").get_attribute("data-ready") == "1"
+    text = browser.find_element(By.TAG_NAME, "body").text
+    for s in ("Score", "Scale & Mask", "Softmax", "Weighted sum", "1. MatMul", "4. Softmax"):
+        assert s in text, s
+    # hover a weight: the tooltip shows query, key and value
+    cell = browser.find_element(
+        By.CSS_SELECTOR, '.head[data-head="0"] .card[data-key="weights"] tbody tr td')
+    ActionChains(browser).move_to_element(cell).perform()
+    tip = browser.find_element(By.ID, "tip")
+    assert tip.is_displayed()
+    assert tip.text.endswith(f"I → I = {fmt(float(tr.weights[0, 0, 0]))}"), tip.text
+    # head tabs switch the panels
+    heads = browser.find_elements(By.CSS_SELECTOR, "section .head")
+    assert [h.is_displayed() for h in heads] == [True, False]
+    browser.find_element(By.CSS_SELECTOR, '.tabs button[data-head="1"]').click()
+    assert [h.is_displayed() for h in heads] == [False, True]
+    png = browser.get_screenshot_as_png()
+    Path(tmp_path / "shot.png").write_bytes(png)
+    not_blank(png)
+    errors = browser.execute_script("return window.__errors")
+    assert errors == []
+    severe = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+    assert severe == [], severe

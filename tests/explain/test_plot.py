@@ -1,0 +1,68 @@
+"""Heatmap PNGs: written, decodable, one panel per head, Hangul when a CJK font exists."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import attnkit as ak
+from attnkit.explain import plot as plot_mod
+from attnkit.explain.examples import EXAMPLES
+
+
+def pixels(path) -> np.ndarray:  # noqa: ANN001
+    with Image.open(path) as img:
+        assert img.format == "PNG"
+        return np.asarray(img.convert("RGB"), dtype=float)
+
+
+def test_trace_plot_writes_a_decodable_png(tmp_path):
+    tr = EXAMPLES["causal"].build()
+    out = tr.plot(tmp_path / "w.png")
+    assert out == tmp_path / "w.png"
+    img = pixels(out)
+    assert img.shape[0] > 200 and img.shape[1] > 300
+    # the weights heatmap has colour: the dark blue of the 0.844 cell is somewhere
+    assert (img[..., 2] - img[..., 0] > 80).any()
+
+
+def test_more_quantities_and_heads_make_a_bigger_figure(tmp_path):
+    q = torch.randn(4, 3, 4, dtype=torch.float64)
+    tr = ak.explain(q, q, q, is_causal=True)
+    one = pixels(tr.plot(tmp_path / "one.png"))
+    two = pixels(tr.plot(tmp_path / "two.png", what=("logits", "weights")))
+    assert two.shape[0] > 1.6 * one.shape[0]
+    single = pixels(EXAMPLES["causal"].build().plot(tmp_path / "single.png"))
+    assert one.shape[1] > 1.5 * single.shape[1]          # 4 heads side by side
+
+
+def test_unknown_quantity_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="what must name some of weights"):
+        EXAMPLES["causal"].build().plot(tmp_path / "x.png", what=("attention",))
+
+
+def test_korean_plot_uses_a_cjk_font_or_falls_back_with_a_warning(tmp_path):
+    traces = EXAMPLES["cross"].traces()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = plot_mod.render_plot(traces, tmp_path / "ko.png", lang="ko")
+    assert pixels(out).size
+    messages = [str(w.message) for w in caught]
+    assert not any("Glyph" in m for m in messages)       # no missing-glyph boxes
+    if plot_mod.cjk_font() is None:
+        assert any("no font with Hangul" in m for m in messages)
+    else:
+        assert not any("no font with Hangul" in m for m in messages)
+
+
+def test_cjk_font_is_installed_where_ci_installs_it():
+    from pathlib import Path
+
+    if not any(Path("/usr/share/fonts").rglob("*CJK*")) and not any(
+            Path("/usr/share/fonts").rglob("*Nanum*")):
+        pytest.skip("no CJK font installed (.ci/setup-system installs fonts-noto-cjk)")
+    assert plot_mod.cjk_font() is not None

@@ -1,0 +1,251 @@
+"""The ``attnkit`` command line: examples, user inputs in every format, every bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from attnkit.cli import main
+from explain.textparse import all_close, parse
+
+Q = np.array([[1.0, 0, 1, 0], [0, 1, 0, 1]])
+K = np.array([[1.0, 0, 1, 0], [1, 1, 1, 1]])
+V = np.array([[10.0, 0], [0, 10]])
+
+
+def write(path: Path, a: np.ndarray) -> Path:
+    """Save ``a`` in the format the extension names."""
+    if path.suffix == ".npy":
+        np.save(path, a)
+    elif path.suffix == ".json":
+        path.write_text(json.dumps(np.asarray(a).tolist()))
+    else:
+        rows = np.atleast_2d(a)
+        path.write_text("\n".join(",".join(
+            ("true" if x else "false") if isinstance(x, (bool, np.bool_)) else repr(float(x))
+            for x in r) for r in rows) + "\n")
+    return path
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    rc = main(["explain", "--color", "never", *argv] if argv[:1] != ("examples",) else argv)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.mark.parametrize("ext", [".npy", ".json", ".csv"])
+def test_user_inputs_in_each_format(tmp_path, capsys, ext):
+    q, k, v = (write(tmp_path / f"{n}{ext}", a) for n, a in (("q", Q), ("k", K), ("v", V)))
+    rc, out, err = run(capsys, "--q", str(q), "--k", str(k), "--v", str(v))
+    assert rc == 0, err
+    (sec,) = parse(out)
+    assert sec.values("1") == [[2.0, 2.0], [0.0, 2.0]]
+    assert all_close(sec.values("4")[1], ["0.269", "0.731"])
+    assert all_close(sec.values("5")[1], ["2.689", "7.311"])
+
+
+def test_mixed_formats_and_self_attention_default(tmp_path, capsys):
+    q = write(tmp_path / "x.csv", Q)
+    rc, out, _ = run(capsys, "--q", str(q))            # k and v default to q
+    assert rc == 0
+    (sec,) = parse(out)
+    assert sec.values("1") == (Q @ Q.T).tolist()
+    rc, out, _ = run(capsys, "--q", str(q), "--k", str(write(tmp_path / "k.npy", K)),
+                     "--v", str(write(tmp_path / "v.json", V)))
+    assert rc == 0 and parse(out)[0].values("1") == [[2.0, 2.0], [0.0, 2.0]]
+
+
+def test_one_dimensional_file_is_one_query(tmp_path, capsys):
+    q = tmp_path / "q.json"
+    q.write_text("[1, 0, 1, 0]")
+    rc, out, _ = run(capsys, "--q", str(q), "--k", str(write(tmp_path / "k.csv", K)),
+                     "--v", str(write(tmp_path / "v.csv", V)))
+    assert rc == 0 and parse(out)[0].steps["4"].shape == (1, 2)
+
+
+@pytest.mark.parametrize(("ext", "mask"), [
+    (".json", np.array([[True, False], [True, True]])),
+    (".csv", np.array([[True, False], [True, True]])),
+    (".npy", np.array([[True, False], [True, True]])),
+    (".csv", np.array([[0.0, -math.inf], [0.0, 0.0]])),
+    (".npy", np.array([[0.0, -math.inf], [0.0, 0.0]])),
+])
+def test_mask_file_bool_or_minus_inf(tmp_path, capsys, ext, mask):
+    files = [write(tmp_path / f"{n}.npy", a) for n, a in (("q", Q), ("k", K), ("v", V))]
+    m = write(tmp_path / f"m{ext}", mask)
+    rc, out, err = run(capsys, "--q", str(files[0]), "--k", str(files[1]), "--v", str(files[2]),
+                       "--mask", str(m))
+    assert rc == 0, err
+    (sec,) = parse(out)
+    assert sec.values("3")[0][1] == -math.inf
+    assert sec.values("4")[0] == [1.0, 0.0]
+    assert sec.values("5")[0] == [10.0, 0.0]
+
+
+def test_json_mask_with_minus_infinity(tmp_path, capsys):
+    files = [write(tmp_path / f"{n}.json", a) for n, a in (("q", Q), ("k", K), ("v", V))]
+    m = tmp_path / "m.json"
+    m.write_text('[[0, -Infinity]]')                   # one row shared by both queries
+    rc, out, err = run(capsys, "--q", str(files[0]), "--k", str(files[1]), "--v", str(files[2]),
+                       "--mask", str(m))
+    assert rc == 0, err
+    assert [r[1] for r in parse(out)[0].values("3")] == [-math.inf, -math.inf]
+
+
+def test_causal_scale_softcap_heads(tmp_path, capsys):
+    x = np.arange(24, dtype=float).reshape(3, 8) / 10
+    q = write(tmp_path / "x.npy", x)
+    rc, out, _ = run(capsys, "--q", str(q), "--causal")
+    assert rc == 0
+    logits = parse(out)[0].values("3")
+    assert logits[0][1:] == [-math.inf, -math.inf] and "mask: causal" in out
+    rc, out, _ = run(capsys, "--q", str(q), "--scale", "0.25")
+    assert rc == 0
+    sec = parse(out)[0]
+    np.testing.assert_allclose(sec.values("2"), (x @ x.T) * 0.25, atol=5e-4)
+    rc, out, _ = run(capsys, "--q", str(q), "--scale", "1", "--softcap", "2")
+    assert rc == 0
+    assert max(max(r) for r in parse(out)[0].values("2")) <= 2.0
+    rc, out, _ = run(capsys, "--q", str(q), "--heads", "2", "--q-labels", "a,b,c")
+    assert rc == 0
+    sec = parse(out)[0]
+    assert list(sec.steps["4"].heads) == ["head 1", "head 2"]
+    assert sec.steps["6"].shape == (3, 8) and sec.steps["4"].matrix.rows == ["a", "b", "c"]
+    h1 = x[:, :4]
+    s = h1 @ h1.T / 2
+    w = np.exp(s - s.max(-1, keepdims=True))
+    w /= w.sum(-1, keepdims=True)
+    np.testing.assert_allclose(sec.values("4", "head 1"), w, atol=5e-4)
+
+
+def test_example_with_a_different_scale(capsys):
+    rc, out, _ = run(capsys, "--example", "worked", "--scale", "1")
+    assert rc == 0
+    sec = parse(out)[0]
+    assert all_close(sec.values("3")[0], ["2", "0", "1"])
+    assert "[scale = 1]" in sec.title
+
+
+def test_korean_output(capsys):
+    rc, out, _ = run(capsys, "--example", "masked", "--lang", "ko")
+    assert rc == 0
+    assert "단계" in out and "가장 컸지만 마스크" in out
+    assert all_close(parse(out)[0].values("4")[0], ["0.44", "0.56", "0"])
+
+
+def test_html_and_plot_outputs(tmp_path, capsys):
+    page, png = tmp_path / "p.html", tmp_path / "p.png"
+    rc, out, err = run(capsys, "--example", "worked", "--html", str(page), "--plot", str(png))
+    assert rc == 0, err
+    assert page.read_text(encoding="utf-8").startswith("<!doctype html>")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert str(page) in err and str(png) in err
+    assert parse(out)[0].values("4")                 # the text is still printed
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+def bad_cases(tmp: Path) -> list[tuple[list[str], list[str]]]:
+    """(argv, words the one-line message must contain)."""
+    q = write(tmp / "q.npy", Q)
+    k5 = write(tmp / "k5.csv", np.ones((2, 5)))
+    v3 = write(tmp / "v3.json", np.ones((3, 2)))
+    (tmp / "ragged.json").write_text("[[1, 2], [3]]")
+    (tmp / "broken.json").write_text("[[1, 2],")
+    (tmp / "words.csv").write_text("1,a\n")
+    (tmp / "ragged.csv").write_text("1,2\n3\n")
+    (tmp / "notes.txt").write_text("1 2")
+    (tmp / "pickle.npy").write_bytes(b"not a numpy file")
+    (tmp / "nan.csv").write_text("1,nan\n0,1\n")
+    (tmp / "m01.json").write_text("[[0, 1], [1, 1]]")
+    m3 = write(tmp / "m3.json", np.ones((3, 3), dtype=bool))
+    return [
+        (["--example", "nope"], ["unknown example 'nope'", "causal", "attnkit examples"]),
+        (["--q", str(tmp / "missing.npy")], ["missing.npy", "no such file"]),
+        (["--q", str(tmp / "notes.txt")], ["notes.txt", ".npy, .json, .csv"]),
+        (["--q", str(tmp / "ragged.json")], ["ragged.json", "different lengths"]),
+        (["--q", str(tmp / "broken.json")], ["broken.json", "not valid JSON"]),
+        (["--q", str(tmp / "words.csv")], ["words.csv", "row 1, column 2", "'a'"]),
+        (["--q", str(tmp / "ragged.csv")], ["ragged.csv", "[2, 1]"]),
+        (["--q", str(tmp / "pickle.npy")], ["pickle.npy", ".npy"]),
+        (["--q", str(tmp / "nan.csv")], ["nan.csv", "non-finite"]),
+        (["--q", str(q), "--k", str(k5)], ["q.npy (2, 4)", "k5.csv (2, 5)", "d_k 4 vs 5"]),
+        (["--q", str(q), "--v", str(v3)], ["q.npy (2, 4)", "v3.json (3, 2)", "n_k 2 vs 3"]),
+        (["--q", str(q), "--heads", "3"], ["--heads 3", "q.npy (2, 4)", "1, 2, 4"]),
+        (["--q", str(q), "--mask", str(m3)], ["m3.json", "(3, 3)", "(n_q, n_k) = (2, 2)"]),
+        (["--q", str(q), "--mask", str(tmp / "m01.json")], ["m01.json", "true/false"]),
+        (["--q", str(q), "--mask", str(m3), "--causal"], ["--causal or --mask"]),
+        (["--q", str(q), "--softcap", "-1"], ["softcap must be > 0", "q.npy"]),
+        (["--q", str(q), "--scale", "inf"], ["--scale must be a finite number"]),
+        (["--q", str(q), "--q-labels", "a,b,c"], ["--q-labels has 3 labels", "2 queries"]),
+        (["--q", str(q), "--example", "worked"], ["either --example or"]),
+        (["--causal"], ["--causal", "--q FILE"]),
+        (["--lang", "fr"], ["invalid choice: 'fr'"]),
+        (["--q", str(q), "--html", str(tmp / "no" / "dir" / "p.html")], ["cannot write --html"]),
+    ]
+
+
+def test_every_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
+    for argv, words in bad_cases(tmp_path):
+        rc, _, err = run(capsys, *argv)
+        assert rc == 2, argv
+        lines = err.strip().splitlines()
+        assert len(lines) == 1, (argv, err)
+        for w in words:
+            assert w in lines[0], (argv, w, lines[0])
+        assert "Traceback" not in err
+
+
+def test_bad_input_in_a_real_process_has_no_traceback(tmp_path):
+    (tmp_path / "ragged.json").write_text("[[1, 2], [3]]")
+    r = subprocess.run([sys.executable, "-m", "attnkit", "explain", "--q",
+                        str(tmp_path / "ragged.json")], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert "ragged.json" in r.stderr
+
+
+def test_python_dash_m_prints_the_default_example():
+    r = subprocess.run([sys.executable, "-m", "attnkit", "explain"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and "\033[" not in r.stdout         # not a terminal: no colour
+    assert all_close(parse(r.stdout)[0].values("4")[2], ["0.114", "0.042", "0.844"])
+
+
+# ---------------------------------------------------------------------------- delegation
+
+
+@pytest.mark.parametrize("name", ["bench", "cost"])
+def test_subcommands_are_handed_over_unparsed(monkeypatch, name):
+    seen = []
+    fake = types.ModuleType(f"attnkit.{name}")
+    fake.run_cli = lambda argv: seen.append(argv) or 7            # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, f"attnkit.{name}", fake)
+    assert main([name, "--quick", "-x", "pos", "--lang", "ko"]) == 7
+    assert seen == [["--quick", "-x", "pos", "--lang", "ko"]]
+
+
+@pytest.mark.parametrize("name", ["bench", "cost"])
+def test_missing_subcommand_module_is_one_line_exit_2(monkeypatch, capsys, name):
+    monkeypatch.setitem(sys.modules, f"attnkit.{name}", None)     # import fails
+    assert main([name, "--anything"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"attnkit {name}: not available" in err[0]
+
+
+def test_help_lists_every_command(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for cmd in ("explain", "examples", "bench", "cost"):
+        assert cmd in out
