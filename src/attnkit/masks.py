@@ -142,14 +142,14 @@ class Mask:
 
     @property
     def depends_on_batch(self) -> bool:
-        """True when the mask may differ between batch elements: dense evaluations and block
-        maps then have the full batch size in dim 0 (else 1)."""
+        """True when the mask may differ between batch elements (it is then evaluated for every
+        batch index; dense evaluations and block maps have size B or 1 in dim 0)."""
         return self._sizes.any_bh or (self._sizes.batch is not None and self._sizes.batch > 1)
 
     @property
     def depends_on_heads(self) -> bool:
-        """True when the mask may differ between heads: dense evaluations and block maps then
-        have the full head count in dim 1 (else 1)."""
+        """True when the mask may differ between heads (it is then evaluated for every head;
+        dense evaluations and block maps have size H or 1 in dim 1)."""
         return self._sizes.any_bh or (self._sizes.heads is not None and self._sizes.heads > 1)
 
     def _index_grid(
@@ -175,7 +175,11 @@ class Mask:
         while out.dim() < 4:
             out = out.unsqueeze(0)
         try:
-            return out.expand(shape)
+            torch.broadcast_shapes(out.shape, shape)
+            if out.dim() > 4:
+                raise RuntimeError
+            # minimal: dims the mask does not depend on stay 1 (a from_fn mask that ignores b/h)
+            return out.expand(torch.broadcast_shapes(out.shape, (1, 1) + shape[2:]))
         except RuntimeError:
             raise ValueError(
                 f"mask {self.name} evaluated to shape {tuple(out.shape)}, which does not "
