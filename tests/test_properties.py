@@ -82,8 +82,11 @@ def test_adding_a_constant_per_row_changes_nothing(backend, prob, shift):
     torch.testing.assert_close(lse_b[fin], lse[fin] + per_row[:, 0].expand_as(lse)[fin],
                                rtol=1e-9, atol=1e-9)
     # … and as a score mod that adds a constant per query index
-    mod_out = ak.attention(q, k, v, mask=allowed, backend="reference",
-                           score_mod=lambda s, b, h, qi, ki: s + shift * (qi + 1))
+    def mod(s, b, h, qi, ki):  # noqa: ANN001, ANN202
+        return s + shift * (qi + 1)
+
+    skip_unless_supported(backend, q, k, v, mask=allowed, score_mod=mod)
+    mod_out = ak.attention(q, k, v, mask=allowed, backend=backend, score_mod=mod)
     torch.testing.assert_close(mod_out, out, rtol=1e-9, atol=1e-9)
 
 
