@@ -19,7 +19,7 @@ Quick use::
 
 from __future__ import annotations
 
-from . import backends, cost, masks, scores
+from . import backends, cost, distributed, masks, scores
 from .api import attention
 from .explain import Trace, explain
 from .layers import KVCache, MultiHeadAttention, MultiHeadLatentAttention
@@ -27,4 +27,5 @@ from .layers import KVCache, MultiHeadAttention, MultiHeadLatentAttention
 __version__ = "0.1.0"
 
 __all__ = ["MultiHeadAttention", "MultiHeadLatentAttention", "KVCache", "cost",
-           "attention", "explain", "Trace", "masks", "scores", "backends", "__version__"]
+           "attention", "explain", "Trace", "masks", "scores", "backends", "distributed",
+           "__version__"]

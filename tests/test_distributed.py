@@ -1,0 +1,383 @@
+"""Ring attention over torch.distributed (gloo, CPU), checked against single-process attention.
+
+Spawning processes is the slow part, so each world size (2 and 3 ranks) is launched once per
+session; every worker runs all cases and reports per case. Each case builds the global
+sequence from a seeded generator (the same on every rank), runs ``ring_attention`` on this
+rank's shard and compares output, LSE and the q/k/v gradients with the float64 reference
+``attnkit.attention(..., backend="reference")`` on the concatenated sequence.
+
+Shape legend: q (B, H_q, W·N_q, D_k), k (B, H_kv, W·N_k, D_k), v (B, H_kv, W·N_k, D_v) global;
+rank r holds rows [r·N, (r+1)·N) of the sequence dim.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import attnkit as ak
+from attnkit import distributed as akd
+from attnkit.backends.base import Backend, Problem
+
+JOIN_TIMEOUT_S = 100        # a hung collective fails the run instead of hanging CI
+COLLECTIVE_TIMEOUT_S = 30   # gloo gives up on a lost peer after this
+
+
+# ----------------------------------------------------------------------- case machinery
+def _global_inputs(seed: int, lead: tuple[int, ...], h_q: int, h_kv: int, n_q: int,
+                   n_k: int, d_k: int, d_v: int, dtype: torch.dtype
+                   ) -> tuple[torch.Tensor, ...]:
+    """Global q, k, v, dO, dLSE (identical on every rank: seeded generator, float64 first)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    q = r(*lead, h_q, n_q, d_k)
+    k = r(*lead, h_kv, n_k, d_k)
+    v = r(*lead, h_kv, n_k, d_v)
+    d_out = r(*lead, h_q, n_q, d_v)
+    d_lse = r(*lead, h_q, n_q)
+    return tuple(t.to(dtype) for t in (q, k, v)) + (d_out, d_lse)
+
+
+def _shard(t: torch.Tensor, rank: int, world: int, dim: int) -> torch.Tensor:
+    n = t.shape[dim] // world
+    return t.narrow(dim, rank * n, n).clone()
+
+
+def _compare(*, rank: int, world: int, seed: int = 0, lead: tuple[int, ...] = (2,),
+             h_q: int = 2, h_kv: int = 2, n_q: int = 5, n_k: int | None = None, d_k: int = 8,
+             d_v: int | None = None, is_causal: bool = False, scale: float | None = None,
+             softcap: float | None = None, dtype: torch.dtype = torch.float64,
+             with_lse_grad: bool = False, backend: str = "auto", group: object = None,
+             two_d: bool = False,
+             ranks: list[int] | None = None, atol: float = 1e-10) -> None:
+    """Ring attention on this rank's shard vs the reference on the whole sequence."""
+    ranks = ranks if ranks is not None else list(range(world))
+    w, r = len(ranks), ranks.index(rank)
+    n_k = n_q if n_k is None else n_k
+    d_v = d_k if d_v is None else d_v
+    q, k, v, d_out, d_lse = _global_inputs(seed, lead, h_q, h_kv, w * n_q, w * n_k, d_k, d_v,
+                                           dtype)
+    if two_d:   # plain (N, D) inputs: one head, no batch
+        q, k, v, d_out, d_lse = q[0], k[0], v[0], d_out[0], d_lse[0]
+    seq = -2
+    qs, ks, vs = (_shard(t, r, w, seq).requires_grad_() for t in (q, k, v))
+    out, lse = akd.ring_attention(qs, ks, vs, group=group, is_causal=is_causal, scale=scale,
+                                  softcap=softcap, backend=backend, return_lse=True)
+    loss = (out.double() * _shard(d_out, r, w, seq)).sum()
+    if with_lse_grad:
+        loss = loss + (lse.double() * _shard(d_lse, r, w, -1)).sum()
+    loss.backward()
+
+    qg, kg, vg = (t.double().requires_grad_() for t in (q, k, v))
+    ref, ref_lse = ak.attention(qg, kg, vg, is_causal=is_causal, scale=scale, softcap=softcap,
+                                backend="reference", return_lse=True)
+    ref_loss = (ref * d_out).sum()
+    if with_lse_grad:
+        ref_loss = ref_loss + (ref_lse * d_lse).sum()
+    ref_loss.backward()
+
+    assert out.shape == _shard(ref, r, w, seq).shape and out.dtype == dtype
+    checks = [("out", out, _shard(ref, r, w, seq)), ("lse", lse, _shard(ref_lse, r, w, -1)),
+              ("dq", qs.grad, _shard(qg.grad, r, w, seq)),
+              ("dk", ks.grad, _shard(kg.grad, r, w, seq)),
+              ("dv", vs.grad, _shard(vg.grad, r, w, seq))]
+    for name, got, want in checks:
+        assert got is not None, f"{name} is missing"
+        assert torch.isfinite(got).all(), f"{name} has non-finite values"
+        err = (got.double() - want.detach()).abs().max().item()
+        assert err <= atol, f"rank {rank}: {name} differs by {err:.3g} (atol {atol:.1g})"
+
+
+def _assert_close(got: torch.Tensor, want: torch.Tensor, atol: float) -> None:
+    """Max-abs comparison (torch.testing.assert_close would import DTensor and sympy: seconds)."""
+    assert got.shape == want.shape, f"shape {tuple(got.shape)} != {tuple(want.shape)}"
+    err = (got.double() - want.double()).abs().max().item()
+    assert err <= atol, f"differs by {err:.3g} (atol {atol:.1g})"
+
+
+def _expect_error(fn: Callable[[], object], exc: type[Exception], text: str) -> None:
+    try:
+        fn()
+    except exc as e:
+        assert text in str(e), f"expected {text!r} in the message, got: {e}"
+        return
+    raise AssertionError(f"expected {exc.__name__} containing {text!r}, nothing was raised")
+
+
+def _case_mismatched_lengths(rank: int, world: int) -> None:
+    n = 5 + (rank == 1)     # rank 1 holds one position more
+    q, k, v = (torch.randn(1, 2, n, 4) for _ in range(3))
+    # every rank sees the mismatch (not only rank 1), so no rank is left waiting
+    _expect_error(lambda: akd.ring_attention(q, k, v), ValueError, "same shard shapes")
+    # and the message lists each rank's shapes
+    _expect_error(lambda: akd.ring_attention(q, k, v), ValueError, "rank 1: q (1, 2, 6, 4)")
+
+
+def _case_local_error_reaches_peers(rank: int, world: int) -> None:
+    q = torch.randn(1, 2, 5, 4)
+    k = torch.randn(1, 2, 5, 4 if rank != 0 else 3)    # rank 0: D_k mismatch
+    v = torch.randn(1, 2, 5, 4)
+    if rank == 0:
+        _expect_error(lambda: akd.ring_attention(q, k, v), ValueError, "feature width D_k")
+    else:
+        _expect_error(lambda: akd.ring_attention(q, k, v), RuntimeError, "rank(s) [0]")
+
+
+def _case_causal_needs_equal_shards(rank: int, world: int) -> None:
+    q, k, v = torch.randn(2, 3, 4), torch.randn(2, 5, 4), torch.randn(2, 5, 4)
+    _expect_error(lambda: akd.ring_attention(q, k, v, is_causal=True), ValueError,
+                  "N_q=3")
+
+
+def _case_options_must_agree(rank: int, world: int) -> None:
+    q, k, v = (torch.randn(1, 2, 4, 4) for _ in range(3))
+    _expect_error(lambda: akd.ring_attention(q, k, v, is_causal=rank == 0), ValueError,
+                  "is_causal=True")
+
+
+def _case_subgroup(rank: int, world: int) -> None:
+    members = [1, 2]
+    group = dist.new_group(members)     # every rank must create the group
+    if rank in members:
+        _compare(rank=rank, world=world, is_causal=True, n_q=6, group=group, ranks=members)
+    else:
+        _expect_error(lambda: akd.ring_attention(*(torch.randn(1, 4, 4) for _ in range(3)),
+                                                 group=group),
+                      RuntimeError, "not a member")
+
+
+def _case_every_backend(rank: int, world: int) -> None:
+    """Each registered backend that can run a ring block gives the same gradients."""
+    tried = []
+    for name in ak.backends.names():
+        # a training block: q, k, v require grad (forward-only backends decline it)
+        block = Problem(*(torch.randn(1, 4 // h, 9, 8, dtype=torch.float64, requires_grad=True)
+                          for h in (1, 2, 2)), mask=ak.masks.causal(), softcap=3.0)
+        if ak.backends.get(name).not_supported_reasons(block):
+            continue
+        for causal, softcap in ((False, None), (True, None), (True, 3.0)):
+            _compare(rank=rank, world=world, n_q=9, h_q=4, h_kv=2, is_causal=causal,
+                     softcap=softcap, backend=name, with_lse_grad=True)
+        tried.append(name)
+    assert "reference" in tried, tried
+
+
+class _DetachedLse(Backend):
+    """The reference with an LSE that carries no gradient (as fused kernels often return)."""
+
+    name = "test_detached_lse"
+
+    def not_supported_reasons(self, p: Problem) -> list[str]:
+        return []
+
+    def forward(self, p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse = ak.backends.get("reference").forward(p)
+        return out, lse.detach()
+
+
+def _case_backend_lse_without_grad(rank: int, world: int) -> None:
+    """Blocks whose LSE has no gradient: the LSE's share of the gradient is added by hand
+    (one more attention call with K as values), or, with softcap, the reference is used."""
+    ak.backends.register(_DetachedLse())
+    ak.backends.PRIORITY.remove(_DetachedLse.name)      # forced only, never picked by "auto"
+    try:
+        for causal, softcap in ((True, None), (False, None), (True, 2.0)):
+            _compare(rank=rank, world=world, n_q=6, h_q=4, h_kv=2, d_v=5, is_causal=causal,
+                     softcap=softcap, scale=0.4, backend=_DetachedLse.name, with_lse_grad=True)
+    finally:
+        del ak.backends.REGISTRY[_DetachedLse.name]
+
+
+CASES: dict[str, Callable[[int, int], None]] = {
+    "plain": lambda r, w: _compare(rank=r, world=w),
+    "causal": lambda r, w: _compare(rank=r, world=w, is_causal=True),
+    "causal_gqa_n17": lambda r, w: _compare(rank=r, world=w, is_causal=True, h_q=4, h_kv=2,
+                                            n_q=17, d_k=8, d_v=6),
+    "mqa_n1": lambda r, w: _compare(rank=r, world=w, h_q=3, h_kv=1, n_q=1, is_causal=True),
+    "cross_nq_ne_nk": lambda r, w: _compare(rank=r, world=w, n_q=4, n_k=7, d_v=3),
+    "scale_softcap": lambda r, w: _compare(rank=r, world=w, is_causal=True, scale=0.7,
+                                           softcap=2.5),
+    "lse_grad": lambda r, w: _compare(rank=r, world=w, is_causal=True, with_lse_grad=True,
+                                      n_q=7),
+    "two_d": lambda r, w: _compare(rank=r, world=w, lead=(), h_q=1, h_kv=1, n_q=6,
+                                   is_causal=True, two_d=True),
+    "batch_dims": lambda r, w: _compare(rank=r, world=w, lead=(2, 3), h_q=2, h_kv=1, n_q=3),
+    "float32": lambda r, w: _compare(rank=r, world=w, is_causal=True, n_q=17,
+                                     dtype=torch.float32, atol=2e-5),
+    "every_backend": _case_every_backend,
+    "backend_lse_without_grad": _case_backend_lse_without_grad,
+    "mismatched_lengths": _case_mismatched_lengths,
+    "local_error_reaches_peers": _case_local_error_reaches_peers,
+    "causal_needs_equal_shards": _case_causal_needs_equal_shards,
+    "options_must_agree": _case_options_must_agree,
+}
+WORLD_ONLY = {"subgroup": 3}     # cases that need a particular world size
+ALL_CASES = {**CASES, "subgroup": _case_subgroup}
+
+
+def _worker(rank: int, world: int, init_file: str, names: list[str], results: object) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    report: dict[str, str | None] = {}
+    try:
+        for name in names:
+            try:
+                ALL_CASES[name](rank, world)
+                report[name] = None
+            except Exception:
+                report[name] = traceback.format_exc()
+            dist.barrier()      # a failing case must not desynchronise the next one
+    finally:
+        results.put((world, rank, report))   # type: ignore[attr-defined]
+        dist.destroy_process_group()
+
+
+def _context() -> mp.context.BaseContext:
+    """forkserver (one clean server imports torch once, workers fork from it) where the
+    platform has it, else spawn (every worker imports torch itself)."""
+    if "forkserver" in mp.get_all_start_methods():
+        ctx = mp.get_context("forkserver")
+        # torch._dynamo: torch.utils.checkpoint (used by the tiled backend) imports it on first
+        # use, seconds per process; importing it once in the server saves that in every worker
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "attnkit"])
+        return ctx
+    return mp.get_context("spawn")
+
+
+def _launch(worlds: dict[int, list[str]]) -> dict[int, dict[str, list[str]]]:
+    """Run each world's cases on that many gloo processes, all worlds at once.
+
+    Returns {world: {case: [per-rank failure tracebacks]}}; fails the test run if a worker
+    does not report within JOIN_TIMEOUT_S (a hung collective) or crashes.
+    """
+    ctx = _context()
+    results = ctx.Queue()
+    procs: dict[tuple[int, int], mp.process.BaseProcess] = {}
+    reports: dict[tuple[int, int], dict[str, str | None]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for world, names in worlds.items():
+            init_file = os.path.join(tmp, f"rendezvous-{world}")
+            for r in range(world):
+                procs[world, r] = ctx.Process(target=_worker,
+                                              args=(r, world, init_file, names, results))
+        for p in procs.values():
+            p.start()
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        while len(reports) < len(procs) and time.monotonic() < deadline:
+            try:
+                world, rank, rep = results.get(timeout=1.0)
+                reports[world, rank] = rep
+            except queue.Empty:
+                if any(p.exitcode not in (None, 0) for p in procs.values()):
+                    break
+        for p in procs.values():
+            p.join(timeout=max(0.1, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join()
+    missing = sorted(set(procs) - set(reports))
+    if missing:
+        codes = {f"{w}/{r}": p.exitcode for (w, r), p in procs.items()}
+        pytest.fail(f"ring attention workers (world/rank) {missing} did not report within "
+                    f"{JOIN_TIMEOUT_S} s (exit codes {codes}): a collective hung or a worker "
+                    "crashed")
+    return {world: {n: [f"rank {r}:\n{reports[world, r][n]}" for r in range(world)
+                        if reports[world, r].get(n)] for n in names}
+            for world, names in worlds.items()}
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[int, dict[str, list[str]]]:
+    return _launch({world: [n for n in ALL_CASES if WORLD_ONLY.get(n, world) == world]
+                    for world in (2, 3)})
+
+
+# ----------------------------------------------------------------------------- tests
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("case", list(CASES))
+def test_ring_matches_single_process(runs: dict, world: int, case: str) -> None:
+    failures = runs[world][case]
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.timeout(240)
+def test_ring_on_a_subgroup(runs: dict) -> None:
+    failures = runs[3]["subgroup"]
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.timeout(30)
+def test_needs_an_initialised_process_group() -> None:
+    assert not dist.is_initialized()
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        ak.distributed.ring_attention(q, q, q)      # the DESIGN.md spelling
+
+
+@pytest.mark.timeout(30)
+def test_single_rank_group_equals_attention() -> None:
+    """World size 1: the ring is one block (no messages), output and gradients as usual."""
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/rdv", rank=0,
+                                world_size=1, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        try:
+            q, k, v = (torch.randn(2, 3, 6, 5, dtype=torch.float64, requires_grad=True)
+                       for _ in range(3))
+            out = akd.ring_attention(q, k, v, is_causal=True)
+            out.square().sum().backward()
+            grads = [t.grad.clone() for t in (q, k, v)]
+            for t in (q, k, v):
+                t.grad = None
+            ref = ak.attention(q, k, v, is_causal=True, backend="reference")
+            ref.square().sum().backward()
+            _assert_close(out, ref, 1e-12)
+            for g, t in zip(grads, (q, k, v), strict=True):
+                _assert_close(g, t.grad, 1e-12)
+        finally:
+            dist.destroy_process_group()
+
+
+def test_merge_of_key_blocks_equals_attention_over_all_keys() -> None:
+    """Splitting the keys in two and merging by LSE gives attention over all keys."""
+    q = torch.randn(2, 3, 7, 4, dtype=torch.float64)
+    k = torch.randn(2, 3, 10, 4, dtype=torch.float64)
+    v = torch.randn(2, 3, 10, 5, dtype=torch.float64)
+    want, want_lse = ak.attention(q, k, v, return_lse=True)
+    o1, l1 = ak.attention(q, k[:, :, :6], v[:, :, :6], return_lse=True)
+    o2, l2 = ak.attention(q, k[:, :, 6:], v[:, :, 6:], return_lse=True)
+    out = torch.zeros_like(want)
+    lse = torch.full_like(want_lse, -torch.inf)
+    for o, lb in ((o1, l1), (o2, l2)):
+        out, lse = akd._merge(out, lse, o, lb)
+    _assert_close(out, want, 1e-12)
+    _assert_close(lse, want_lse, 1e-12)
+
+
+def test_merge_ignores_fully_masked_blocks() -> None:
+    """A block with LSE −∞ (no allowed key) contributes nothing, and never NaN."""
+    out = torch.randn(1, 2, 3, 4, dtype=torch.float64)
+    lse = torch.tensor([[[0.5, -torch.inf, 2.0], [1.0, -torch.inf, -3.0]]], dtype=torch.float64)
+    o_b = torch.zeros_like(out)                # an empty block's output is 0
+    lse_b = torch.full_like(lse, -torch.inf)
+    m_out, m_lse = akd._merge(out, lse, o_b, lse_b)
+    assert torch.equal(m_lse, lse)
+    rows = torch.isfinite(lse)
+    _assert_close(m_out[rows], out[rows], 1e-15)
+    assert (m_out[~rows] == 0).all()     # both empty: output 0, LSE −∞
+    share = akd._share(lse_b, lse)
+    assert (share == 0).all() and not share.isnan().any()
