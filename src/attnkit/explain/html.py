@@ -25,7 +25,16 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .text import check_lang, fmt, remarks, split_heads, step_name, step_what
+from .text import (
+    check_lang,
+    fmt,
+    mask_label,
+    remarks,
+    split_heads,
+    step_formula,
+    step_name,
+    step_what,
+)
 
 if TYPE_CHECKING:
     from .trace import Trace
@@ -276,8 +285,8 @@ def _step_table(trace: Trace, lang: str) -> str:
             f"<th>{E(t['shape'])}</th></tr>"]
     for i, s in enumerate(trace.steps):
         rows.append(f"<tr><td>{i + 1}. {E(step_name(s, lang))}</td><td>{E(step_what(s, lang))}"
-                    f'</td><td class="f">{E(s.formula)}</td><td class="f">{_shape(s.shape)}'
-                    "</td></tr>")
+                    f'</td><td class="f">{E(step_formula(s, lang))}</td>'
+                    f'<td class="f">{_shape(s.shape)}</td></tr>')
     return '<table class="steps">' + "".join(rows) + "</table>"
 
 
@@ -301,7 +310,7 @@ def _section(trace: Trace, lang: str, idx: int, decimals: int) -> str:
     if intro:
         out.append(f'<div class="intro">{E(intro)}</div>')
     opts = [f"{t['scale_is']} = {fmt(trace.scale, decimals)}",
-            f"{t['mask_is']}: {trace.mask_name or t['no_mask']}"]
+            f"{t['mask_is']}: {mask_label(trace.mask_name, lang)}"]
     if trace.softcap is not None:
         opts.append(f"{t['softcap_is']} = {fmt(trace.softcap, decimals)}")
     out.append(f'<div class="legend">{E(p["options"])}: {E("   ·   ".join(opts))}</div>')
@@ -339,7 +348,7 @@ def _section(trace: Trace, lang: str, idx: int, decimals: int) -> str:
                 f"<h4>{i + 1}. {E(step_name(s, lang))} "
                 f'<span class="shp">{_shape(m.shape)}</span></h4>'
                 f'<div class="what">{E(step_what(s, lang))}</div>'
-                f'<div class="f">{E(s.formula)}</div>'
+                f'<div class="f">{E(step_formula(s, lang))}</div>'
                 + heatmap(m, ql, cols, kind, f"{i + 1}. {step_name(s, lang)}", decimals,
                           sums=s.key == "weights") + "</div>")
         out.append("</div></div>")

@@ -219,11 +219,13 @@ def prepare_inputs(q_path: str, k_path: str | None = None, v_path: str | None = 
     if q.shape[-1] != k.shape[-1]:
         raise InputError(
             f"Q and K need the same width d_k (last dim) for the dot products; got {seen()}: "
-            f"d_k {q.shape[-1]} vs {k.shape[-1]}")
+            f"d_k {q.shape[-1]} vs {k.shape[-1]}, so K should be "
+            f"{shape_str((*k.shape[:-1], q.shape[-1]))}")
     if k.shape[-2] != v.shape[-2]:
         raise InputError(
             f"K and V need the same number of rows n_k (one value per key); got {seen()}: "
-            f"n_k {k.shape[-2]} vs {v.shape[-2]}")
+            f"n_k {k.shape[-2]} vs {v.shape[-2]}, so V should be "
+            f"{shape_str((*v.shape[:-2], k.shape[-2], v.shape[-1]))}")
     if q.shape[:-2] != k.shape[:-2] or k.shape[:-2] != v.shape[:-2]:
         raise InputError(f"Q, K, V must have the same leading (head) dims; got {seen()}")
     h = 1

@@ -147,6 +147,27 @@ def step_what(step: Step, lang: str) -> str:
     return t.get(f"{step.name}_{step.key}", t.get(step.name, step.name))
 
 
+_MASK_KO = (("causal", "인과(causal)"), ("bool mask", "참/거짓 마스크"),
+            ("float mask", "실수 마스크"), ("sliding_window", "슬라이딩 윈도우"),
+            ("padding", "패딩"), ("document", "문서"), ("prefix", "프리픽스"))
+
+
+def mask_label(name: str | None, lang: str) -> str:
+    """The mask's name for display (``none`` when there is no mask)."""
+    t = STRINGS[lang]
+    if not name:
+        return t["no_mask"]
+    if lang == "ko":
+        for en, ko in _MASK_KO:
+            name = name.replace(en, ko)
+    return name
+
+
+def step_formula(step: Step, lang: str) -> str:
+    """The step's formula (the one word in it, "or", in ``lang``)."""
+    return step.formula.replace(" or ", " 또는 ") if lang == "ko" else step.formula
+
+
 # ---------------------------------------------------------------------------- numbers
 
 
@@ -427,7 +448,8 @@ def step_table(trace: Trace, lang: str = "en") -> str:
         shape = f"{SYMBOLIC.get(s.key, '')} = {_shape(s.shape)}".strip(" =")
         if heads:
             shape = f"{t['per_head']} {shape}"
-        rows.append([f"{i + 1}. {step_name(s, lang)}", step_what(s, lang), s.formula, shape])
+        rows.append([f"{i + 1}. {step_name(s, lang)}", step_what(s, lang),
+                     step_formula(s, lang), shape])
     if trace.output.ndim == 3 and trace.output.shape[0] > 1:
         h, n_q, dv = trace.output.shape
         rows.append([f"{len(trace.steps) + 1}. {step_name('Concat', lang)}", t["Concat"],
@@ -479,7 +501,7 @@ def render_text(trace: Trace, lang: str = "en", decimals: int = 3, color: bool |
     if table:
         parts += [st.bold(t["title"]), "", step_table(trace, lang), ""]
     qrows, krows = trace.q_labels or "q", trace.k_labels or "k"
-    mask_txt = trace.mask_name or t["no_mask"]
+    mask_txt = mask_label(trace.mask_name, lang)
     opts = [f"{t['scale_is']} = {fmt(trace.scale, decimals)}", f"{t['mask_is']}: {mask_txt}"]
     if trace.softcap is not None:
         opts.append(f"{t['softcap_is']} = {fmt(trace.softcap, decimals)}")
@@ -489,7 +511,7 @@ def render_text(trace: Trace, lang: str = "en", decimals: int = 3, color: bool |
         parts += _matrices(arr, lang, decimals, rows, "d", st, max_heads)
     parts.append("")
     for i, s in enumerate(trace.steps):
-        parts.append(st.head(f"[{i + 1}] {step_name(s, lang)}: {s.formula}") + "   "
+        parts.append(st.head(f"[{i + 1}] {step_name(s, lang)}: {step_formula(s, lang)}") + "   "
                      + _shape(s.value.shape))
         cols = "d" if s.key == "output" else krows
         parts += _matrices(s.value, lang, decimals, qrows, cols, st, max_heads,
