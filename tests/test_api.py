@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 import attnkit as ak
 from attnkit import masks
+from attnkit.api import prepare
 from attnkit.scores import alibi, relative_bias
 from conftest import (
     assert_low_precision_close,
@@ -538,3 +539,53 @@ def test_read_only_numpy_arrays_work_without_warnings(recwarn):
     ref = oracle(*(torch.tensor(a) for _ in range(3)), allowed=torch.tensor(m))[0].numpy()
     np.testing.assert_allclose(out, ref, rtol=1e-12)
     assert not [w for w in recwarn if "not writable" in str(w.message)]
+
+
+# ============================================================================ backend registry
+def test_registry_priority_and_auto_selection():
+    from attnkit.backends import PRIORITY, REGISTRY, names, register, select
+
+    assert "reference" in names() and PRIORITY[-1] == "reference"
+    saved_reg, saved_pri = dict(REGISTRY), list(PRIORITY)
+
+    class Picky(ak.backends.Backend):
+        def __init__(self, name: str, max_n: int) -> None:
+            self.name, self.max_n = name, max_n
+
+        def not_supported_reasons(self, p):  # noqa: ANN001, ANN201
+            return [] if p.n_k <= self.max_n else [f"N_k={p.n_k} > {self.max_n}"]
+
+        def forward(self, p):  # noqa: ANN001, ANN201
+            return REGISTRY["reference"].forward(p)
+
+    try:
+        register(Picky("test_small", 4))                      # default: just before reference
+        register(Picky("test_first", 2), before="test_small")
+        assert PRIORITY.index("test_first") < PRIORITY.index("test_small") \
+            < PRIORITY.index("reference")
+        for n in list(PRIORITY):                              # only ours ahead of reference
+            if n not in ("test_first", "test_small", "reference"):
+                PRIORITY.remove(n)
+        q = randn(3, 4)
+        assert select(prepare(q, randn(2, 4), randn(2, 4)).problem).name == "test_first"
+        assert select(prepare(q, randn(4, 4), randn(4, 4)).problem).name == "test_small"
+        assert select(prepare(q, randn(9, 4), randn(9, 4)).problem).name == "reference"
+        with pytest.raises(ValueError, match=r"'test_small' cannot run.*N_k=9 > 4"):
+            ak.attention(q, randn(9, 4), randn(9, 4), backend="test_small")
+        register(Picky("test_small", 6))                      # re-register replaces
+        assert PRIORITY.count("test_small") == 1 and REGISTRY["test_small"].max_n == 6
+    finally:
+        REGISTRY.clear()
+        REGISTRY.update(saved_reg)
+        PRIORITY[:] = saved_pri
+
+
+def test_problem_properties():
+    p = prepare(randn(2, 3, 6, 5, 8), randn(2, 3, 2, 7, 8), randn(2, 3, 2, 7, 4),
+                is_causal=True).problem
+    assert (p.batch, p.heads_q, p.heads_kv, p.group) == (6, 6, 2, 3)
+    assert (p.n_q, p.n_k, p.d_k, p.d_v) == (5, 7, 8, 4)
+    assert p.dtype == torch.float64 and p.device.type == "cpu" and not p.requires_grad
+    d = p.allowed_dense()
+    assert d.shape == (1, 1, 5, 7) and torch.equal(d[0, 0], torch.ones(5, 7).tril().bool())
+    assert prepare(randn(3, 4), randn(3, 4), randn(3, 4)).problem.allowed_dense() is None
