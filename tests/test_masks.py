@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -52,6 +53,8 @@ def test_sliding_window(size, n_q, n_k):
                        (j <= i + off) & (j > i + off - size))
     if size == 1:
         assert torch.equal(dense2d(masks.sliding_window(1), n_q, n_k), i == j)
+    assert torch.equal(dense2d(masks.sliding_window(np.int64(size)), n_q, n_k),
+                       (j <= i) & (j > i - size))
 
 
 def test_padding_kv_and_q_lengths():
@@ -107,6 +110,7 @@ def test_prefix_lm(n_q, n_k):
     for b, p in enumerate((0, 2, 5)):
         assert torch.equal(d[b, 0], (j < p) | (j <= i))
     assert "prefix_lm(3)" in masks.prefix_lm(3).name
+    assert torch.equal(dense2d(masks.prefix_lm(np.int64(3)), n_q, n_k), (j < 3) | (j <= i))
 
 
 def test_from_fn_may_use_batch_and_head():

@@ -31,6 +31,7 @@ Caution
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -480,8 +481,9 @@ def sliding_window(size: int, causal: bool = True, align: str = "top_left") -> M
     ``causal=False``: query i sees keys with ``|i - j| < size`` (``size-1`` on each side).
     ``align`` as in :func:`causal`.
     """
-    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+    if not isinstance(size, numbers.Integral) or isinstance(size, bool) or size < 1:
         raise ValueError(f"sliding_window size must be a positive integer, got {size!r}")
+    size = int(size)
     lo = -(size - 1) if not causal else 0
     kind = "causal" if causal else "two-sided"
     return _band(lo, size - 1, align, f"sliding_window({size}, {kind})")
@@ -613,7 +615,8 @@ def prefix_lm(prefix_length: object) -> Mask:
 
     ``prefix_length`` is an int or a per-batch sequence of shape (B,).
     """
-    if isinstance(prefix_length, int) and not isinstance(prefix_length, bool):
+    if isinstance(prefix_length, numbers.Integral) and not isinstance(prefix_length, bool):
+        prefix_length = int(prefix_length)
         if prefix_length < 0:
             raise ValueError(f"prefix_length must be >= 0, got {prefix_length}")
         p = torch.tensor([prefix_length])
