@@ -98,6 +98,9 @@ CASES = {
     "padding with empty queries & causal": dict(
         shape=(2, 2, 1, 17, 17, 8, 8), mask=M.padding([17, 9], q_lengths=[17, 5]) & M.causal()),
     "prefix_lm (a general mask)": dict(shape=(1, 1, 1, 33, 33, 8, 8), mask=M.prefix_lm(7)),
+    "document & causal (tiles skipped)": dict(
+        shape=(2, 1, 1, 33, 33, 8, 8),
+        mask=M.document(torch.tensor([[0] * 20 + [1] * 13, [0] * 3 + [1] * 30])) & M.causal()),
 }
 
 
@@ -140,23 +143,11 @@ def test_float16_within_twice_the_reference_error(interpret: None) -> None:
 
 
 @needs_triton
-def test_bfloat16(interpret: None) -> None:
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _dot(X, Y):
-        o = tl.arange(0, 16)
-        x = tl.load(X + o[:, None] * 16 + o[None, :])
-        tl.store(Y + o[:, None] * 16 + o[None, :], tl.dot(x, x))
-
-    x = torch.eye(16, dtype=torch.bfloat16)
-    y = torch.zeros(16, 16)
-    _dot[(1,)](x, y)
-    if not torch.equal(y, torch.eye(16)):
-        pytest.skip("Triton's interpreter computes tl.dot on bfloat16 from the raw bits "
-                    "(triton-lang/triton#11584): bfloat16 can only be checked on a GPU")
-    _check_against_reference(_problem(1, 2, 1, 17, 33, 8, 8, is_causal=True), torch.bfloat16)
+def test_bfloat16_refused_in_the_interpreter(interpret: None) -> None:
+    p = _problem(1, 1, 1, 4, 4, 8, 8, dtype=torch.bfloat16)
+    reasons = backends.get("triton").not_supported_reasons(p)
+    assert any("bfloat16" in r and "11584" in r for r in reasons), reasons
+    assert backends.select(p).name != "triton"
 
 
 @needs_triton
@@ -238,12 +229,51 @@ def test_band_detection_matches_the_mask(mask: M.Mask, n_q: int, n_k: int) -> No
     assert torch.equal((d >= lo) & (d <= hi), mask.to_dense(n_q, n_k)[0, 0])
 
 
-def test_general_mask_is_kept_small_and_band_terms_still_bound_the_loops() -> None:
-    mask = M.padding([3, 5]) & M.causal()
+def test_mask_terms_go_to_the_cheapest_mechanism() -> None:
+    p = _problem(2, 3, 3, 6, 8, 4, 4, mask=M.padding([3, 5], q_lengths=[6, 2]) & M.causal())
+    plan = tb._plan_mask(p)
+    assert plan.band == (0, 6 + 8 + 1) and plan.dense is None and plan.summary is None
+    assert plan.kv_len.tolist() == [3, 5] and plan.q_len.tolist() == [6, 2]
+
+    ids = torch.tensor([[0, 0, 1, 1, 1, 2], [0, 1, 1, 1, 1, 1]])
+    p = _problem(2, 1, 1, 6, 6, 4, 4, mask=M.document(ids) & M.sliding_window(3))
+    plan = tb._plan_mask(p)
+    assert plan.band == (0, 2) and plan.dense is None
+    assert torch.equal(plan.q_ids, ids) and torch.equal(plan.k_ids, ids)
+    tiles = plan.tiles(6, 6, 2, 2)
+    assert tiles.shape == (2, 1, 3, 3) and tiles[0, 0, 0, 2] == M.EMPTY
+
+    mask = M.prefix_lm(2) & M.padding([3, 5]) & M.padding([4, 4])   # the 2nd padding: dense
     p = _problem(2, 3, 3, 6, 8, 4, 4, mask=mask)
     plan = tb._plan_mask(p)
-    assert plan.band == (0, 6 + 8 + 1)
-    assert plan.dense is not None and plan.dense.dtype == torch.uint8
-    assert plan.dense.shape == (2, 1, 1, 8)                    # padding depends on b and key
-    full = (plan.dense.bool() & ((torch.arange(6)[:, None] - torch.arange(8)) >= 0))
-    assert torch.equal(full.expand(2, 1, 6, 8), mask.to_dense(6, 8, batch=2))
+    assert plan.kv_len.tolist() == [3, 5] and plan.dense is not None
+    assert plan.dense.dtype == torch.uint8 and plan.dense.shape == (2, 1, 6, 8)
+    dense = plan.dense.bool() & (torch.arange(8) < plan.kv_len.view(2, 1, 1, 1))
+    assert torch.equal(dense, mask.to_dense(6, 8, batch=2))
+
+
+def test_launch_falls_back_to_smaller_tiles_when_shared_memory_runs_out() -> None:
+    pytest.importorskip("triton")
+    from triton.runtime.errors import OutOfResources
+
+    seen: list[tuple[int, ...]] = []
+
+    def launch(bm: int, bn: int, warps: int, stages: int) -> None:
+        seen.append((bm, bn, warps, stages))
+        if bm * bn > 32 * 32:
+            raise OutOfResources(bm * bn, 32 * 32, "shared memory")
+
+    tb._with_fallback(launch, (128, 64, 8, 3), interpret=False)
+    assert seen[0] == (128, 64, 8, 3) and seen[1] == (128, 64, 8, 1)
+    assert seen[-1][0] * seen[-1][1] <= 32 * 32 and len(seen) < 8
+
+    def never(bm: int, bn: int, warps: int, stages: int) -> None:
+        raise OutOfResources(1, 0, "shared memory")
+
+    with pytest.raises(OutOfResources):
+        tb._with_fallback(never, (32, 32, 4, 2), interpret=False)
+
+
+def test_tile_sizes_are_checked() -> None:
+    with pytest.raises(ValueError, match="power of two"):
+        tb.TritonBackend(block_m=24)

@@ -10,29 +10,31 @@ Shape legend (strides are passed for every dimension, so inputs need not be cont
     O  (B, H_q,  N_q, D_v)     LSE, DELTA (B, H_q, N_q)
     MASK  uint8 (B|1, H_q|1, N_q|1, N_k|1)   1 = may attend   (stride 0 on broadcast dims)
     BIAS  float (B|1, H_q|1, N_q|1, N_k|1)   added to the logits (stride 0 on broadcast dims)
+    KVLEN, QLEN  int32 (B|1,)                padding: key j / query i valid below the length
+    QIDS (B|1, N_q), KIDS (B|1, N_k)  int32  document ids: i sees j only if the ids are equal
+    TILES int8 (B|1, H_q|1, ⌈N_q/BLOCK_M⌉|1, ⌈N_k/BLOCK_N⌉|1)  0 = no pair allowed: skip tile
 
-One program owns one tile of ``BLOCK_M`` queries (forward, dQ) or ``BLOCK_N`` keys (dK/dV)
+One program owns one tile of ``BLOCK_M`` queries (forward, Δ, dQ) or ``BLOCK_N`` keys (dK/dV)
 of one (batch, head) pair. The logits of a tile are, in order::
 
     x = (Q Kᵀ)·scale  →  softcap c·tanh(x/c)  →  + BIAS  →  −∞ where blocked
 
 A pair (i, j) is blocked when j ≥ N_k, when ``i - j`` lies outside ``[BAND_LO, BAND_HI]``
-(causal and sliding-window masks, computed from the indices) or when ``MASK`` is 0. The
-band also bounds the key loop (forward, dQ) and the query loop (dK/dV), so tiles that the
-band excludes are never visited. Feature widths are padded to powers of two (≥ 16) and the
-padding is masked on load.
+(causal and sliding-window masks), when j ≥ KVLEN[b] or i ≥ QLEN[b], when the document ids
+differ, or when MASK is 0. The band and the lengths also bound the loops, and TILES (a block
+summary of the non-band terms) lets a program skip tiles with no allowed pair. Feature widths
+are padded to powers of two (≥ 16) and the padding is masked on load.
+
+Only builtins of ``triton.language`` appear here: the library's own @jit helpers (tl.max,
+tl.sum, tl.zeros, tl.cdiv) are decorated once, when triton is imported, and an interpreted
+kernel cannot call a compiled helper. Reductions use the builtin ``tl.reduce`` with triton's
+own combine functions when present (the interpreter recognises those and reduces with NumPy).
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
-
-# Only builtins of ``triton.language`` appear in the kernels: the library's own @jit helpers
-# (tl.max, tl.sum, tl.zeros, tl.cdiv) are decorated once, when triton is imported, and an
-# interpreted kernel cannot call a compiled helper. Reductions go through the builtin
-# ``tl.reduce`` with triton's own combine functions when present (the interpreter recognises
-# them and reduces with NumPy), else with the equivalent ones defined here.
 
 
 @triton.jit
@@ -56,14 +58,46 @@ def _tanh(x):
 
 
 @triton.jit
+def _range(first, last, N_OTHER, LO, HI, pid_b, KvLen, QLen, slen, IS_Q_TILE: tl.constexpr,
+           HAS_BAND: tl.constexpr, HAS_KVLEN: tl.constexpr, HAS_QLEN: tl.constexpr,
+           BLOCK: tl.constexpr):
+    """[lo, hi) of the other axis that a tile of rows (``IS_Q_TILE``) or columns
+    ``first..last`` may see, lo rounded down to a multiple of BLOCK."""
+    lo = first * 0
+    hi = first * 0 + N_OTHER
+    if HAS_BAND:
+        if IS_Q_TILE:      # keys j with LO <= i - j <= HI
+            lo = tl.maximum(first - HI, 0)
+            hi = tl.minimum(last - LO + 1, N_OTHER)
+        else:              # queries i with LO <= i - j <= HI
+            lo = tl.maximum(first + LO, 0)
+            hi = tl.minimum(last + HI + 1, N_OTHER)
+    if HAS_KVLEN:
+        kv_len = tl.load(KvLen + pid_b * slen)
+        if IS_Q_TILE:  # noqa: SIM108  (a compile-time branch, kept as statements)
+            hi = tl.minimum(hi, kv_len)
+        else:
+            hi = tl.where(first < kv_len, hi, 0)
+    if HAS_QLEN:
+        q_len = tl.load(QLen + pid_b * slen)
+        if IS_Q_TILE:  # noqa: SIM108
+            hi = tl.where(first < q_len, hi, 0)
+        else:
+            hi = tl.minimum(hi, q_len)
+    lo = (lo // BLOCK) * BLOCK
+    return lo, hi
+
+
+@triton.jit
 def _logits(
-    q, k_t, offs_m, offs_n, pid_b, h, scale, softcap,
-    Mask, smb, smh, smn, smk, Bias, sbb, sbh, sbn, sbk,
-    N_Q, N_K, BAND_LO, BAND_HI,
+    q, k_t, offs_m, offs_n, pid_b, h, scale, softcap, BAND_LO, BAND_HI, N_Q, N_K,
+    Mask, smb, smh, smn, smk, Bias, sbb, sbh, sbn, sbk, KvLen, QLen, slen,
+    QIds, KIds, sqib, sqin, skib, skin,
     HAS_BAND: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_KVLEN: tl.constexpr, HAS_QLEN: tl.constexpr, HAS_DOC: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """One (BLOCK_M, BLOCK_N) tile of logits (−∞ where blocked), tanh(x/c) and the allowed set."""
+    """One (BLOCK_M, BLOCK_N) tile: logits (−∞ where blocked), tanh(x/c) and the allowed set."""
     s = tl.dot(q, k_t, input_precision=PRECISION, out_dtype=ACC) * scale
     t = s
     if HAS_SOFTCAP:
@@ -76,6 +110,14 @@ def _logits(
     if HAS_BAND:
         d = rows - cols
         allowed = allowed & (d >= BAND_LO) & (d <= BAND_HI)
+    if HAS_KVLEN:
+        allowed = allowed & (cols < tl.load(KvLen + pid_b * slen))
+    if HAS_QLEN:
+        allowed = allowed & (rows < tl.load(QLen + pid_b * slen))
+    if HAS_DOC:
+        qi = tl.load(QIds + pid_b * sqib + offs_m * sqin, mask=offs_m < N_Q, other=-1)
+        ki = tl.load(KIds + pid_b * skib + offs_n * skin, mask=offs_n < N_K, other=-2)
+        allowed = allowed & (qi[:, None] == ki[None, :])
     if HAS_MASK:
         m = tl.load(Mask + pid_b * smb + h * smh + rows * smn + cols * smk, mask=inside, other=0)
         allowed = allowed & (m != 0)
@@ -89,15 +131,17 @@ def _logits(
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, O, Lse, Mask, Bias,
+    Q, K, V, O, Lse,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
     sob, soh, son, sod, slb, slh, sln,
-    smb, smh, smn, smk, sbb, sbh, sbn, sbk,
+    Mask, smb, smh, smn, smk, Bias, sbb, sbh, sbn, sbk, KvLen, QLen, slen,
+    QIds, KIds, sqib, sqin, skib, skin, Tiles, stb, sth, stm, stn,
     H_Q, GROUP, N_Q, N_K, D_K, D_V, scale, softcap, BAND_LO, BAND_HI,
     HAS_BAND: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
+    HAS_KVLEN: tl.constexpr, HAS_QLEN: tl.constexpr, HAS_DOC: tl.constexpr,
+    HAS_TILES: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ACC: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """Forward: online softmax over key tiles → O and LSE for one query tile."""
     # one 1-D grid of (B·H_q) × ⌈N_q/BLOCK_M⌉ programs, query tiles fastest
@@ -122,34 +166,34 @@ def _fwd_kernel(
     l_i = tl.full([BLOCK_M], 0.0, dtype=ACC)
     acc = tl.full([BLOCK_M, BLOCK_DV], 0.0, dtype=ACC)
 
-    lo = 0
-    hi = N_K
-    if HAS_BAND:
-        # keys j with BAND_LO <= i - j <= BAND_HI for some i in this tile
-        q_first = pid_m * BLOCK_M
-        q_last = tl.minimum(q_first + BLOCK_M, N_Q) - 1
-        lo = tl.maximum(q_first - BAND_HI, 0)
-        hi = tl.minimum(q_last - BAND_LO + 1, N_K)
-        lo = (lo // BLOCK_N) * BLOCK_N
+    q_first = pid_m * BLOCK_M
+    lo, hi = _range(q_first, tl.minimum(q_first + BLOCK_M, N_Q) - 1, N_K, BAND_LO, BAND_HI,
+                    pid_b, KvLen, QLen, slen, True, HAS_BAND, HAS_KVLEN, HAS_QLEN, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + offs_n0
-        col_ok = offs_n < N_K
-        k_t = tl.load(K_base + offs_n[None, :] * skn + offs_dk[:, None] * skd,
-                      mask=col_ok[None, :] & (offs_dk[:, None] < D_K), other=0.0)
-        s, _t, _allowed = _logits(
-            q, k_t, offs_m, offs_n, pid_b, h, scale, softcap,
-            Mask, smb, smh, smn, smk, Bias, sbb, sbh, sbn, sbk, N_Q, N_K, BAND_LO, BAND_HI,
-            HAS_BAND, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, ACC, PRECISION)
-        m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)     # empty so far: shift by 0
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])                            # blocked: exp(−∞) = 0
-        l_i = l_i * alpha + tl.reduce(p, 1, _ADD)
-        v = tl.load(V_base + offs_n[:, None] * svn + offs_dv[None, :] * svd,
-                    mask=col_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION,
-                                            out_dtype=ACC)
-        m_i = m_new
+        visit = True
+        if HAS_TILES:          # skip tiles where the block summary says nothing is allowed
+            visit = tl.load(Tiles + pid_b * stb + h * sth + pid_m * stm
+                            + (start_n // BLOCK_N) * stn) != 0
+        if visit:
+            offs_n = start_n + offs_n0
+            col_ok = offs_n < N_K
+            k_t = tl.load(K_base + offs_n[None, :] * skn + offs_dk[:, None] * skd,
+                          mask=col_ok[None, :] & (offs_dk[:, None] < D_K), other=0.0)
+            s, _t, _allowed = _logits(
+                q, k_t, offs_m, offs_n, pid_b, h, scale, softcap, BAND_LO, BAND_HI, N_Q, N_K,
+                Mask, smb, smh, smn, smk, Bias, sbb, sbh, sbn, sbk, KvLen, QLen, slen,
+                QIds, KIds, sqib, sqin, skib, skin, HAS_BAND, HAS_MASK, HAS_BIAS, HAS_KVLEN,
+                HAS_QLEN, HAS_DOC, HAS_SOFTCAP, ACC, PRECISION)
+            m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # empty so far: shift by 0
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(s - m_safe[:, None])                          # blocked: exp(−∞) = 0
+            l_i = l_i * alpha + tl.reduce(p, 1, _ADD)
+            v = tl.load(V_base + offs_n[:, None] * svn + offs_dv[None, :] * svd,
+                        mask=col_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION,
+                                                out_dtype=ACC)
+            m_i = m_new
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -189,18 +233,19 @@ def _bwd_delta_kernel(
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, DO, DQ, Lse, Delta, Mask, Bias,
+    Q, K, V, DO, DQ, Lse, Delta,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
     sdob, sdoh, sdon, sdod, sdqb, sdqh, sdqn, sdqd, slb, slh, sln,
-    smb, smh, smn, smk, sbb, sbh, sbn, sbk,
+    Mask, smb, smh, smn, smk, Bias, sbb, sbh, sbn, sbk, KvLen, QLen, slen,
+    QIds, KIds, sqib, sqin, skib, skin, Tiles, stb, sth, stm, stn,
     H_Q, GROUP, N_Q, N_K, D_K, D_V, scale, softcap, BAND_LO, BAND_HI,
     HAS_BAND: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
+    HAS_KVLEN: tl.constexpr, HAS_QLEN: tl.constexpr, HAS_DOC: tl.constexpr,
+    HAS_TILES: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ACC: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """dQ for one query tile: dQ = scale · Σ_j dS_ij K_j with dS = P ∘ (dP − Δ) (∘ softcap′)."""
-    # one 1-D grid of (B·H_q) × ⌈N_q/BLOCK_M⌉ programs, query tiles fastest
     n_tiles = (N_Q + BLOCK_M - 1) // BLOCK_M
     pid_m = tl.program_id(0) % n_tiles
     pid_bh = tl.program_id(0) // n_tiles
@@ -224,31 +269,33 @@ def _bwd_dq_kernel(
     V_base = V + pid_b * svb + hk * svh
     dq = tl.full([BLOCK_M, BLOCK_DK], 0.0, dtype=ACC)
 
-    lo = 0
-    hi = N_K
-    if HAS_BAND:
-        q_first = pid_m * BLOCK_M
-        q_last = tl.minimum(q_first + BLOCK_M, N_Q) - 1
-        lo = tl.maximum(q_first - BAND_HI, 0)
-        hi = tl.minimum(q_last - BAND_LO + 1, N_K)
-        lo = (lo // BLOCK_N) * BLOCK_N
+    q_first = pid_m * BLOCK_M
+    lo, hi = _range(q_first, tl.minimum(q_first + BLOCK_M, N_Q) - 1, N_K, BAND_LO, BAND_HI,
+                    pid_b, KvLen, QLen, slen, True, HAS_BAND, HAS_KVLEN, HAS_QLEN, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + offs_n0
-        col_ok = offs_n < N_K
-        k_t = tl.load(K_base + offs_n[None, :] * skn + offs_dk[:, None] * skd,
-                      mask=col_ok[None, :] & (offs_dk[:, None] < D_K), other=0.0)
-        v_t = tl.load(V_base + offs_n[None, :] * svn + offs_dv[:, None] * svd,
-                      mask=col_ok[None, :] & (offs_dv[:, None] < D_V), other=0.0)
-        s, t, allowed = _logits(
-            q, k_t, offs_m, offs_n, pid_b, h, scale, softcap,
-            Mask, smb, smh, smn, smk, Bias, sbb, sbh, sbn, sbk, N_Q, N_K, BAND_LO, BAND_HI,
-            HAS_BAND, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, ACC, PRECISION)
-        p = tl.where(allowed, tl.exp(s - lse[:, None]), 0.0)
-        dp = tl.dot(do, v_t, input_precision=PRECISION, out_dtype=ACC)
-        ds = p * (dp - delta[:, None])
-        if HAS_SOFTCAP:
-            ds = ds * (1.0 - t * t)
-        dq += tl.dot(ds.to(k_t.dtype), tl.trans(k_t), input_precision=PRECISION, out_dtype=ACC)
+        visit = True
+        if HAS_TILES:          # skip tiles where the block summary says nothing is allowed
+            visit = tl.load(Tiles + pid_b * stb + h * sth + pid_m * stm
+                            + (start_n // BLOCK_N) * stn) != 0
+        if visit:
+            offs_n = start_n + offs_n0
+            col_ok = offs_n < N_K
+            k_t = tl.load(K_base + offs_n[None, :] * skn + offs_dk[:, None] * skd,
+                          mask=col_ok[None, :] & (offs_dk[:, None] < D_K), other=0.0)
+            v_t = tl.load(V_base + offs_n[None, :] * svn + offs_dv[:, None] * svd,
+                          mask=col_ok[None, :] & (offs_dv[:, None] < D_V), other=0.0)
+            s, t, allowed = _logits(
+                q, k_t, offs_m, offs_n, pid_b, h, scale, softcap, BAND_LO, BAND_HI, N_Q, N_K,
+                Mask, smb, smh, smn, smk, Bias, sbb, sbh, sbn, sbk, KvLen, QLen, slen,
+                QIds, KIds, sqib, sqin, skib, skin, HAS_BAND, HAS_MASK, HAS_BIAS, HAS_KVLEN,
+                HAS_QLEN, HAS_DOC, HAS_SOFTCAP, ACC, PRECISION)
+            p = tl.where(allowed, tl.exp(s - lse[:, None]), 0.0)
+            dp = tl.dot(do, v_t, input_precision=PRECISION, out_dtype=ACC)
+            ds = p * (dp - delta[:, None])
+            if HAS_SOFTCAP:
+                ds = ds * (1.0 - t * t)
+            dq += tl.dot(ds.to(k_t.dtype), tl.trans(k_t), input_precision=PRECISION,
+                         out_dtype=ACC)
     dq = dq * scale
     tl.store(DQ + pid_b * sdqb + h * sdqh + offs_m[:, None] * sdqn + offs_dk[None, :] * sdqd,
              dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (offs_dk[None, :] < D_K))
@@ -256,15 +303,17 @@ def _bwd_dq_kernel(
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, DK, DV, Lse, Delta, Mask, Bias,
+    Q, K, V, DO, DK, DV, Lse, Delta,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
     sdob, sdoh, sdon, sdod, sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd, slb, slh, sln,
-    smb, smh, smn, smk, sbb, sbh, sbn, sbk,
+    Mask, smb, smh, smn, smk, Bias, sbb, sbh, sbn, sbk, KvLen, QLen, slen,
+    QIds, KIds, sqib, sqin, skib, skin, Tiles, stb, sth, stm, stn,
     H_KV, GROUP, N_Q, N_K, D_K, D_V, scale, softcap, BAND_LO, BAND_HI,
     HAS_BAND: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
+    HAS_KVLEN: tl.constexpr, HAS_QLEN: tl.constexpr, HAS_DOC: tl.constexpr,
+    HAS_TILES: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ACC: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """dK, dV for one key tile of one K/V head, summed over the GROUP query heads sharing it.
 
@@ -289,43 +338,43 @@ def _bwd_dkdv_kernel(
     dk = tl.full([BLOCK_N, BLOCK_DK], 0.0, dtype=ACC)
     dv = tl.full([BLOCK_N, BLOCK_DV], 0.0, dtype=ACC)
 
-    lo = 0
-    hi = N_Q
-    if HAS_BAND:
-        # queries i with BAND_LO <= i - j <= BAND_HI for some j in this tile
-        k_first = pid_n * BLOCK_N
-        k_last = tl.minimum(k_first + BLOCK_N, N_K) - 1
-        lo = tl.maximum(k_first + BAND_LO, 0)
-        hi = tl.minimum(k_last + BAND_HI + 1, N_Q)
-        lo = (lo // BLOCK_M) * BLOCK_M
+    k_first = pid_n * BLOCK_N
+    lo, hi = _range(k_first, tl.minimum(k_first + BLOCK_N, N_K) - 1, N_Q, BAND_LO, BAND_HI,
+                    pid_b, KvLen, QLen, slen, False, HAS_BAND, HAS_KVLEN, HAS_QLEN, BLOCK_M)
     for g in range(0, GROUP):
         h = hk * GROUP + g
         Q_base = Q + pid_b * sqb + h * sqh
         DO_base = DO + pid_b * sdob + h * sdoh
         L_base = pid_b * slb + h * slh
         for start_m in range(lo, hi, BLOCK_M):
-            offs_m = start_m + offs_m0
-            row_ok = offs_m < N_Q
-            q = tl.load(Q_base + offs_m[:, None] * sqn + offs_dk[None, :] * sqd,
-                        mask=row_ok[:, None] & (offs_dk[None, :] < D_K), other=0.0)
-            do = tl.load(DO_base + offs_m[:, None] * sdon + offs_dv[None, :] * sdod,
-                         mask=row_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
-            lse = tl.load(Lse + L_base + offs_m * sln, mask=row_ok, other=0.0)
-            lse = tl.where(lse == float("-inf"), 0.0, lse)
-            delta = tl.load(Delta + L_base + offs_m * sln, mask=row_ok, other=0.0)
-            s, t, allowed = _logits(
-                q, k_t, offs_m, offs_n, pid_b, h, scale, softcap,
-                Mask, smb, smh, smn, smk, Bias, sbb, sbh, sbn, sbk, N_Q, N_K, BAND_LO, BAND_HI,
-                HAS_BAND, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, ACC, PRECISION)
-            p = tl.where(allowed, tl.exp(s - lse[:, None]), 0.0)           # (BLOCK_M, BLOCK_N)
-            dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PRECISION,
-                         out_dtype=ACC)
-            dp = tl.dot(do, v_t, input_precision=PRECISION, out_dtype=ACC)
-            ds = p * (dp - delta[:, None])
-            if HAS_SOFTCAP:
-                ds = ds * (1.0 - t * t)
-            dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PRECISION,
-                         out_dtype=ACC)
+            visit = True
+            if HAS_TILES:
+                visit = tl.load(Tiles + pid_b * stb + h * sth + (start_m // BLOCK_M) * stm
+                                + pid_n * stn) != 0
+            if visit:
+                offs_m = start_m + offs_m0
+                row_ok = offs_m < N_Q
+                q = tl.load(Q_base + offs_m[:, None] * sqn + offs_dk[None, :] * sqd,
+                            mask=row_ok[:, None] & (offs_dk[None, :] < D_K), other=0.0)
+                do = tl.load(DO_base + offs_m[:, None] * sdon + offs_dv[None, :] * sdod,
+                             mask=row_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
+                lse = tl.load(Lse + L_base + offs_m * sln, mask=row_ok, other=0.0)
+                lse = tl.where(lse == float("-inf"), 0.0, lse)
+                delta = tl.load(Delta + L_base + offs_m * sln, mask=row_ok, other=0.0)
+                s, t, allowed = _logits(
+                    q, k_t, offs_m, offs_n, pid_b, h, scale, softcap, BAND_LO, BAND_HI, N_Q,
+                    N_K, Mask, smb, smh, smn, smk, Bias, sbb, sbh, sbn, sbk, KvLen, QLen, slen,
+                    QIds, KIds, sqib, sqin, skib, skin, HAS_BAND, HAS_MASK, HAS_BIAS,
+                    HAS_KVLEN, HAS_QLEN, HAS_DOC, HAS_SOFTCAP, ACC, PRECISION)
+                p = tl.where(allowed, tl.exp(s - lse[:, None]), 0.0)        # (BLOCK_M, BLOCK_N)
+                dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PRECISION,
+                             out_dtype=ACC)
+                dp = tl.dot(do, v_t, input_precision=PRECISION, out_dtype=ACC)
+                ds = p * (dp - delta[:, None])
+                if HAS_SOFTCAP:
+                    ds = ds * (1.0 - t * t)
+                dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PRECISION,
+                             out_dtype=ACC)
     dk = dk * scale
     tl.store(DK + pid_b * sdkb + hk * sdkh + offs_n[:, None] * sdkn + offs_dk[None, :] * sdkd,
              dk.to(DK.dtype.element_ty), mask=col_ok[:, None] & (offs_dk[None, :] < D_K))

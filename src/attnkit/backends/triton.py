@@ -14,13 +14,16 @@ Shape legend::
 
 What runs in-kernel:
 
-- causal masks (both alignments) and sliding windows, and ``&`` of them: recognised as a band
-  ``BAND_LO <= q_idx - kv_idx <= BAND_HI``, evaluated from the indices, and used to skip the
-  tiles outside the band;
-- every other mask (padding, document, prefix-LM, ``from_fn``, bool tensors, ``|``, ``~``):
-  evaluated once into a uint8 tensor ``(B|1, H_q|1, N_q|1, N_k|1)`` that the kernels read a
-  tile at a time (broadcast dimensions cost no memory); a band found among the ``&``-terms of
-  such a mask still bounds the loops;
+- a mask is split into its ``&``-terms, and each term goes to the cheapest mechanism:
+  causal masks (both alignments), sliding windows and ``full()`` become one index band
+  ``BAND_LO <= q_idx - kv_idx <= BAND_HI``; one ``padding`` term becomes per-batch lengths;
+  one ``document`` term becomes per-position ids. These are evaluated from the indices, and
+  the band and the lengths bound the loops, so tiles outside them are never visited;
+- every other term (prefix-LM, ``from_fn``, bool tensors, ``|``, ``~``, a second padding or
+  document term) is evaluated once into a uint8 tensor ``(B|1, H_q|1, N_q|1, N_k|1)`` that
+  the kernels read a tile at a time (broadcast dimensions cost no memory);
+- for document and dense terms the kernels also read the mask's block map
+  (:meth:`attnkit.masks.Mask.block_map`) and skip tiles in which no pair is allowed;
 - ``softcap`` (forward and its derivative in the backward) and a finite additive ``bias``
   (read a tile at a time, like the mask);
 - any N_q, N_k (boundary masks) and D_k, D_v ≤ 256 (padded to powers of two, masked);
@@ -32,15 +35,17 @@ Caution
 -------
 - Needs CUDA tensors and the ``triton`` package. With ``TRITON_INTERPRET=1`` in the
   environment (read at each call) CPU tensors are accepted and the kernels run in Triton's
-  interpreter — slow, for testing only.
+  interpreter — slow, for testing only, and without bfloat16 (the interpreter's ``tl.dot``
+  gets bfloat16 wrong, triton-lang/triton#11584).
 - Not supported (``not_supported_reasons`` says so and ``backend="auto"`` moves on):
   ``score_mod`` (an arbitrary Python function), ``dropout_p > 0``, a ``bias`` that requires
   grad, D_k or D_v above 256.
-- Masks that are not a band are materialised at (B|1, H_q|1, N_q, N_k) bytes, reduced to 1
-  on each dimension the mask does not depend on; the kernels then visit every key tile.
-- Band detection reads the parameters of the masks built by :func:`attnkit.masks.causal`,
-  :func:`~attnkit.masks.sliding_window` and :func:`~attnkit.masks.full` (and their ``&``);
-  a mask it does not recognise is simply treated as a general mask (correct, less fast).
+- Dense terms are materialised at (B|1, H_q|1, N_q, N_k) bytes, reduced to 1 on each
+  dimension the term does not depend on (a call is refused above 2^31 elements).
+- Recognising terms reads the parameters of the masks built by :func:`attnkit.masks.causal`,
+  :func:`~attnkit.masks.sliding_window`, :func:`~attnkit.masks.full`,
+  :func:`~attnkit.masks.padding` and :func:`~attnkit.masks.document` (and their ``&``) from
+  their closures; a mask it does not recognise is treated as a dense term (correct, slower).
 - Launch parameters (block sizes, warps, stages) are fixed heuristics, not autotuned.
 """
 
@@ -50,7 +55,7 @@ import importlib.util
 import math
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
@@ -119,9 +124,12 @@ def _closure(fn: Any) -> dict[str, Any]:
     return dict(zip(code.co_freevars, cells, strict=True))
 
 
+# The mask functions built by masks.py, recognised by their code objects.
 _BAND_CODE = _masks.causal()._fn.__code__
 _FULL_CODE = _masks.full()._fn.__code__
 _AND_CODE = (_masks.full() & _masks.full())._fn.__code__
+_PADDING_CODE = _masks.padding([1])._fn.__code__
+_DOCUMENT_CODE = _masks.document([0])._fn.__code__
 
 
 def _conjuncts(m: _masks.Mask) -> list[_masks.Mask]:
@@ -148,12 +156,99 @@ def _as_band(m: _masks.Mask, n_q: int, n_k: int) -> tuple[float, float] | None:
     return None
 
 
+def _as_padding(m: _masks.Mask) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """``(kv_lengths (B|1,), q_lengths (B|1,) or None)`` of a padding mask, else None."""
+    if m._fn.__code__ is not _PADDING_CODE:
+        return None
+    env = _closure(m._fn)
+    kv, q = env.get("kv_len"), env.get("q_len")
+    if not isinstance(kv, torch.Tensor) or not (q is None or isinstance(q, torch.Tensor)):
+        return None
+    return kv, q
+
+
+def _as_document(m: _masks.Mask, n_q: int, n_k: int) -> tuple[torch.Tensor, ...] | None:
+    """``(ids (B|1, N_q), kv_ids (B|1, N_k))`` of a document mask that fits, else None."""
+    if m._fn.__code__ is not _DOCUMENT_CODE:
+        return None
+    env = _closure(m._fn)
+    qi, ki = env.get("q_ids"), env.get("k_ids")
+    if not (isinstance(qi, torch.Tensor) and isinstance(ki, torch.Tensor)):
+        return None
+    if qi.dim() != 2 or ki.dim() != 2 or qi.shape[1] != n_q or ki.shape[1] != n_k:
+        return None           # evaluated densely instead, which raises the mask's own error
+    return qi, ki
+
+
 @dataclass
 class _MaskPlan:
-    """How the kernels apply a mask: an index band, a dense uint8 tensor, or both."""
+    """How the kernels apply a mask: each ``&``-term of it goes to the cheapest mechanism.
 
-    band: tuple[int, int] | None = None          # (BAND_LO, BAND_HI), inclusive
-    dense: torch.Tensor | None = None            # uint8 (B|1, H_q|1, N_q|1, N_k|1)
+    band      (BAND_LO, BAND_HI), inclusive, from causal / sliding-window terms
+    kv_len    int32 (B|1,), q_len int32 (B|1,) or None — one padding term
+    q_ids     int64 (B|1, N_q), k_ids int64 (B|1, N_k) — one document term
+    dense     uint8 (B|1, H_q|1, N_q|1, N_k|1) — every other term, evaluated once
+    summary   the mask of the non-band, non-padding terms, whose block map lets the kernels
+              skip tiles without an allowed pair (None: nothing to skip beyond the loops)
+    """
+
+    band: tuple[int, int] | None = None
+    kv_len: torch.Tensor | None = None
+    q_len: torch.Tensor | None = None
+    q_ids: torch.Tensor | None = None
+    k_ids: torch.Tensor | None = None
+    dense: torch.Tensor | None = None
+    summary: _masks.Mask | None = None
+    batch: int = 1
+    heads: int = 1
+    device: torch.device | None = None
+    _tiles: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+
+    def tiles(self, n_q: int, n_k: int, bm: int, bn: int) -> torch.Tensor | None:
+        """int8 block map (B|1, H_q|1, ⌈N_q/bm⌉, ⌈N_k/bn⌉) of ``summary``, cached per tile size."""
+        if self.summary is None:
+            return None
+        if (bm, bn) not in self._tiles:
+            self._tiles[bm, bn] = self.summary.block_map(
+                n_q, n_k, bm, bn, batch=self.batch, heads=self.heads, device=self.device)
+        return self._tiles[bm, bn]
+
+
+def _and_all(terms: list[_masks.Mask]) -> _masks.Mask:
+    out = terms[0]
+    for t in terms[1:]:
+        out = out & t
+    return out
+
+
+def _split_terms(p: Problem) -> tuple[tuple[int, int] | None, list[_masks.Mask],
+                                      list[_masks.Mask]]:
+    """→ (band, [padding/document terms handled by index], [terms to evaluate densely])."""
+    if p.mask is None:
+        return None, [], []
+    lo, hi = -math.inf, math.inf
+    indexed: list[_masks.Mask] = []
+    dense: list[_masks.Mask] = []
+    found = False
+    kinds: set[str] = set()
+    for term in _conjuncts(p.mask):
+        band = _as_band(term, p.n_q, p.n_k)
+        if band is not None:
+            if band != (-math.inf, math.inf):
+                found = True
+                lo, hi = max(lo, band[0]), min(hi, band[1])
+        elif "padding" not in kinds and _as_padding(term) is not None:
+            kinds.add("padding")
+            indexed.append(term)
+        elif "document" not in kinds and _as_document(term, p.n_q, p.n_k) is not None:
+            kinds.add("document")
+            indexed.append(term)
+        else:
+            dense.append(term)
+    # beyond ±(N_q + N_k) a bound is the same as no bound; keep it a small int for the kernels
+    lim = p.n_q + p.n_k + 1
+    band_out = (int(max(lo, -lim)), int(min(hi, lim))) if found else None
+    return band_out, indexed, dense
 
 
 def _dense_size(m: _masks.Mask, p: Problem) -> int:
@@ -162,45 +257,37 @@ def _dense_size(m: _masks.Mask, p: Problem) -> int:
     return b * h * p.n_q * p.n_k
 
 
-def _general_terms(p: Problem) -> tuple[tuple[int, int] | None, list[_masks.Mask]]:
-    """Split ``p.mask`` into a band (from its band ``&``-terms) and the remaining terms."""
-    if p.mask is None:
-        return None, []
-    lo, hi = -math.inf, math.inf
-    rest: list[_masks.Mask] = []
-    found = False
-    for term in _conjuncts(p.mask):
-        band = _as_band(term, p.n_q, p.n_k)
-        if band is None:
-            rest.append(term)
-        elif band != (-math.inf, math.inf):
-            found = True
-            lo, hi = max(lo, band[0]), min(hi, band[1])
-    if not found:
-        return None, rest
-    # beyond ±(N_q + N_k) a bound is the same as no bound; keep it a small int for the kernels
-    lim = p.n_q + p.n_k + 1
-    return (int(max(lo, -lim)), int(min(hi, lim))), rest
-
-
 def _plan_mask(p: Problem) -> _MaskPlan:
-    band, rest = _general_terms(p)
-    if not rest:
-        return _MaskPlan(band=band)
-    general = rest[0]
-    for term in rest[1:]:
-        general = general & term
-    d = general._dense(p.n_q, p.n_k, p.batch, p.heads_q, p.device)
-    # keep broadcast (stride-0) dims at size 1 so that they cost no memory
-    index = tuple(slice(0, 1) if (st == 0 and n > 1) else slice(None)
-                  for st, n in zip(d.stride(), d.shape, strict=True))
-    return _MaskPlan(band=band, dense=d[index].to(torch.uint8).contiguous())
+    band, indexed, dense_terms = _split_terms(p)
+    plan = _MaskPlan(band=band, batch=p.batch, heads=p.heads_q, device=p.device)
+    dev = p.device
+    summary_terms = list(dense_terms)
+    for term in indexed:
+        padding = _as_padding(term)
+        if padding is not None:
+            lim = max(p.n_q, p.n_k) + 1
+            plan.kv_len = padding[0].clamp(max=lim).to(device=dev, dtype=torch.int32)
+            if padding[1] is not None:
+                plan.q_len = padding[1].clamp(max=lim).to(device=dev, dtype=torch.int32)
+            continue
+        ids = _as_document(term, p.n_q, p.n_k)
+        assert ids is not None
+        plan.q_ids, plan.k_ids = (t.to(device=dev, dtype=torch.int64) for t in ids)
+        summary_terms.append(term)
+    if dense_terms:
+        d = _and_all(dense_terms)._dense(p.n_q, p.n_k, p.batch, p.heads_q, dev)
+        # keep broadcast (stride-0) dims at size 1 so that they cost no memory
+        index = tuple(slice(0, 1) if (st == 0 and n > 1) else slice(None)
+                      for st, n in zip(d.stride(), d.shape, strict=True))
+        plan.dense = d[index].to(torch.uint8).contiguous()
+    if summary_terms:
+        plan.summary = _and_all(summary_terms)
+    return plan
 
 
-def _broadcast_strides(t: torch.Tensor) -> tuple[int, int, int, int]:
-    """Strides of a 4-D tensor with 0 on its size-1 dims (so the kernels may broadcast)."""
-    b, h, n, k = (0 if size == 1 else st for size, st in zip(t.shape, t.stride(), strict=True))
-    return b, h, n, k
+def _broadcast_strides(t: torch.Tensor) -> tuple[int, ...]:
+    """Strides with 0 on size-1 dims (so that the kernels broadcast them)."""
+    return tuple(0 if size == 1 else st for size, st in zip(t.shape, t.stride(), strict=True))
 
 
 def _bias4(bias: torch.Tensor) -> torch.Tensor:
@@ -212,13 +299,14 @@ def _bias4(bias: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------- launching
 @dataclass
 class _Launch:
-    """Everything but the tensors that the three kernels need."""
+    """Everything but q, k, v that the kernels need."""
 
     scale: float
     softcap: float | None
     plan: _MaskPlan
+    bias: torch.Tensor | None     # (B|1, H_q|1, N_q|1, N_k|1) in the accumulation dtype
     fwd: tuple[int, ...]          # (BLOCK_M, BLOCK_N, num_warps, num_stages) of the forward
-    bwd: tuple[int, ...]          # the same for both backward kernels
+    bwd: tuple[int, ...]          # the same for the backward kernels
     interpret: bool
 
 
@@ -230,23 +318,28 @@ def _tl_acc(dtype: torch.dtype, tl: Any) -> Any:
     return tl.float64 if dtype == torch.float64 else tl.float32
 
 
-def _constexprs(L: _Launch, dtype: torch.dtype, d_k: int, d_v: int, tl: Any) -> dict[str, Any]:
-    return dict(
-        HAS_BAND=L.plan.band is not None, HAS_MASK=L.plan.dense is not None,
-        HAS_SOFTCAP=L.softcap is not None, ACC=_tl_acc(dtype, tl), PRECISION="ieee",
-        BLOCK_DK=_pow2(d_k), BLOCK_DV=_pow2(d_v),
-    )
+def _mask_args(L: _Launch, n_q: int, n_k: int, bm: int, bn: int,
+               dummy: torch.Tensor) -> tuple[list[Any], dict[str, Any]]:
+    """The mask/bias pointer and stride arguments (kernel order) and their HAS_* flags."""
+    pl = L.plan
+    tiles = pl.tiles(n_q, n_k, bm, bn)
 
+    def ptr(t: torch.Tensor | None, ndim: int) -> list[Any]:
+        return [t, *_broadcast_strides(t)] if t is not None else [dummy, *([0] * ndim)]
 
-def _extras(
-    L: _Launch, bias: torch.Tensor | None, dummy: torch.Tensor
-) -> tuple[list[torch.Tensor], list[int]]:
-    """Pointers ``[MASK, BIAS]`` and their strides (dummies when absent)."""
-    m = L.plan.dense
-    ptrs = [m if m is not None else dummy, bias if bias is not None else dummy]
-    strides = [*(_broadcast_strides(m) if m is not None else (0, 0, 0, 0)),
-               *(_broadcast_strides(bias) if bias is not None else (0, 0, 0, 0))]
-    return ptrs, strides
+    lens = [pl.kv_len if pl.kv_len is not None else dummy,
+            pl.q_len if pl.q_len is not None else dummy,
+            1 if pl.kv_len is not None and pl.kv_len.shape[0] > 1 else 0]
+    ids = [pl.q_ids if pl.q_ids is not None else dummy,
+           pl.k_ids if pl.k_ids is not None else dummy,
+           *(_broadcast_strides(pl.q_ids) if pl.q_ids is not None else (0, 0)),
+           *(_broadcast_strides(pl.k_ids) if pl.k_ids is not None else (0, 0))]
+    args = [*ptr(pl.dense, 4), *ptr(L.bias, 4), *lens, *ids, *ptr(tiles, 4)]
+    flags = dict(HAS_BAND=pl.band is not None, HAS_MASK=pl.dense is not None,
+                 HAS_BIAS=L.bias is not None, HAS_KVLEN=pl.kv_len is not None,
+                 HAS_QLEN=pl.q_len is not None, HAS_DOC=pl.q_ids is not None,
+                 HAS_TILES=tiles is not None, HAS_SOFTCAP=L.softcap is not None)
+    return args, flags
 
 
 def _scalars(L: _Launch) -> list[Any]:
@@ -282,22 +375,23 @@ def _with_fallback(launch: Any, config: tuple[int, ...], interpret: bool) -> Non
 
 
 def _run_forward(
-    L: _Launch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None
+    L: _Launch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     kern = _kernels(L.interpret)
     B, H_q, N_q, D_k = q.shape
     H_kv, N_k, D_v = k.shape[1], k.shape[2], v.shape[3]
     out = q.new_empty(B, H_q, N_q, D_v)
     lse = torch.empty(B, H_q, N_q, device=q.device, dtype=compute_dtype(q.dtype))
-    ptrs, strides = _extras(L, bias, lse)
+    const = dict(ACC=_tl_acc(q.dtype, kern.tl), PRECISION="ieee", BLOCK_DK=_pow2(D_k),
+                 BLOCK_DV=_pow2(D_v))
 
     def launch(bm: int, bn: int, warps: int, stages: int) -> None:
+        margs, flags = _mask_args(L, N_q, N_k, bm, bn, lse)
         kern._fwd_kernel[(_cdiv(N_q, bm) * B * H_q,)](
-            q, k, v, out, lse, *ptrs,
-            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(), *strides,
+            q, k, v, out, lse,
+            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(), *margs,
             H_q, H_q // H_kv, N_q, N_k, D_k, D_v, *_scalars(L),
-            HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
-            num_stages=stages, **_constexprs(L, q.dtype, D_k, D_v, kern.tl),
+            BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **flags, **const,
         )
 
     _with_fallback(launch, L.fwd, L.interpret)
@@ -305,45 +399,45 @@ def _run_forward(
 
 
 def _run_backward(
-    L: _Launch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+    L: _Launch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out: torch.Tensor, lse: torch.Tensor, d_out: torch.Tensor, d_lse: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     kern = _kernels(L.interpret)
     B, H_q, N_q, D_k = q.shape
     H_kv, N_k, D_v = k.shape[1], k.shape[2], v.shape[3]
     lse = lse.contiguous()
+    const = dict(ACC=_tl_acc(q.dtype, kern.tl), PRECISION="ieee", BLOCK_DK=_pow2(D_k),
+                 BLOCK_DV=_pow2(D_v))
     # Δ_i = Σ_d dO_id O_id − dLSE_i  (dS = P ∘ (dP − Δ); the LSE's own gradient enters here)
     delta = torch.empty_like(lse)
-    acc = _tl_acc(q.dtype, kern.tl)
     bm = L.bwd[0]
     kern._bwd_delta_kernel[(_cdiv(N_q, bm) * B * H_q,)](
         out, d_out, d_lse if d_lse is not None else lse, delta,
         *out.stride(), *d_out.stride(), *lse.stride(),
         *(d_lse.stride() if d_lse is not None else (0, 0, 0)), H_q, N_q, D_v,
-        HAS_DLSE=d_lse is not None, ACC=acc, BLOCK_M=bm, BLOCK_DV=_pow2(D_v),
+        HAS_DLSE=d_lse is not None, ACC=const["ACC"], BLOCK_M=bm, BLOCK_DV=const["BLOCK_DV"],
     )
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
-    ptrs, strides = _extras(L, bias, lse)
-    const = _constexprs(L, q.dtype, D_k, D_v, kern.tl)
 
     def launch_dq(bm: int, bn: int, warps: int, stages: int) -> None:
+        margs, flags = _mask_args(L, N_q, N_k, bm, bn, lse)
         kern._bwd_dq_kernel[(_cdiv(N_q, bm) * B * H_q,)](
-            q, k, v, d_out, dq, lse, delta, *ptrs,
+            q, k, v, d_out, dq, lse, delta,
             *q.stride(), *k.stride(), *v.stride(), *d_out.stride(), *dq.stride(),
-            *lse.stride(), *strides, H_q, H_q // H_kv, N_q, N_k, D_k, D_v, *_scalars(L),
-            HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
-            num_stages=stages, **const,
+            *lse.stride(), *margs, H_q, H_q // H_kv, N_q, N_k, D_k, D_v, *_scalars(L),
+            BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **flags, **const,
         )
 
     def launch_dkdv(bm: int, bn: int, warps: int, stages: int) -> None:
+        margs, flags = _mask_args(L, N_q, N_k, bm, bn, lse)
         kern._bwd_dkdv_kernel[(_cdiv(N_k, bn) * B * H_kv,)](
-            q, k, v, d_out, dk, dv, lse, delta, *ptrs,
+            q, k, v, d_out, dk, dv, lse, delta,
             *q.stride(), *k.stride(), *v.stride(), *d_out.stride(), *dk.stride(),
-            *dv.stride(), *lse.stride(), *strides, H_kv, H_q // H_kv, N_q, N_k, D_k, D_v,
-            *_scalars(L), HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn,
-            num_warps=warps, num_stages=stages, **const,
+            *dv.stride(), *lse.stride(), *margs, H_kv, H_q // H_kv, N_q, N_k, D_k, D_v,
+            *_scalars(L), BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages,
+            **flags, **const,
         )
 
     _with_fallback(launch_dq, L.bwd, L.interpret)
@@ -352,16 +446,14 @@ def _run_backward(
 
 
 class _TritonAttention(torch.autograd.Function):
-    """Autograd glue: (q, k, v) → (out, lse); the backward runs the dQ and dK/dV kernels."""
+    """Autograd glue: (q, k, v) → (out, lse); the backward runs the Δ, dQ and dK/dV kernels."""
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        bias: torch.Tensor | None, L: _Launch,
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, L: _Launch,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        out, lse = _run_forward(L, q, k, v, bias)
+        out, lse = _run_forward(L, q, k, v)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.bias = bias
         ctx.launch = L
         return out, lse
 
@@ -372,8 +464,8 @@ class _TritonAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         if d_out is None:
             d_out = torch.zeros_like(out)
-        dq, dk, dv = _run_backward(ctx.launch, q, k, v, ctx.bias, out, lse, d_out, d_lse)
-        return dq, dk, dv, None, None
+        dq, dk, dv = _run_backward(ctx.launch, q, k, v, out, lse, d_out, d_lse)
+        return dq, dk, dv, None
 
 
 # --------------------------------------------------------------------------- the backend
@@ -423,6 +515,9 @@ class TritonBackend(Backend):
         if p.dtype not in _DTYPES:
             reasons.append(f"dtype {p.dtype} is not supported (use float16, bfloat16, float32 "
                            "or float64)")
+        elif p.dtype == torch.bfloat16 and interpret:
+            reasons.append("Triton's interpreter multiplies the raw bits of bfloat16 in tl.dot "
+                           "(triton-lang/triton#11584), so bfloat16 runs only on a GPU")
         if max(p.d_k, p.d_v) > _MAX_HEAD_DIM:
             reasons.append(f"head dims D_k={p.d_k}, D_v={p.d_v} exceed {_MAX_HEAD_DIM}")
         if p.score_mod is not None:
@@ -440,11 +535,9 @@ class TritonBackend(Backend):
             reasons.append(f"{', '.join(too_big)} span 2^31 or more elements within one head "
                            "(the kernels index rows with 32-bit offsets)")
         if p.mask is not None:
-            _band, rest = _general_terms(p)
+            _band, _indexed, rest = _split_terms(p)
             if rest:
-                general = rest[0]
-                for term in rest[1:]:
-                    general = general & term
+                general = _and_all(rest)
                 if _dense_size(general, p) > _MAX_DENSE_MASK:
                     reasons.append(
                         f"mask {p.mask.name} is not a causal/sliding-window band and its dense "
@@ -459,13 +552,13 @@ class TritonBackend(Backend):
             fwd, bwd = (self.block_m, *fwd[1:]), (self.block_m, *bwd[1:])
         if self.block_n is not None:
             fwd, bwd = (fwd[0], self.block_n, *fwd[2:]), (bwd[0], self.block_n, *bwd[2:])
-        return _Launch(scale=p.scale, softcap=p.softcap, plan=_plan_mask(p), fwd=fwd, bwd=bwd,
-                       interpret=interpret)
-
-    def forward(self, p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
         acc = compute_dtype(p.dtype)
         bias = _bias4(p.bias.detach().to(acc)) if p.bias is not None else None
-        out, lse = _TritonAttention.apply(p.q, p.k, p.v, bias, self._launch(p))
+        return _Launch(scale=p.scale, softcap=p.softcap, plan=_plan_mask(p), bias=bias,
+                       fwd=fwd, bwd=bwd, interpret=interpret)
+
+    def forward(self, p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse = _TritonAttention.apply(p.q, p.k, p.v, self._launch(p))
         return out, lse
 
 
