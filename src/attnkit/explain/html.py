@@ -118,6 +118,7 @@ table.hm th.r{text-align:right}
 table.hm td{min-width:44px;height:24px;text-align:center;padding:0 4px;border-radius:3px;
  cursor:default}
 table.hm.small td{min-width:9px;height:12px;padding:0;font-size:0}
+table.hm.small thead th{font-size:10px;padding:0 1px;text-align:left;max-width:9px;overflow:visible}
 table.hm td.sum{background:none;color:var(--mute);border-left:2px solid var(--line)}
 table.hm td.x{background:repeating-linear-gradient(45deg,#e6e8ee 0 4px,#f6f7fa 4px 8px);
  color:#8a93a5}
@@ -134,7 +135,8 @@ JS = """
   var tip=document.getElementById('tip');
   document.querySelectorAll('table.hm').forEach(function(t){
     var step=t.getAttribute('data-step')||'';
-    var cols=[].map.call(t.querySelectorAll('thead th'),function(h){return h.textContent;});
+    var cols=[].map.call(t.querySelectorAll('thead th'),function(h){
+      return h.getAttribute('data-l')||h.textContent;});
     t.addEventListener('mouseover',function(ev){
       var td=ev.target.closest('td[data-v]'); if(!td) return;
       var row=td.parentNode.querySelector('th').textContent;
@@ -206,14 +208,17 @@ def heatmap(m: np.ndarray, rows: Sequence[str], cols: Sequence[str], kind: str, 
     fin = m[np.isfinite(m)]
     vmax = float(np.abs(fin).max()) if fin.size else 1.0
     small = m.shape[1] > 12 or m.shape[0] > 24
+    whole = fin.size > 0 and bool(np.all(fin == np.round(fin))) and bool(np.all(np.abs(fin) < 1e6))
     out = [f'<table class="hm{" small" if small else ""}" data-step="{E(step)}">',
-           "<thead><tr><th></th>" + "".join(f"<th>{E(c)}</th>" for c in cols)
+           "<thead><tr><th></th>" + "".join(
+               f'<th data-l="{E(c)}">{E(c) if not small or j % 8 == 0 else ""}</th>'
+               for j, c in enumerate(cols))
            + ("<th>Σ</th>" if sums else "") + "</tr></thead><tbody>"]
     for i in range(m.shape[0]):
         cells = []
         for j in range(m.shape[1]):
             v = float(m[i, j])
-            s = fmt(v, decimals)
+            s = str(int(v)) if whole and math.isfinite(v) else fmt(v, decimals)
             if math.isinf(v) and v < 0:
                 cells.append(f'<td class="x" data-v="-inf">{"" if small else "−∞"}</td>')
                 continue
