@@ -35,20 +35,15 @@ COLLECTIVE_TIMEOUT_S = 30   # gloo gives up on a lost peer after this
 
 # ----------------------------------------------------------------------- case machinery
 def _global_inputs(seed: int, lead: tuple[int, ...], h_q: int, h_kv: int, n_q: int,
-                   n_k: int, d_k: int, d_v: int, dtype: torch.dtype
-                   ) -> tuple[torch.Tensor, ...]:
-    """Global q, k, v, dO, dLSE (identical on every rank: seeded generator, float64 first)."""
+                   n_k: int, d_k: int, d_v: int) -> tuple[torch.Tensor, ...]:
+    """Global float64 q, k, v, dO, dLSE (identical on every rank: a seeded generator)."""
     g = torch.Generator().manual_seed(seed)
 
     def r(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g, dtype=torch.float64)
 
-    q = r(*lead, h_q, n_q, d_k)
-    k = r(*lead, h_kv, n_k, d_k)
-    v = r(*lead, h_kv, n_k, d_v)
-    d_out = r(*lead, h_q, n_q, d_v)
-    d_lse = r(*lead, h_q, n_q)
-    return tuple(t.to(dtype) for t in (q, k, v)) + (d_out, d_lse)
+    return (r(*lead, h_q, n_q, d_k), r(*lead, h_kv, n_k, d_k), r(*lead, h_kv, n_k, d_v),
+            r(*lead, h_q, n_q, d_v), r(*lead, h_q, n_q))
 
 
 def _shard(t: torch.Tensor, rank: int, world: int, dim: int) -> torch.Tensor:
@@ -56,49 +51,78 @@ def _shard(t: torch.Tensor, rank: int, world: int, dim: int) -> torch.Tensor:
     return t.narrow(dim, rank * n, n).clone()
 
 
+def _non_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """The same values as a strided view: (..., H, N, D) stored as (..., N, H, D)."""
+    return t.transpose(-3, -2).contiguous().transpose(-3, -2)
+
+
+def _single(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d_out: torch.Tensor,
+            d_lse: torch.Tensor | None, **opts: object) -> list[torch.Tensor]:
+    """[out, lse, dq, dk, dv] of single-process reference attention on the whole sequence."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out, lse = ak.attention(q, k, v, backend="reference", return_lse=True, **opts)
+    loss = (out.double() * d_out).sum()
+    if d_lse is not None:
+        loss = loss + (lse.double() * d_lse).sum()
+    loss.backward()
+    return [out, lse, q.grad, k.grad, v.grad]
+
+
 def _compare(*, rank: int, world: int, seed: int = 0, lead: tuple[int, ...] = (2,),
              h_q: int = 2, h_kv: int = 2, n_q: int = 5, n_k: int | None = None, d_k: int = 8,
              d_v: int | None = None, is_causal: bool = False, scale: float | None = None,
              softcap: float | None = None, dtype: torch.dtype = torch.float64,
              with_lse_grad: bool = False, backend: str = "auto", group: object = None,
-             two_d: bool = False,
+             two_d: bool = False, non_contiguous: bool = False,
              ranks: list[int] | None = None, atol: float = 1e-10) -> None:
-    """Ring attention on this rank's shard vs the reference on the whole sequence."""
+    """Ring attention on this rank's shard vs the float64 reference on the whole sequence.
+
+    float64: every result within ``atol``. Lower precision (the testing rule of DESIGN.md):
+    the error against the float64 oracle is at most 2× (gradients 3×) the error of the
+    reference run single-process in that same dtype, plus 1e-6 (a few float32 ulps at these
+    magnitudes: a float32 ring sums W partial gradients, the reference sums once).
+    """
     ranks = ranks if ranks is not None else list(range(world))
     w, r = len(ranks), ranks.index(rank)
     n_k = n_q if n_k is None else n_k
     d_v = d_k if d_v is None else d_v
-    q, k, v, d_out, d_lse = _global_inputs(seed, lead, h_q, h_kv, w * n_q, w * n_k, d_k, d_v,
-                                           dtype)
+    q, k, v, d_out, d_lse = _global_inputs(seed, lead, h_q, h_kv, w * n_q, w * n_k, d_k, d_v)
     if two_d:   # plain (N, D) inputs: one head, no batch
         q, k, v, d_out, d_lse = q[0], k[0], v[0], d_out[0], d_lse[0]
     seq = -2
-    qs, ks, vs = (_shard(t, r, w, seq).requires_grad_() for t in (q, k, v))
+    qs, ks, vs = (_shard(t, r, w, seq).to(dtype) for t in (q, k, v))
+    if non_contiguous:
+        qs, ks, vs = (_non_contiguous(t) for t in (qs, ks, vs))
+        assert not qs.is_contiguous()
+    qs, ks, vs = (t.requires_grad_() for t in (qs, ks, vs))
     out, lse = akd.ring_attention(qs, ks, vs, group=group, is_causal=is_causal, scale=scale,
                                   softcap=softcap, backend=backend, return_lse=True)
+    assert out.dtype == dtype and lse.dtype == (torch.float64 if dtype == torch.float64
+                                                else torch.float32)
     loss = (out.double() * _shard(d_out, r, w, seq)).sum()
     if with_lse_grad:
         loss = loss + (lse.double() * _shard(d_lse, r, w, -1)).sum()
     loss.backward()
+    got = [out, lse, qs.grad, ks.grad, vs.grad]
 
-    qg, kg, vg = (t.double().requires_grad_() for t in (q, k, v))
-    ref, ref_lse = ak.attention(qg, kg, vg, is_causal=is_causal, scale=scale, softcap=softcap,
-                                backend="reference", return_lse=True)
-    ref_loss = (ref * d_out).sum()
-    if with_lse_grad:
-        ref_loss = ref_loss + (ref_lse * d_lse).sum()
-    ref_loss.backward()
-
-    assert out.shape == _shard(ref, r, w, seq).shape and out.dtype == dtype
-    checks = [("out", out, _shard(ref, r, w, seq)), ("lse", lse, _shard(ref_lse, r, w, -1)),
-              ("dq", qs.grad, _shard(qg.grad, r, w, seq)),
-              ("dk", ks.grad, _shard(kg.grad, r, w, seq)),
-              ("dv", vs.grad, _shard(vg.grad, r, w, seq))]
-    for name, got, want in checks:
-        assert got is not None, f"{name} is missing"
-        assert torch.isfinite(got).all(), f"{name} has non-finite values"
-        err = (got.double() - want.detach()).abs().max().item()
-        assert err <= atol, f"rank {rank}: {name} differs by {err:.3g} (atol {atol:.1g})"
+    opts = {"is_causal": is_causal, "scale": scale, "softcap": softcap}
+    d_l = d_lse if with_lse_grad else None
+    dims = [seq, -1, seq, seq, seq]
+    want = [_shard(t, r, w, dim) for t, dim in
+            zip(_single(q, k, v, d_out, d_l, **opts), dims, strict=True)]
+    if dtype == torch.float64:
+        tols = [atol] * 5
+    else:   # the same reference, in the same low precision: its error sets the bar
+        low = _single(q.to(dtype), k.to(dtype), v.to(dtype), d_out, d_l, **opts)
+        tols = [f * (_shard(t, r, w, dim).double() - ref).abs().max().item() + 1e-6
+                for f, t, dim, ref in zip((2, 2, 3, 3, 3), low, dims, want, strict=True)]
+    for name, g, ref, tol in zip(("out", "lse", "dq", "dk", "dv"), got, want, tols,
+                                 strict=True):
+        assert g is not None, f"{name} is missing"
+        assert g.shape == ref.shape, f"{name}: shape {tuple(g.shape)} != {tuple(ref.shape)}"
+        assert torch.isfinite(g).all(), f"{name} has non-finite values"
+        err = (g.double() - ref.detach()).abs().max().item()
+        assert err <= tol, f"rank {rank}: {name} differs by {err:.3g} (allowed {tol:.3g})"
 
 
 def _assert_close(got: torch.Tensor, want: torch.Tensor, atol: float) -> None:
@@ -216,7 +240,13 @@ CASES: dict[str, Callable[[int, int], None]] = {
                                    is_causal=True, two_d=True),
     "batch_dims": lambda r, w: _compare(rank=r, world=w, lead=(2, 3), h_q=2, h_kv=1, n_q=3),
     "float32": lambda r, w: _compare(rank=r, world=w, is_causal=True, n_q=17,
-                                     dtype=torch.float32, atol=2e-5),
+                                     dtype=torch.float32),
+    "bfloat16": lambda r, w: _compare(rank=r, world=w, is_causal=True, n_q=17, h_q=4, h_kv=2,
+                                      dtype=torch.bfloat16, with_lse_grad=True),
+    "float16_softcap": lambda r, w: _compare(rank=r, world=w, n_q=9, softcap=3.0,
+                                             dtype=torch.float16),
+    "non_contiguous": lambda r, w: _compare(rank=r, world=w, is_causal=True, h_q=4, h_kv=2,
+                                            n_q=6, non_contiguous=True),
     "every_backend": _case_every_backend,
     "backend_lse_without_grad": _case_backend_lse_without_grad,
     "mismatched_lengths": _case_mismatched_lengths,

@@ -38,6 +38,7 @@ owner as the full dK/dV; dQ never leaves its rank.
 Use::
 
     import torch.distributed as dist
+from torch.autograd.function import once_differentiable
     import attnkit.distributed
 
     dist.init_process_group("nccl")                         # or "gloo" on CPU
@@ -63,8 +64,14 @@ Caution
   K as the values): about twice the backward work, still O(N) memory. With ``softcap`` that
   shortcut does not apply, and such blocks are recomputed with the reference backend
   (O(N_q·N_k) memory per block).
+- Precision: for float16/bfloat16 inputs the forward blocks run in the input dtype and are
+  merged in float32; the backward recomputes each block in float32, so that a block's
+  gradients are not rounded to half precision before they are summed over the ring (the
+  accumulation contract of attnkit). On GPUs that backward is slower than a half-precision
+  one would be.
 - Memory: the forward keeps one extra K/V shard in flight; the backward keeps a K/V shard and
-  its dK/dV accumulator (in float32 for half-precision inputs) in flight.
+  its dK/dV accumulator (float32 for half-precision inputs) in flight, plus a float32 copy of
+  the block being recomputed.
 """
 
 from __future__ import annotations
@@ -73,6 +80,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 
 from .api import attention, prepare
 from .backends.base import compute_dtype
@@ -214,7 +222,9 @@ def _block_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, src: int, o:
     ``∂L/∂o_b = w·dO`` and ``∂L/∂lse_b = w·c`` where ``c = rowsum(dO·o_b) − delta``.
     """
     acc = d_out.dtype
-    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    # Recomputed in the accumulation dtype: a half-precision block's gradients would be
+    # rounded to half before they are summed over the ring (W roundings instead of one).
+    leaves = [t.detach().to(acc).requires_grad_() for t in (q, k, v)]
     with torch.enable_grad():
         o_b, lse_b = o.block(*leaves, src, backend=o.grad_backend)
         if not lse_b.requires_grad and o.softcap is not None:
@@ -225,11 +235,11 @@ def _block_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, src: int, o:
         wc = w * ((d_out * o_b.detach().to(acc)).sum(-1) - delta)             # ∂L/∂lse_b
         # Scalar surrogates whose gradients are the block's share of the global ones (a scalar
         # output also keeps torch.autograd.grad off its symbolic-shape checks).
-        surrogate = (o_b.to(acc) * g_out).sum()
+        surrogate = (o_b * g_out).sum()
         if lse_b.requires_grad:
             finite = torch.isfinite(lse_b)
             surrogate = surrogate + (torch.where(finite, lse_b, torch.zeros_like(lse_b))
-                                     .to(acc) * wc).sum()
+                                     * wc).sum()
         grads = [torch.zeros_like(x) if g is None else g
                  for g, x in zip(torch.autograd.grad(surrogate, leaves, allow_unused=True),
                                  leaves, strict=True)]
@@ -237,13 +247,13 @@ def _block_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, src: int, o:
             # The LSE's part by hand (no softcap: logits are scale·q·k). ∂lse_i/∂x_ij = p_ij,
             # so dq_i += scale·wc_i·Σ_j p_ij k_j  and  dk_j += scale·Σ_i p_ij·wc_i·q_i: the
             # output of attention(q, k, V=k), and the V-gradient of that same call.
-            q_d, k_d = q.detach(), k.detach()
+            q_d, k_d = leaves[0].detach(), leaves[1].detach()
             v_aux = k_d.clone().requires_grad_()                              # K as values
             o_aux, _ = o.block(q_d, k_d, v_aux, src)                          # Σ_j p_ij k_j
-            g_aux = (o.scale * wc)[..., None] * q_d.to(acc)                   # (B,H_q,N_q,D_k)
-            (dk_lse,) = torch.autograd.grad((o_aux.to(acc) * g_aux).sum(), [v_aux])
-            grads[0] = grads[0].to(acc) + (o.scale * wc)[..., None] * o_aux.detach().to(acc)
-            grads[1] = grads[1].to(acc) + dk_lse.to(acc)
+            g_aux = (o.scale * wc)[..., None] * q_d                           # (B,H_q,N_q,D_k)
+            (dk_lse,) = torch.autograd.grad((o_aux * g_aux).sum(), [v_aux])
+            grads[0] = grads[0] + (o.scale * wc)[..., None] * o_aux.detach()
+            grads[1] = grads[1] + dk_lse
     return tuple(grads)
 
 
@@ -299,6 +309,7 @@ class _RingAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @once_differentiable      # the backward ring itself is not differentiable: say so loudly
     def backward(ctx: Any, d_out: torch.Tensor | None, d_lse: torch.Tensor | None,
                  ) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
