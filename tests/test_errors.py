@@ -215,3 +215,8 @@ def test_no_backend_fits_lists_every_reason():
         ak.backends.REGISTRY.clear()
         ak.backends.REGISTRY.update(saved[0])
         ak.backends.PRIORITY[:] = saved[1]
+
+
+def test_mask_error_for_two_d_inputs_speaks_two_d():
+    with raises(ValueError, "mask of shape (5, 6)", "(N_q, N_k) = (5, 5)"):
+        ak.attention(t(5, 4), t(5, 4), t(5, 4), mask=torch.ones(5, 6, dtype=torch.bool))

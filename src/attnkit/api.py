@@ -142,7 +142,7 @@ def _check_number(x: Any, name: str) -> float:
 
 def _normalise_mask(
     mask: Any, is_causal: bool, full_shape: tuple[int, ...], lead: tuple[int, ...],
-    device: torch.device,
+    device: torch.device, two_d: bool = False,
 ) -> tuple[_masks.Mask | None, torch.Tensor | None]:
     """→ (structured mask or None, finite additive bias or None) in the (B, H, N_q, N_k) frame."""
     if is_causal and mask is not None:
@@ -171,9 +171,11 @@ def _normalise_mask(
     except RuntimeError:
         ok = False
     if not ok:
+        target = "(N_q, N_k)" if two_d else "(..., H_q, N_q, N_k)"
+        shown = tuple(full_shape[1:]) if two_d else tuple(full_shape)
         raise ValueError(
-            f"mask of shape {_shape(mask)} does not broadcast to (..., H_q, N_q, N_k) = "
-            f"{tuple(full_shape)}: give a mask whose dims are those sizes or 1 "
+            f"mask of shape {_shape(mask)} does not broadcast to {target} = "
+            f"{shown}: give a mask whose dims are those sizes or 1 "
             "(e.g. (N_q, N_k) or (B, 1, N_q, N_k))"
         )
     # (…lead, H, N_q, N_k) → (B|1, H|1, N_q|1, N_k|1)
@@ -221,7 +223,7 @@ def prepare(
         lead = tuple(q.shape[:-3])
         q4, k4, v4 = (t.reshape(math.prod(lead), *t.shape[-3:]) for t in (q, k, v))
     full_shape = (*lead, q4.shape[1], q4.shape[2], k4.shape[2])
-    structured, bias = _normalise_mask(mask, is_causal, full_shape, lead, q.device)
+    structured, bias = _normalise_mask(mask, is_causal, full_shape, lead, q.device, two_d)
     d_k = q.shape[-1]
     if scale is None:
         scale_f = 1.0 / math.sqrt(d_k) if d_k > 0 else 1.0
