@@ -38,7 +38,11 @@ def _seed() -> None:
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if "backend" in metafunc.fixturenames:
+    """Every test taking ``backend`` runs once per registered backend (unless the test
+    parametrises ``backend`` itself)."""
+    own = any("backend" in str(m.args[0]).replace(" ", "").split(",")
+              for m in metafunc.definition.iter_markers("parametrize") if m.args)
+    if "backend" in metafunc.fixturenames and not own:
         metafunc.parametrize("backend", BACKENDS)
 
 
