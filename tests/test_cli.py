@@ -166,6 +166,7 @@ def bad_cases(tmp: Path) -> list[tuple[list[str], list[str]]]:
     (tmp / "pickle.npy").write_bytes(b"not a numpy file")
     (tmp / "nan.csv").write_text("1,nan\n0,1\n")
     (tmp / "m01.json").write_text("[[0, 1], [1, 1]]")
+    (tmp / "empty.json").write_text("[[]]")
     m3 = write(tmp / "m3.json", np.ones((3, 3), dtype=bool))
     return [
         (["--example", "nope"], ["unknown example 'nope'", "causal", "attnkit examples"]),
@@ -177,6 +178,7 @@ def bad_cases(tmp: Path) -> list[tuple[list[str], list[str]]]:
         (["--q", str(tmp / "ragged.csv")], ["ragged.csv", "[2, 1]"]),
         (["--q", str(tmp / "pickle.npy")], ["pickle.npy", ".npy"]),
         (["--q", str(tmp / "nan.csv")], ["nan.csv", "non-finite"]),
+        (["--q", str(tmp / "empty.json")], ["empty.json", "(1, 0)", "at least one row"]),
         (["--q", str(q), "--k", str(k5)], ["q.npy (2, 4)", "k5.csv (2, 5)", "d_k 4 vs 5"]),
         (["--q", str(q), "--v", str(v3)], ["q.npy (2, 4)", "v3.json (3, 2)", "n_k 2 vs 3"]),
         (["--q", str(q), "--heads", "3"], ["--heads 3", "q.npy (2, 4)", "1, 2, 4"]),

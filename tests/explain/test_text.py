@@ -159,3 +159,16 @@ def test_render_text_limits_heads():
     (sec,) = parse(text)
     assert list(sec.steps["4"].heads) == ["head 1", "head 2"]
     assert "4 more heads" in text
+
+
+@pytest.mark.parametrize(("n_q", "n_k"), [(2, 0), (0, 2)])
+def test_empty_queries_or_keys_render(tmp_path, n_q, n_k):
+    f = torch.float64
+    tr = ak.explain(torch.ones(n_q, 4, dtype=f), torch.ones(n_k, 4, dtype=f),
+                    torch.ones(n_k, 3, dtype=f))
+    (sec,) = parse(tr.to_text())
+    assert sec.steps["4"].shape == (n_q, n_k) and sec.steps["5"].shape == (n_q, 3)
+    if n_q:
+        assert sec.values("5") == [[0.0, 0.0, 0.0]] * n_q      # nothing to attend to: zeros
+    assert "<table" in tr.to_html()
+    assert tr.plot(tmp_path / "e.png").stat().st_size > 0

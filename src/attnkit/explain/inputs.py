@@ -138,6 +138,9 @@ def _as_matrix(a: np.ndarray, name: str, path: str) -> np.ndarray:
                          f"(n, d) — one row per {'query' if name == 'q' else 'key'}")
     if a.ndim == 1:
         a = a[None, :]                          # (d,) → one row (1, d)
+    if a.ndim <= 4 and 0 in a.shape:
+        raise InputError(f"--{name} {path} has shape {shape_str(a.shape)}: give at least one "
+                         "row and one column of numbers")
     if a.ndim > 4:
         raise InputError(f"--{name} {path} has shape {shape_str(a.shape)} ({a.ndim} dims): "
                          "give (n, d), (h, n, d) or (b, h, n, d)")

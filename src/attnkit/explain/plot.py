@@ -153,10 +153,15 @@ def render_plot(traces: Trace | Sequence[Trace], path: str | Path,
                         ax.axis("off")
                         continue
                     label, m = mats[c]
+                    if m.size == 0:             # n_q or n_k is 0: nothing to draw
+                        ax.set_axis_off()
+                        ax.text(0.5, 0.5, f"{p[w]}\n({n_q}, {n_k})", ha="center",
+                                va="center", fontsize=9, transform=ax.transAxes)
+                        continue
                     im = ax.imshow(np.ma.masked_invalid(m), cmap=cmap, norm=norm)
                     step = max(1, -(-max(n_q, n_k) // 12))
                     ax.set_xticks(range(0, n_k, step), kl[::step], fontsize=8,
-                                  rotation=45 if max(map(len, kl)) > 3 else 0)
+                                  rotation=45 if max(map(len, kl), default=0) > 3 else 0)
                     ax.set_yticks(range(0, n_q, step), ql[::step], fontsize=8)
                     ax.set_xlabel(p["keys"], fontsize=8)
                     if c % n_cols == 0:

@@ -325,7 +325,7 @@ def split_heads(a: np.ndarray, lang: str = "en") -> list[tuple[str, np.ndarray]]
     if a.ndim == 2:
         return [("", a)]
     lead = a.shape[:-2]
-    flat = a.reshape(-1, *a.shape[-2:])
+    flat = a.reshape(int(np.prod(lead, dtype=np.int64)), *a.shape[-2:])
     out = []
     for n in range(flat.shape[0]):
         idx = np.unravel_index(n, lead)
@@ -375,9 +375,10 @@ def remarks(trace: Trace, lang: str = "en", decimals: int = 3, limit: int = 2) -
     n_q, n_k = S.shape[-2:]
     heads = split_heads(S, lang)
     many = len(heads) > 1
-    flat_w = W.reshape(-1, n_q, n_k)
-    flat_a = allowed.reshape(-1, n_q, n_k)
-    flat_l = trace.logits.reshape(-1, n_q, n_k)
+    lead = int(np.prod(S.shape[:-2], dtype=np.int64))
+    flat_w = W.reshape(lead, n_q, n_k)
+    flat_a = allowed.reshape(lead, n_q, n_k)
+    flat_l = trace.logits.reshape(lead, n_q, n_k)
     default = _default_scale(trace)
     for h, (hl, s) in enumerate(heads):
         w, al, lg = flat_w[h], flat_a[h], flat_l[h]
@@ -392,7 +393,8 @@ def remarks(trace: Trace, lang: str = "en", decimals: int = 3, limit: int = 2) -
             if not al[i, j] and s[i, j] > s[i][al[i]].max():
                 add("masked", t["r_masked_max"].format(q=q, k=_k_label(trace, j),
                                                        s=fmt(float(s[i, j]), decimals)))
-            for j in np.flatnonzero(al[i] & (np.abs(s[i]) < 1e-12) & (w[i] > 0)):
+            zeros = al[i] & (np.abs(s[i]) < 1e-12) & (w[i] > 0)
+            for j in np.flatnonzero(zeros if al[i].sum() >= 2 else zeros & False):
                 add("zero", t["r_zero_score"].format(q=_q_label(trace, i) if not many else q,
                                                      k=_k_label(trace, int(j)),
                                                      w=fmt(float(w[i, j]), decimals)))
