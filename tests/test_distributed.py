@@ -114,21 +114,28 @@ def _compare(*, rank: int, world: int, seed: int = 0, lead: tuple[int, ...] = (2
         tols = [atol] * 5
     else:   # the same reference, in the same low precision: its error sets the bar
         low = _single(q.to(dtype), k.to(dtype), v.to(dtype), d_out, d_l, **opts)
-        tols = [f * (_shard(t, r, w, dim).double() - ref).abs().max().item() + 1e-6
+        tols = [f * _max_err(_shard(t, r, w, dim), ref) + 1e-6
                 for f, t, dim, ref in zip((2, 2, 3, 3, 3), low, dims, want, strict=True)]
     for name, g, ref, tol in zip(("out", "lse", "dq", "dk", "dv"), got, want, tols,
                                  strict=True):
         assert g is not None, f"{name} is missing"
         assert g.shape == ref.shape, f"{name}: shape {tuple(g.shape)} != {tuple(ref.shape)}"
-        assert torch.isfinite(g).all(), f"{name} has non-finite values"
-        err = (g.double() - ref.detach()).abs().max().item()
+        assert not g.isnan().any(), f"{name} has NaN"
+        err = _max_err(g, ref)
         assert err <= tol, f"rank {rank}: {name} differs by {err:.3g} (allowed {tol:.3g})"
+
+
+def _max_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest |got − want| (0 for empty tensors; equal infinities, e.g. LSE −∞, count as 0)."""
+    got, want = got.detach().double(), want.detach().double()
+    diff = torch.where(got == want, torch.zeros_like(got), got - want).abs()
+    return diff.max().item() if diff.numel() else 0.0
 
 
 def _assert_close(got: torch.Tensor, want: torch.Tensor, atol: float) -> None:
     """Max-abs comparison (torch.testing.assert_close would import DTensor and sympy: seconds)."""
     assert got.shape == want.shape, f"shape {tuple(got.shape)} != {tuple(want.shape)}"
-    err = (got.double() - want.double()).abs().max().item()
+    err = _max_err(got, want)
     assert err <= atol, f"differs by {err:.3g} (atol {atol:.1g})"
 
 
@@ -148,6 +155,11 @@ def _case_mismatched_lengths(rank: int, world: int) -> None:
     _expect_error(lambda: akd.ring_attention(q, k, v), ValueError, "same shard shapes")
     # and the message lists each rank's shapes
     _expect_error(lambda: akd.ring_attention(q, k, v), ValueError, "rank 1: q (1, 2, 6, 4)")
+    # a difference in the leading (batch) dims is caught too
+    q7, k7, v7 = (torch.randn(2 + (rank == 0), 1, 1, 1, 2, 5, 4) for _ in range(3))
+    _expect_error(lambda: akd.ring_attention(q7, k7, v7), ValueError, "rank 0: q (…, 1, 1, 1")
+    _expect_error(lambda: akd.ring_attention(q, k, v, backend="nope"), ValueError,
+                  "unknown backend 'nope'")
 
 
 def _case_local_error_reaches_peers(rank: int, world: int) -> None:
@@ -245,6 +257,8 @@ CASES: dict[str, Callable[[int, int], None]] = {
                                       dtype=torch.bfloat16, with_lse_grad=True),
     "float16_softcap": lambda r, w: _compare(rank=r, world=w, n_q=9, softcap=3.0,
                                              dtype=torch.float16),
+    "empty_shards": lambda r, w: _compare(rank=r, world=w, n_q=0, is_causal=True),
+    "empty_kv_shards": lambda r, w: _compare(rank=r, world=w, n_q=3, n_k=0),
     "non_contiguous": lambda r, w: _compare(rank=r, world=w, is_causal=True, h_q=4, h_kv=2,
                                             n_q=6, non_contiguous=True),
     "every_backend": _case_every_backend,

@@ -51,6 +51,9 @@ Caution
 - Every call first all-gathers a small vector of shapes (one collective) so that mismatched
   shards or options raise the same clear error on every rank instead of hanging. A rank whose
   inputs fail local validation still joins that collective, so its peers raise too.
+- An error raised inside the ring on some ranks only (e.g. a forced ``backend`` that can
+  run the diagonal, masked block but not the others) leaves the other ranks waiting until
+  the process group's ``timeout``: give ``init_process_group`` a finite one.
 - With ``is_causal=True`` and contiguous shards the work is unbalanced: rank ``r`` computes
   ``r + 1`` blocks (the last rank does ``W``), while every rank still forwards every shard.
   Zig-zag / striped layouts that balance it are not implemented.
@@ -82,6 +85,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
+from . import backends as _backends
 from .api import attention, prepare
 from .backends.base import compute_dtype
 
@@ -320,15 +324,18 @@ class _RingAttention(torch.autograd.Function):
 
 
 def _shape_row(t: Any) -> list[int]:
-    shape = list(t.shape) if isinstance(t, torch.Tensor) else []
-    shape = shape[-_META_DIMS:] if len(shape) > _META_DIMS else shape
-    return [len(t.shape) if isinstance(t, torch.Tensor) else -1] + shape + \
-        [-1] * (_META_DIMS - len(shape))
+    """[ndim, numel, the last _META_DIMS sizes padded with -1] (ndim -1: not a tensor)."""
+    if not isinstance(t, torch.Tensor):
+        return [-1, -1] + [-1] * _META_DIMS
+    shape = list(t.shape)[-_META_DIMS:]
+    return [t.dim(), t.numel()] + shape + [-1] * (_META_DIMS - len(shape))
 
 
 def _fmt(row: list[int]) -> str:
-    n = row[0]
-    return "(" + ", ".join(str(x) for x in row[1:1 + n]) + ")" if n >= 0 else "(not a tensor)"
+    ndim, shape = row[0], row[2:2 + min(row[0], _META_DIMS)]
+    if ndim < 0:
+        return "(not a tensor)"
+    return "(" + ("…, " if ndim > _META_DIMS else "") + ", ".join(map(str, shape)) + ")"
 
 
 def _check_group(
@@ -340,8 +347,10 @@ def _check_group(
             else -1]
     for t in (q, k, v):
         row += _shape_row(t)
-    device = (torch.device("cuda", torch.cuda.current_device()) if ring.backend == "nccl"
-              else torch.device("cpu"))
+    device = torch.device("cpu")
+    if ring.backend == "nccl":      # NCCL only moves CUDA tensors
+        device = (q.device if isinstance(q, torch.Tensor) and q.is_cuda
+                  else torch.device("cuda", torch.cuda.current_device()))
     mine = torch.tensor(row, dtype=torch.int64, device=device)
     rows_t = [torch.empty_like(mine) for _ in range(ring.size)]
     dist.all_gather(rows_t, mine, group=ring.group)
@@ -355,7 +364,7 @@ def _check_group(
             f"error raised there); this rank ({ring.rank}) stopped with them"
         )
     if any(r[1:] != rows[0][1:] for r in rows):
-        n = _META_DIMS + 1
+        n = _META_DIMS + 2
         lines = []
         for i, r in enumerate(rows):
             dt = _DTYPES[r[2]] if r[2] >= 0 else "?"
@@ -431,6 +440,9 @@ def ring_attention(
         prep = prepare(q, k, v, scale=scale, softcap=softcap)
         if not isinstance(backend, str):
             raise TypeError(f"backend must be a string, got {type(backend).__name__}")
+        if backend != "auto" and backend not in _backends.names():
+            raise ValueError(f"unknown backend {backend!r}: choose one of "
+                             f"{', '.join(map(repr, ['auto', *_backends.names()]))}")
         p = prep.problem
         if is_causal and p.n_q != p.n_k:
             raise ValueError(
