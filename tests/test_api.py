@@ -478,8 +478,9 @@ def test_backend_gradcheck_float_mask_bias(backend):
         eps=1e-6, atol=1e-7, fast_mode=True)
 
 
+@pytest.mark.parametrize("through", ["out", "out_and_lse"])
 @pytest.mark.parametrize("kind", ["causal", "bool"])
-def test_backend_gradients_match_oracle(backend, kind):
+def test_backend_gradients_match_oracle(backend, kind, through):
     b, hq, hkv, nq, nk, dk, dv = 2, 4, 2, 33, 41, 16, 12
     q, k, v = (t.requires_grad_() for t in qkv(b, hq, hkv, nq, nk, dk, dv))
     m, allowed, _ = _mask_for(kind, b, nq, nk)
@@ -487,13 +488,25 @@ def test_backend_gradients_match_oracle(backend, kind):
     out, lse = ak.attention(q, k, v, mask=m, backend=backend, return_lse=True)
     ref, ref_lse, _ = oracle(q, k, v, allowed=allowed)
     go = randn(*out.shape)
-    fin = torch.isfinite(ref_lse)
-    gl = randn(*lse.shape) * fin
-    g = torch.autograd.grad((out * go).sum() + (torch.where(fin, lse, 0) * gl).sum(), (q, k, v))
-    g_ref = torch.autograd.grad((ref * go).sum() + (torch.where(fin, ref_lse, 0) * gl).sum(),
-                                (q, k, v))
+    loss, loss_ref = (out * go).sum(), (ref * go).sum()
+    if through == "out_and_lse":
+        if not lse.requires_grad:
+            pytest.skip(f"backend {backend!r} returns a non-differentiable LSE")
+        fin = torch.isfinite(ref_lse)
+        gl = randn(*lse.shape) * fin
+        loss = loss + (torch.where(fin, lse, 0) * gl).sum()
+        loss_ref = loss_ref + (torch.where(fin, ref_lse, 0) * gl).sum()
+    g = torch.autograd.grad(loss, (q, k, v))
+    g_ref = torch.autograd.grad(loss_ref, (q, k, v))
     for a, r in zip(g, g_ref, strict=True):
         torch.testing.assert_close(a, r, **TOL)
+
+
+def test_reference_lse_is_differentiable():
+    q, k, v = (t.requires_grad_() for t in qkv(1, 2, 2, 4, 5, 3, 2))
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: ak.attention(q, k, v, backend="reference", return_lse=True)[1],
+        (q, k, v), eps=1e-6, atol=1e-7, fast_mode=True)
 
 
 # ============================================================================ low precision
