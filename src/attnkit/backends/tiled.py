@@ -404,7 +404,9 @@ def _fused_attention(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     acc = compute_dtype(p.dtype)
     B, hkv, g = p.batch, p.heads_kv, p.group
     d = max(p.d_k, p.d_v)
-    q, k, v = p.q.to(acc), p.k.to(acc), p.v.to(acc)
+    # the fused kernel reads rows through strides but needs unit stride along D
+    q, k, v = (t.to(acc) if t.stride(-1) == 1 else t.to(acc).contiguous()
+               for t in (p.q, p.k, p.v))
     if p.d_k < d:           # zero columns change no dot product
         q, k = F.pad(q, (0, d - p.d_k)), F.pad(k, (0, d - p.d_k))
     if p.d_v < d:           # zero value columns give zero output columns, cut off below
@@ -485,7 +487,8 @@ def _general_attention(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     pl = plan(p, block_q=_SIZES["general_block_q"], coarsen=False)
     _count(pl)
     chunk = _SIZES["chunk_k"]
-    grad = p.requires_grad
+    # score_mod may close over tensors that require grad: recompute whenever autograd records
+    grad = torch.is_grad_enabled()
     outs, lses = [], []
     for q0, q1, runs in pl.blocks:
         bq = q1 - q0

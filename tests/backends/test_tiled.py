@@ -1,0 +1,308 @@
+"""The tiled CPU engine against the float64 reference: tile edges, the block-map schedule,
+every mask kind and option, gradients, low precision, dropout and O(N) memory.
+
+Most tests use tiny tiles (``tile_sizes``) so that small shapes cross many tile edges and
+exercise every run kind (skipped, full, partial, diagonal) in both engines.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import attnkit as ak
+from attnkit.api import prepare
+from attnkit.backends import tiled
+
+M = ak.masks
+F64 = torch.float64
+TINY = {"block_q": 16, "block_k": 8, "chunk_k": 24, "general_block_q": 16}
+
+
+def _inputs(b, hq, hkv, nq, nk, dk, dv, dtype=F64, grad=False):  # noqa: ANN001, ANN202
+    q = torch.randn(b, hq, nq, dk, dtype=dtype)
+    k = torch.randn(b, hkv, nk, dk, dtype=dtype)
+    v = torch.randn(b, hkv, nk, dv, dtype=dtype)
+    for t in (q, k, v):
+        t.requires_grad_(grad)
+    return q, k, v
+
+
+def _run(backend, q, k, v, grad, **kw):  # noqa: ANN001, ANN202
+    out, lse = ak.attention(q, k, v, backend=backend, return_lse=True, **kw)
+    if not grad:
+        return [out, lse]
+    w = torch.cos(torch.arange(out.numel(), dtype=out.dtype)).view(out.shape)
+    gs = torch.autograd.grad((out * w).sum(), (q, k, v), allow_unused=True)
+    return [out, lse, *gs]
+
+
+def check(q, k, v, grad=True, atol=1e-10, **kw):  # noqa: ANN001, ANN201
+    """tiled == reference in float64 (out, lse incl. −∞ rows, and gradients)."""
+    with tiled.tile_sizes(**TINY):
+        got = _run("tiled", q, k, v, grad, **kw)
+    ref = _run("reference", q, k, v, grad, **kw)
+    assert torch.equal(got[1] == -math.inf, ref[1] == -math.inf), "empty rows differ"
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, ref, strict=False):
+        assert not torch.isnan(a).any(), f"{name} has NaN"
+        torch.testing.assert_close(a, b, atol=atol, rtol=1e-9, msg=f"{name} differs")
+    return got
+
+
+# ---------------------------------------------------------------------------- shapes
+@pytest.mark.parametrize("nq,nk", [(1, 1), (97, 97), (113, 97), (97, 113), (1, 1025),
+                                   (1025, 1), (1025, 40)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_awkward_lengths(nq, nk, causal):
+    q, k, v = _inputs(1, 2, 2, nq, nk, 8, 8, grad=True)
+    check(q, k, v, is_causal=causal)
+
+
+@pytest.mark.parametrize("dk,dv", [(8, 8), (59, 59), (111, 111), (8, 59), (111, 8)])
+def test_head_widths_including_dv_ne_dk(dk, dv):
+    q, k, v = _inputs(2, 2, 1, 37, 53, dk, dv, grad=True)
+    check(q, k, v, mask=M.causal(align="bottom_right"))
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 2), (6, 1)])
+def test_gqa_and_mqa(hq, hkv):
+    q, k, v = _inputs(2, hq, hkv, 45, 61, 16, 16, grad=True)
+    check(q, k, v, mask=M.sliding_window(9))
+    check(q, k, v, softcap=3.0)
+
+
+def test_non_contiguous_inputs():
+    base = torch.randn(2, 50, 4, 16, dtype=F64)                # (B, N, H, D) → transposed
+    q = base.transpose(1, 2).requires_grad_(False)
+    k = torch.randn(2, 70, 2, 32, dtype=F64).transpose(1, 2)[..., ::2]
+    v = torch.randn(2, 2, 16, 70, dtype=F64).transpose(-1, -2)
+    assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
+    check(q, k, v, grad=False, mask=M.causal(align="bottom_right"))
+    check(q, k, v, grad=False, score_mod=ak.scores.alibi(4))
+
+
+# ---------------------------------------------------------------------------- masks
+def _masks(nq: int, nk: int, b: int) -> dict[str, object]:
+    g = torch.Generator().manual_seed(1)
+    fmask = torch.randn(nq, nk, dtype=F64, generator=g)
+    fmask[torch.rand(nq, nk, generator=g) > 0.6] = -math.inf
+    return {
+        "causal": M.causal(),
+        "causal_br": M.causal(align="bottom_right"),
+        "sliding": M.sliding_window(11),
+        "sliding_2sided": M.sliding_window(6, causal=False),
+        "padding_empty_rows": M.padding([nk // 2, 0][:b], q_lengths=[nq - 5, nq][:b]),
+        "document": M.document(torch.arange(nq) * 4 // nq,
+                               kv_ids=torch.arange(nk) * 4 // nk),
+        "prefix_lm": M.prefix_lm(7),
+        "from_fn": M.from_fn(lambda b_, h, qi, ki: (qi + ki) % 3 != 0),
+        "bool_tensor": torch.rand(b, 1, nq, nk, generator=g) > 0.5,
+        "float_additive": fmask,
+        "algebra": (M.causal() & ~M.sliding_window(4)) | M.prefix_lm(3),
+    }
+
+
+@pytest.mark.parametrize("name", list(_masks(8, 8, 2)))
+@pytest.mark.parametrize("nq,nk", [(29, 53), (53, 29)])
+def test_every_mask_kind(name, nq, nk):
+    q, k, v = _inputs(2, 4, 2, nq, nk, 16, 12, grad=True)
+    check(q, k, v, mask=_masks(nq, nk, 2)[name])
+
+
+def test_fully_masked_rows_give_zero_output_and_grads():
+    q, k, v = _inputs(2, 2, 2, 30, 30, 8, 8, grad=True)
+    mask = M.padding([20, 0], q_lengths=[10, 30])           # rows ≥ 10 (b=0), all rows (b=1)
+    out, lse, dq, dk, dv = check(q, k, v, mask=mask)
+    assert (out[0, :, 10:] == 0).all() and (out[1] == 0).all()
+    assert (lse[1] == -math.inf).all()
+    assert (dq[1] == 0).all() and (dk[1] == 0).all() and (dv[1] == 0).all()
+
+
+def test_nan_in_masked_kv_does_not_leak():
+    q, k, v = _inputs(1, 2, 2, 20, 40, 8, 8)
+    k[:, :, 30:] = float("nan")
+    v[:, :, 30:] = float("inf")
+    out = ak.attention(q, k, v, mask=M.padding([30]), backend="tiled")
+    ref = ak.attention(q, k, v, mask=M.padding([30]), backend="reference")
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
+
+
+# ---------------------------------------------------------------------------- options
+@pytest.mark.parametrize("mask", [None, M.causal(), M.sliding_window(5)])
+def test_softcap_and_score_mods(mask):
+    q, k, v = _inputs(1, 4, 2, 33, 47, 16, 16, grad=True)
+    check(q, k, v, mask=mask, softcap=2.5)
+    check(q, k, v, mask=mask, score_mod=ak.scores.alibi(4))
+    check(q, k, v, mask=mask, softcap=2.0, score_mod=ak.scores.alibi(4))
+
+
+def test_score_mod_parameters_get_gradients():
+    q, k, v = _inputs(1, 2, 2, 25, 25, 8, 8)
+    grads = []
+    table0 = torch.randn(2, 9, dtype=F64)
+    for backend in ("tiled", "reference"):
+        table = table0.clone().requires_grad_(True)
+        mod = ak.scores.relative_bias(table, 4)
+        with tiled.tile_sizes(**TINY):
+            out = ak.attention(q, k, v, is_causal=True, score_mod=mod, backend=backend)
+        (g,) = torch.autograd.grad(out.square().sum(), table)
+        grads.append(g)
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-10, rtol=1e-9)
+
+
+def test_bias_with_and_without_grad():
+    q, k, v = _inputs(1, 2, 2, 30, 35, 8, 8, grad=True)
+    bias = torch.randn(1, 2, 30, 35, dtype=F64)
+    check(q, k, v, mask=bias)                                # fused engine (bias as mask)
+    bias.requires_grad_(True)
+    got = []
+    for backend in ("tiled", "reference"):
+        with tiled.tile_sizes(**TINY):
+            out = ak.attention(q, k, v, mask=bias, backend=backend)
+        got.append(torch.autograd.grad(out.square().sum(), (q, bias)))
+    for a, b in zip(got[0], got[1], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-9)
+
+
+# ---------------------------------------------------------------------------- gradcheck
+@pytest.mark.parametrize("kw", [
+    {},
+    {"is_causal": True},
+    {"mask": M.padding([5, 0], q_lengths=[4, 6])},
+    {"mask": M.sliding_window(3) | M.prefix_lm(2)},
+    {"softcap": 1.5, "is_causal": True},
+    {"score_mod": ak.scores.alibi(2), "mask": M.causal(align="bottom_right")},
+], ids=["dense", "causal", "padding", "algebra", "softcap", "alibi"])
+def test_gradcheck_float64(kw):
+    q, k, v = _inputs(2, 2, 1, 6, 7, 3, 4, grad=True)
+
+    def f(q, k, v):  # noqa: ANN001, ANN202
+        with tiled.tile_sizes(block_q=2, block_k=2, chunk_k=3, general_block_q=2):
+            return ak.attention(q, k, v, backend="tiled", **kw)
+
+    assert torch.autograd.gradcheck(f, (q, k, v), fast_mode=True)
+
+
+# ---------------------------------------------------------------------------- low precision
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kw", [{"is_causal": True}, {"mask": M.sliding_window(9)},
+                                {"softcap": 5.0, "mask": M.causal()}], ids=str)
+def test_low_precision_within_twice_the_reference_error(dtype, kw):
+    q64, k64, v64 = _inputs(2, 4, 2, 70, 90, 32, 32)
+    q, k, v = (t.to(dtype).requires_grad_(True) for t in (q64, k64, v64))
+    exact = _run("reference", *(t.detach().double().requires_grad_(True) for t in (q, k, v)),
+                 True, **kw)
+    with tiled.tile_sizes(**TINY):
+        got = _run("tiled", q, k, v, True, **kw)
+    low_ref = _run("reference", q, k, v, True, **kw)
+    for i, (a, r, e) in enumerate(zip(got, low_ref, exact, strict=True)):
+        if i == 1:
+            continue                                           # lse is float32 in both
+        err = (a.double() - e).abs().max().item()
+        err_ref = (r.double() - e).abs().max().item()
+        factor = 2.0 if i == 0 else 3.0
+        assert err <= factor * err_ref + 1e-6, (i, err, err_ref)
+
+
+# ---------------------------------------------------------------------------- dropout
+def test_dropout_reproducible_and_unbiased():
+    q, k, v = _inputs(1, 2, 2, 64, 80, 8, 8)
+    v = torch.ones_like(v)
+    with tiled.tile_sizes(**TINY):
+        torch.manual_seed(5)
+        a = ak.attention(q, k, v, dropout_p=0.3, backend="tiled")
+        torch.manual_seed(5)
+        b = ak.attention(q, k, v, dropout_p=0.3, backend="tiled")
+        c = ak.attention(q, k, v, dropout_p=0.3, backend="tiled")
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    # with V = 1 every output is Σ_j keep_j / (1-p) · w_j: 1 on average, not 1 everywhere
+    assert abs(a.mean().item() - 1.0) < 0.05 and (a - 1).abs().max() > 0.01
+
+
+def test_dropout_gradients():
+    q, k, v = _inputs(1, 2, 1, 5, 7, 3, 3, grad=True)
+
+    def f(q, k, v):  # noqa: ANN001, ANN202
+        torch.manual_seed(3)                                   # the same dropout mask
+        with tiled.tile_sizes(block_q=2, block_k=2, chunk_k=3, general_block_q=2):
+            return ak.attention(q, k, v, dropout_p=0.4, is_causal=True, backend="tiled")
+
+    assert not torch.equal(f(q, k, v), ak.attention(q, k, v, is_causal=True))
+    assert torch.autograd.gradcheck(f, (q, k, v), fast_mode=True)
+
+
+# ---------------------------------------------------------------------------- the schedule
+def test_block_map_drives_the_schedule():
+    n, w = 256, 32
+    q, k, v = _inputs(1, 2, 2, n, n, 8, 8)
+    mask = M.sliding_window(w)
+    p = prepare(q, k, v, mask=mask).problem
+    pl = tiled.plan(p, block_q=16, block_k=8, coarsen=False)
+    bm = mask.block_map(n, n, 16, 8)[0, 0]
+    assert pl.empty == int((bm == M.EMPTY).sum()) > 0.8 * pl.tiles
+    for q0, q1, runs in pl.blocks:
+        for run in runs:                   # every run lies inside the band of its rows
+            assert run.k1 > q0 - w and run.k0 < q1
+            tiles = bm[q0 // 16, run.k0 // 8: math.ceil(run.k1 / 8)]
+            assert ((tiles == M.FULL) if not run.masked else (tiles == M.PARTIAL)).all()
+        computed = sum(r.k1 - r.k0 for r in runs)
+        assert computed <= 16 + w + 8                          # never the whole row
+    tiled._reset_stats()
+    with tiled.tile_sizes(block_q=16, block_k=8):
+        ak.attention(q, k, v, mask=mask, backend="tiled")
+    assert tiled.STATS["empty"] >= pl.empty                    # counted and skipped
+    assert tiled.STATS["full"] > 0 and tiled.STATS["causal_runs"] > 0
+
+
+def test_diagonal_tiles_use_the_causal_kernel_and_full_tiles_no_mask():
+    q, k, v = _inputs(1, 1, 1, 64, 64, 8, 8)
+    tiled._reset_stats()
+    with tiled.tile_sizes(block_q=16, block_k=16):
+        ak.attention(q, k, v, is_causal=True, backend="tiled")
+    # coarsening may merge blocks; every partial run is a diagonal square (no mask tensor)
+    assert tiled.STATS["masked_runs"] == 0 and tiled.STATS["causal_runs"] >= 1
+
+
+class _LargestTensor(TorchDispatchMode):
+    """Records the largest tensor any aten op produces."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_no_n_by_n_tensor_for_causal_4096():
+    n = 4096
+    q, k, v = (torch.randn(1, 1, n, 16, requires_grad=True) for _ in range(3))
+    with _LargestTensor() as rec:
+        out = ak.attention(q, k, v, is_causal=True, backend="tiled")
+        out.sum().backward()
+    assert rec.largest < n * n // 8, rec.largest               # tiles only, O(N) memory
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def test_auto_picks_tiled_on_cpu():
+    q, k, v = _inputs(1, 2, 2, 40, 40, 8, 8, grad=True)
+    p = prepare(q, k, v, is_causal=True).problem
+    from attnkit import backends
+
+    assert backends.select(p).name == "tiled"
+    assert tiled.TiledBackend().not_supported_reasons(p) == []
+
+
+def test_tile_sizes_rejects_bad_values():
+    with pytest.raises(ValueError, match="unknown tile size"), tiled.tile_sizes(block_x=3):
+        pass
+    with pytest.raises(ValueError, match="positive integer"), tiled.tile_sizes(block_q=0):
+        pass
