@@ -142,7 +142,8 @@ def test_korean_output(capsys):
 
 def test_html_and_plot_outputs(tmp_path, capsys):
     page, png = tmp_path / "p.html", tmp_path / "p.png"
-    rc, out, err = run(capsys, "--example", "worked", "--html", str(page), "--plot", str(png))
+    rc, out, err = run(capsys, "--example", "worked", "--html", str(page), "--plot", str(png),
+                       "--plot-steps", "logits,weights")
     assert rc == 0, err
     assert page.read_text(encoding="utf-8").startswith("<!doctype html>")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -191,6 +192,8 @@ def bad_cases(tmp: Path) -> list[tuple[list[str], list[str]]]:
         (["--q", str(q), "--example", "worked"], ["either --example or"]),
         (["--causal"], ["--causal", "--q FILE"]),
         (["--lang", "fr"], ["invalid choice: 'fr'"]),
+        (["--plot", str(tmp / "x.png"), "--plot-steps", "attention"],
+         ["--plot-steps 'attention'", "scores, scaled, logits, weights"]),
         (["--q", str(q), "--html", str(tmp / "no" / "dir" / "p.html")], ["cannot write --html"]),
     ]
 

@@ -19,11 +19,14 @@ import importlib
 import os
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from .explain.examples import DEFAULT, EXAMPLES
 from .explain.inputs import InputError, finite_number, parse_labels, prepare_inputs
 from .explain.text import LANGS, render_many
+
+if TYPE_CHECKING:
+    from .explain.trace import Trace
 
 __all__ = ["main"]
 
@@ -69,6 +72,9 @@ def _build_parser() -> _Parser:
                     help="terminal colour (default: only on a terminal)")
     ex.add_argument("--html", metavar="OUT.html", help="also write a self-contained HTML page")
     ex.add_argument("--plot", metavar="OUT.png", help="also write heatmaps of the weights")
+    ex.add_argument("--plot-steps", metavar="LIST", default="weights",
+                    help="what --plot draws, comma-separated from scores, scaled, logits, "
+                         "weights (default weights)")
     exs = sub.add_parser("examples", help="list the built-in examples")
     exs.add_argument("--lang", choices=LANGS, default="en", help="language (default en)")
     for name, text in DELEGATED.items():
@@ -96,7 +102,7 @@ def _examples(args: argparse.Namespace) -> int:
     return 0
 
 
-def _traces(args: argparse.Namespace) -> list:  # noqa: ANN401
+def _traces(args: argparse.Namespace) -> list[Trace]:
     from .explain.trace import explain
 
     scale = finite_number(args.scale, "scale") if args.scale is not None else None
@@ -143,6 +149,12 @@ def _traces(args: argparse.Namespace) -> list:  # noqa: ANN401
 def _explain(args: argparse.Namespace) -> int:
     if args.decimals < 0 or args.decimals > 12:
         raise InputError(f"--decimals must be between 0 and 12, got {args.decimals}")
+    from .explain.plot import WHAT
+
+    plot_what = tuple(w.strip() for w in args.plot_steps.split(",") if w.strip())
+    if not plot_what or any(w not in WHAT for w in plot_what):
+        raise InputError(f"--plot-steps {args.plot_steps!r}: choose from {', '.join(WHAT)}, "
+                         "comma-separated (e.g. scores,weights)")
     try:
         traces = _traces(args)
     except InputError:
@@ -168,7 +180,7 @@ def _explain(args: argparse.Namespace) -> int:
         try:
             from .explain.plot import render_plot
 
-            render_plot(traces, args.plot, lang=args.lang)
+            render_plot(traces, args.plot, what=plot_what, lang=args.lang)
         except ImportError as e:
             raise InputError(f"--plot needs matplotlib ({e}): pip install 'attnkit[plot]'"
                              ) from None

@@ -41,7 +41,7 @@ def test_more_quantities_and_heads_make_a_bigger_figure(tmp_path):
 
 
 def test_unknown_quantity_is_a_clear_error(tmp_path):
-    with pytest.raises(ValueError, match="what must name some of weights"):
+    with pytest.raises(ValueError, match="what must name some of scores, scaled, logits, weights"):
         EXAMPLES["causal"].build().plot(tmp_path / "x.png", what=("attention",))
 
 

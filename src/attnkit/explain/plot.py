@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from .trace import Trace
 
 MAX_HEADS = 8          # heads drawn per trace (4 a row)
-WHAT = ("weights", "scores", "scaled", "logits")
+WHAT = ("scores", "scaled", "logits", "weights")
 
 PLOT: dict[str, dict[str, str]] = {
     "en": {"weights": "weights W = softmax(L)", "scores": "raw scores S = Q Kᵀ",
