@@ -602,3 +602,12 @@ def test_problem_properties():
     d = p.allowed_dense()
     assert d.shape == (1, 1, 5, 7) and torch.equal(d[0, 0], torch.ones(5, 7).tril().bool())
     assert prepare(randn(3, 4), randn(3, 4), randn(3, 4)).problem.allowed_dense() is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+def test_backend_output_and_lse_dtypes(backend, dtype):
+    q, k, v = (t.to(dtype) for t in qkv(1, 2, 1, 5, 7, 8, 3))
+    out, lse = run_backend(backend, q, k, v, is_causal=True, return_lse=True)
+    assert out.dtype == dtype and out.shape == (1, 2, 5, 3)
+    assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert lse.shape == (1, 2, 5)
