@@ -1,0 +1,114 @@
+"""The decode engine (few queries over a long K/V) against the float64 reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import attnkit as ak
+from attnkit import backends
+from attnkit.api import prepare
+from attnkit.backends import decode
+
+M = ak.masks
+F64 = torch.float64
+
+
+@pytest.fixture(autouse=True)
+def _small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(decode, "_CHUNK", 16)          # many chunks + a ragged tail
+
+
+def _inputs(b, hq, hkv, nq, nk, dk, dv, dtype=F64):  # noqa: ANN001, ANN202
+    return (torch.randn(b, hq, nq, dk, dtype=dtype), torch.randn(b, hkv, nk, dk, dtype=dtype),
+            torch.randn(b, hkv, nk, dv, dtype=dtype))
+
+
+def check(q, k, v, **kw):  # noqa: ANN001, ANN201
+    out, lse = ak.attention(q, k, v, backend="decode", return_lse=True, **kw)
+    ref, ref_lse = ak.attention(q, k, v, backend="reference", return_lse=True, **kw)
+    assert torch.isfinite(out).all()
+    assert torch.equal(lse == -math.inf, ref_lse == -math.inf)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-12, rtol=1e-10)
+    return out, lse
+
+
+@pytest.mark.parametrize("nq", [1, 3, 16])
+@pytest.mark.parametrize("nk", [1, 15, 97, 1025])
+def test_lengths_and_chunk_edges(nq, nk):
+    check(*_inputs(2, 4, 2, nq, nk, 8, 8), mask=M.causal(align="bottom_right"))
+
+
+@pytest.mark.parametrize("dk,dv", [(8, 8), (59, 111), (111, 8)])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 2), (8, 1)])
+def test_widths_and_gqa(dk, dv, hq, hkv):
+    check(*_inputs(1, hq, hkv, 2, 113, dk, dv))
+
+
+@pytest.mark.parametrize("mask", [
+    M.causal(align="bottom_right"),
+    M.sliding_window(20, align="bottom_right"),
+    M.padding([50, 0]),                       # batch 1 sees nothing: zeros and lse −∞
+    M.document(torch.zeros(4, dtype=torch.long), kv_ids=torch.arange(100) // 60),
+    M.from_fn(lambda b, h, qi, ki: ki % 3 == 0),
+], ids=["causal_br", "sliding_br", "padding", "document", "from_fn"])
+def test_masks(mask):
+    q, k, v = _inputs(2, 4, 2, 4, 100, 16, 16)
+    out, lse = check(q, k, v, mask=mask)
+    if "padding" in mask.name:
+        assert (out[1] == 0).all() and (lse[1] == -math.inf).all()
+
+
+def test_float_mask_bool_tensor_softcap_and_score_mod():
+    q, k, v = _inputs(2, 4, 2, 5, 77, 16, 16)
+    fm = torch.randn(2, 1, 5, 77, dtype=F64)
+    fm[torch.rand(2, 1, 5, 77) > 0.7] = -math.inf
+    check(q, k, v, mask=fm)
+    check(q, k, v, mask=torch.rand(4, 5, 77) > 0.5)
+    check(q, k, v, softcap=2.0, score_mod=ak.scores.alibi(4), mask=M.causal(align="bottom_right"))
+
+
+def test_non_contiguous_and_nan_in_masked_kv():
+    q = torch.randn(1, 3, 4, 16, dtype=F64).transpose(1, 2)      # (1, 4, 3, 16)
+    k = torch.randn(1, 60, 2, 16, dtype=F64).transpose(1, 2)
+    v = torch.randn(1, 2, 16, 60, dtype=F64).transpose(-1, -2)
+    k[:, :, 50:] = float("nan")
+    check(q, k, v, mask=M.padding([50]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_within_twice_the_reference_error(dtype):
+    q, k, v = (t.to(dtype) for t in _inputs(2, 4, 2, 3, 300, 32, 32))
+    exact = ak.attention(q.double(), k.double(), v.double(), backend="reference")
+    got = ak.attention(q, k, v, backend="decode")
+    low = ak.attention(q, k, v, backend="reference")
+    assert got.dtype == dtype
+    err = (got.double() - exact).abs().max().item()
+    err_ref = (low.double() - exact).abs().max().item()
+    assert err <= 2 * err_ref + 1e-6
+
+
+def test_declines_what_it_cannot_do_and_auto_routes():
+    q, k, v = _inputs(1, 2, 2, 1, 64, 8, 8)
+    dec = backends.get("decode")
+    assert dec.not_supported_reasons(prepare(q, k, v).problem) == []
+    assert backends.select(prepare(q, k, v).problem).name == "decode"
+    many = prepare(*_inputs(1, 2, 2, 17, 64, 8, 8)).problem
+    assert any("16 queries" in r for r in dec.not_supported_reasons(many))
+    drop = prepare(q, k, v, dropout_p=0.1).problem
+    assert any("dropout" in r for r in dec.not_supported_reasons(drop))
+    qg = q.clone().requires_grad_(True)
+    train = prepare(qg, k, v).problem
+    assert any("forward only" in r for r in dec.not_supported_reasons(train))
+    assert backends.select(train).name == "tiled"
+    with pytest.raises(ValueError, match="forward only"):
+        ak.attention(qg, k, v, backend="decode")
+
+
+def test_chunk_count():
+    assert decode.chunk_count(1) == 1
+    assert decode.chunk_count(33) == 2                  # 2 chunks of 16 + a tail of 1
+    assert decode.chunk_count(32768, 1024) == 32
