@@ -279,12 +279,18 @@ def _mask_for(kind: str, b: int, nq: int, nk: int):
     if kind == "window":
         i, j = torch.arange(nq).view(-1, 1), torch.arange(nk).view(1, -1)
         return masks.sliding_window(5), (j <= i) & (j > i - 5), None
+    if kind == "window_br":
+        i, j = torch.arange(nq).view(-1, 1) + (nk - nq), torch.arange(nk).view(1, -1)
+        return masks.sliding_window(5, align="bottom_right"), (j <= i) & (j > i - 5), None
     raise AssertionError(kind)
 
 
+DECODE = (2, 4, 2, 3, 1025, 59, 33)
 CASES = [(s, kind) for s in SHAPES for kind in ("none", "causal", "bool")] + [
     (SHAPES[1], "float"), (SHAPES[1], "padding"), (SHAPES[2], "window"),
     (SHAPES[2], "causal_br"), (SHAPES[1], "causal_br"), (SHAPES[4], "padding"),
+    # decoding: a few queries over a longer KV cache
+    (DECODE, "causal_br"), (DECODE, "padding"), (DECODE, "bool"), (DECODE, "window_br"),
 ]
 
 
