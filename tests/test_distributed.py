@@ -211,6 +211,33 @@ def _case_every_backend(rank: int, world: int) -> None:
     assert "reference" in tried, tried
 
 
+def _case_causal_skips_future_blocks(rank: int, world: int) -> None:
+    """Causal: rank r computes blocks 0..r only (r + 1 attention calls each way); no skipping
+    without the mask."""
+    calls: list[tuple[int, bool]] = []
+    real = akd.attention
+
+    def counting(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: object) -> object:
+        calls.append((k.shape[-2], bool(kw["is_causal"])))
+        return real(q, k, v, **kw)
+
+    akd.attention = counting
+    try:
+        for causal in (True, False):
+            calls.clear()
+            q, k, v = (torch.randn(1, 2, 4, 8, dtype=torch.float64, requires_grad=True)
+                       for _ in range(3))
+            out = akd.ring_attention(q, k, v, is_causal=causal, backend="reference")
+            n_fwd = len(calls)
+            out.sum().backward()
+            want = rank + 1 if causal else world
+            assert n_fwd == want and len(calls) == 2 * want, (causal, n_fwd, len(calls))
+            # only the diagonal block is masked, once each way
+            assert sum(c for _, c in calls) == (2 if causal else 0), calls
+    finally:
+        akd.attention = real
+
+
 class _DetachedLse(Backend):
     """The reference with an LSE that carries no gradient (as fused kernels often return)."""
 
@@ -263,6 +290,7 @@ CASES: dict[str, Callable[[int, int], None]] = {
                                             n_q=6, non_contiguous=True),
     "every_backend": _case_every_backend,
     "backend_lse_without_grad": _case_backend_lse_without_grad,
+    "causal_skips_future_blocks": _case_causal_skips_future_blocks,
     "mismatched_lengths": _case_mismatched_lengths,
     "local_error_reaches_peers": _case_local_error_reaches_peers,
     "causal_needs_equal_shards": _case_causal_needs_equal_shards,
