@@ -25,7 +25,6 @@ from __future__ import annotations
 import math
 import os
 import sys
-import textwrap
 import unicodedata
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -60,8 +59,8 @@ STRINGS: dict[str, dict[str, str]] = {
         "r_masked_max": "{q}: key {k} had the largest raw score ({s}) but is masked (−∞), "
                         "so its weight is 0 — it contributes nothing to the output.",
         "r_zero_score": "{q}·{k} = 0, yet {k} still gets weight {w}: softmax turns a logit "
-                        "of 0 into e⁰ = 1 before normalising — a zero score is not a zero "
-                        "weight.",
+                        "of 0 into e⁰\u00a0=\u00a01 before normalising — a zero score is not "
+                        "a zero weight.",
         "r_saturated": "{q} is saturated: one key takes {w} of the weight (its logits span "
                        "{spread}). Softmax of large logits is almost one-hot, and its "
                        "gradient almost vanishes.",
@@ -102,17 +101,17 @@ STRINGS: dict[str, dict[str, str]] = {
         "remarks": "눈여겨볼 점",
         "r_masked_max": "{q}: 키 {k}의 원점수({s})가 가장 컸지만 마스크(−∞)로 가려져 "
                         "가중치가 0입니다 — 출력에 전혀 기여하지 않습니다.",
-        "r_zero_score": "{q}·{k} = 0인데도 {k}는 가중치 {w}를 받습니다: 소프트맥스는 정규화 "
-                        "전에 로짓 0을 e⁰ = 1로 바꾸므로 점수 0이 가중치 0은 아닙니다.",
-        "r_saturated": "{q}는 포화 상태입니다: 키 하나가 가중치의 {w}를 가져갑니다 (로짓 범위 "
-                       "{spread}). 로짓이 크면 소프트맥스는 거의 원-핫이 되고 기울기가 거의 "
-                       "사라집니다.",
+        "r_zero_score": "{q}·{k} = 0이어도 키 {k}의 가중치는 {w}입니다: 소프트맥스는 정규화 "
+                        "전에 로짓 0을 e⁰\u00a0=\u00a01로 바꾸므로 점수 0이 가중치 0은 아닙니다.",
+        "r_saturated": "쿼리 {q}는 포화 상태입니다: 가중치 중 {w}만큼을 키 하나가 가져갑니다 "
+                       "(로짓 범위 {spread}). 로짓이 크면 소프트맥스는 거의 원-핫이 되고 "
+                       "기울기가 거의 사라집니다.",
         "r_saturated_scale": " 여기서는 scale = {scale}; 보통의 1/√d_k = {default}를 쓰면 "
                              "로짓이 {ratio}분의 1로 줄어듭니다.",
         "r_symmetric": "S가 대칭입니다 (S = Sᵀ): {q1}·{k2} = {q2}·{k1}. Q와 K가 같은 W에서 "
                        "나오면 이렇게 됩니다. i에서 j로의 점수와 j에서 i로의 점수가 같고, "
                        "가중치는 행마다 따로 정규화되므로 여전히 다릅니다.",
-        "r_empty_row": "{q}는 볼 수 있는 키가 없습니다: 가중치는 모두 0, 출력도 0입니다 "
+        "r_empty_row": "쿼리 {q}: 볼 수 있는 키가 없습니다. 가중치는 모두 0, 출력도 0입니다 "
                        "(NaN이 아님).",
         "r_cross": "쿼리 n_q = {nq}개, 키 n_k = {nk}개: 쿼리와 키가 서로 다른 시퀀스에서 "
                    "옵니다 (크로스 어텐션처럼). 가중치는 ({nq}, {nk}), 출력은 쿼리마다 "
@@ -393,7 +392,7 @@ def remarks(trace: Trace, lang: str = "en", decimals: int = 3, limit: int = 2) -
             if not al[i, j] and s[i, j] > s[i][al[i]].max():
                 add("masked", t["r_masked_max"].format(q=q, k=_k_label(trace, j),
                                                        s=fmt(float(s[i, j]), decimals)))
-            zeros = al[i] & (np.abs(s[i]) < 1e-12) & (w[i] > 0)
+            zeros = al[i] & (np.abs(s[i]) < 1e-12) & (w[i] > 0.01)
             for j in np.flatnonzero(zeros if al[i].sum() >= 2 else zeros & False):
                 add("zero", t["r_zero_score"].format(q=_q_label(trace, i) if not many else q,
                                                      k=_k_label(trace, int(j)),
@@ -429,6 +428,20 @@ def remarks(trace: Trace, lang: str = "en", decimals: int = 3, limit: int = 2) -
 
 
 # ---------------------------------------------------------------------------- the page
+
+
+def wrap(text: str, width: int, first: str, rest: str) -> str:
+    """Wrap at spaces so no line is wider than ``width`` terminal columns (Hangul = 2)."""
+    lines, line = [], first
+    for word in (w for w in text.split(" ") if w):     # non-breaking spaces hold
+        bare = line in (first, rest)
+        if not bare and display_width(line) + 1 + display_width(word) > width:
+            lines.append(line)
+            line = rest + word
+        else:
+            line = line + word if bare else f"{line} {word}"
+    lines.append(line)
+    return "\n".join(lines)
 
 
 def _table(rows: list[list[str]]) -> str:
@@ -530,8 +543,7 @@ def render_text(trace: Trace, lang: str = "en", decimals: int = 3, color: bool |
     if notes:
         parts.append(st.head(t["remarks"]))
         for n in notes:
-            parts.append(n if n.startswith("  ") else textwrap.fill(
-                n, width=96, initial_indent="  • ", subsequent_indent="    "))
+            parts.append(n if n.startswith("  ") else wrap(n, 96, "  • ", "    "))
         parts.append("")
     return "\n".join(parts).rstrip() + "\n"
 
