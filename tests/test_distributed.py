@@ -1,7 +1,8 @@
 """Ring attention over torch.distributed (gloo, CPU), checked against single-process attention.
 
-Spawning processes is the slow part, so each world size (2 and 3 ranks) is launched once per
-session; every worker runs all cases and reports per case. Each case builds the global
+Starting processes is the slow part, so both worlds (2 and 3 ranks) are started once per
+module, together, forked from a forkserver that imported torch once; every worker runs all
+cases and reports per case, and the tests below read those reports. Each case builds the global
 sequence from a seeded generator (the same on every rank), runs ``ring_attention`` on this
 rank's shard and compares output, LSE and the q/k/v gradients with the float64 reference
 ``attnkit.attention(..., backend="reference")`` on the concatenated sequence.
@@ -29,7 +30,7 @@ import attnkit as ak
 from attnkit import distributed as akd
 from attnkit.backends.base import Backend, Problem
 
-JOIN_TIMEOUT_S = 100        # a hung collective fails the run instead of hanging CI
+JOIN_TIMEOUT_S = 90         # a hung collective fails the run instead of hanging CI
 COLLECTIVE_TIMEOUT_S = 30   # gloo gives up on a lost peer after this
 
 
@@ -379,7 +380,7 @@ def runs() -> dict[int, dict[str, list[str]]]:
 
 
 # ----------------------------------------------------------------------------- tests
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("case", list(CASES))
 def test_ring_matches_single_process(runs: dict, world: int, case: str) -> None:
@@ -387,7 +388,7 @@ def test_ring_matches_single_process(runs: dict, world: int, case: str) -> None:
     assert not failures, "\n".join(failures)
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(120)
 def test_ring_on_a_subgroup(runs: dict) -> None:
     failures = runs[3]["subgroup"]
     assert not failures, "\n".join(failures)
