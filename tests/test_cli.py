@@ -254,3 +254,15 @@ def test_help_lists_every_command(capsys):
     out = capsys.readouterr().out
     for cmd in ("explain", "examples", "bench", "cost"):
         assert cmd in out
+
+
+def test_bare_attnkit_and_decimals(capsys):
+    assert main([]) == 0
+    bare = capsys.readouterr().out
+    assert main(["explain"]) == 0
+    assert capsys.readouterr().out == bare
+    rc, out, _ = run(capsys, "--decimals", "2")
+    assert rc == 0
+    assert parse(out)[0].values("4")[2] == [0.11, 0.04, 0.84]
+    rc, _, err = run(capsys, "--decimals", "-1")
+    assert rc == 2 and "--decimals must be between 0 and 12" in err
