@@ -180,6 +180,16 @@ def test_public_api_non_contiguous_inputs_and_nan_in_masked_rows(interpret: None
     torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=2e-6)
 
 
+@needs_triton
+def test_gradient_of_q_alone(interpret: None) -> None:
+    q = torch.randn(1, 2, 17, 8, dtype=torch.float64, requires_grad=True)
+    k, v = torch.randn(1, 1, 9, 8, dtype=torch.float64), torch.randn(1, 1, 9, 8,
+                                                                      dtype=torch.float64)
+    (dq,) = torch.autograd.grad(ak.attention(q, k, v, backend="triton").square().sum(), q)
+    (ref,) = torch.autograd.grad(ak.attention(q, k, v, backend="reference").square().sum(), q)
+    torch.testing.assert_close(dq, ref, atol=1e-12, rtol=1e-12)
+
+
 # ----------------------------------------------------------------- no kernels needed below
 def test_cpu_tensors_without_interpreter_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)

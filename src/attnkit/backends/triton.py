@@ -46,7 +46,13 @@ Caution
   :func:`~attnkit.masks.sliding_window`, :func:`~attnkit.masks.full`,
   :func:`~attnkit.masks.padding` and :func:`~attnkit.masks.document` (and their ``&``) from
   their closures; a mask it does not recognise is treated as a dense term (correct, slower).
-- Launch parameters (block sizes, warps, stages) are fixed heuristics, not autotuned.
+- Launch parameters (block sizes, warps, stages) are fixed heuristics, not autotuned; a GPU
+  without the shared memory for them gets fewer stages, then smaller tiles.
+- Compiled kernels receive ``scale`` and ``softcap`` as float32 scalars, so float64 runs on
+  the GPU carry a relative error of about 1e-8 (the interpreter keeps them in float64).
+- NaN/inf in a K/V row that a whole tile of queries may not see still meets a zero weight
+  inside the P·V product (0·inf = NaN); ``attention()`` detects that and reruns the call
+  with those rows zeroed, as for every backend.
 """
 
 from __future__ import annotations
@@ -401,7 +407,8 @@ def _run_forward(
 def _run_backward(
     L: _Launch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out: torch.Tensor, lse: torch.Tensor, d_out: torch.Tensor, d_lse: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    need_dq: bool = True, need_dkdv: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     kern = _kernels(L.interpret)
     B, H_q, N_q, D_k = q.shape
     H_kv, N_k, D_v = k.shape[1], k.shape[2], v.shape[3]
@@ -417,9 +424,9 @@ def _run_backward(
         *(d_lse.stride() if d_lse is not None else (0, 0, 0)), H_q, N_q, D_v,
         HAS_DLSE=d_lse is not None, ACC=const["ACC"], BLOCK_M=bm, BLOCK_DV=const["BLOCK_DV"],
     )
-    dq = torch.empty_like(q)
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
+    dq = torch.empty_like(q) if need_dq else None
+    dk = torch.empty_like(k) if need_dkdv else None
+    dv = torch.empty_like(v) if need_dkdv else None
 
     def launch_dq(bm: int, bn: int, warps: int, stages: int) -> None:
         margs, flags = _mask_args(L, N_q, N_k, bm, bn, lse)
@@ -440,8 +447,10 @@ def _run_backward(
             **flags, **const,
         )
 
-    _with_fallback(launch_dq, L.bwd, L.interpret)
-    _with_fallback(launch_dkdv, L.bwd, L.interpret)
+    if dq is not None:
+        _with_fallback(launch_dq, L.bwd, L.interpret)
+    if dk is not None:
+        _with_fallback(launch_dkdv, L.bwd, L.interpret)
     return dq, dk, dv
 
 
@@ -464,7 +473,9 @@ class _TritonAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         if d_out is None:
             d_out = torch.zeros_like(out)
-        dq, dk, dv = _run_backward(ctx.launch, q, k, v, out, lse, d_out, d_lse)
+        need_q, need_k, need_v = ctx.needs_input_grad[:3]
+        dq, dk, dv = _run_backward(ctx.launch, q, k, v, out, lse, d_out, d_lse,
+                                   need_dq=need_q, need_dkdv=need_k or need_v)
         return dq, dk, dv, None
 
 
@@ -548,6 +559,8 @@ class TritonBackend(Backend):
     def _launch(self, p: Problem) -> _Launch:
         interpret = interpreter_enabled()
         fwd, bwd = _default_blocks(p.dtype, max(p.d_k, p.d_v), interpret)
+        # few queries (decoding): no point in query tiles larger than N_q
+        fwd, bwd = ((min(c[0], _pow2(p.n_q)), *c[1:]) for c in (fwd, bwd))
         if self.block_m is not None:
             fwd, bwd = (self.block_m, *fwd[1:]), (self.block_m, *bwd[1:])
         if self.block_n is not None:
