@@ -8,6 +8,8 @@ into ``C`` chunks of ``L`` keys; every chunk computes its own softmax pieces —
     M = max_c m_c      out = Σ_c e^{m_c − M} o_c / Σ_c e^{m_c − M} l_c
     lse = M + log Σ_c e^{m_c − M} l_c
 
+Without softcap/score_mod the chunks run as extra "heads" of torch's fused CPU flash kernel
+(one pass over K and V, chunks in parallel, LSE returned); with them, as batched matmuls.
 K and V are read in place (chunks are views, never copies); the query heads that share a K/V
 head are stacked as rows (GQA without repeating K/V).
 
@@ -43,6 +45,7 @@ __all__ = ["DecodeBackend", "MAX_QUERIES", "chunk_count"]
 MAX_QUERIES = 16
 # Keys per chunk: big enough for efficient matmuls, small enough for many parallel chunks.
 _CHUNK = 1024
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 def chunk_count(n_k: int, chunk: int | None = None) -> int:
@@ -108,6 +111,9 @@ def _decode(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
         e = torch.exp(s - m)
         return m, e.sum(-1, keepdim=True), torch.matmul(e, vc)         # o: (B, H_kv, C, R, D_v)
 
+    if p.softcap is None and p.score_mod is None and p.d_k == p.d_v:
+        out, lse = _fused_chunks(p, q.view(B, hkv, r, p.d_k), k, v, c, allowed, bias)
+        return out.reshape(B, p.heads_q, n_q, p.d_v).to(p.dtype), lse.reshape(B, p.heads_q, n_q)
     parts = [pieces(0, main, c)]
     if main < p.n_k:
         parts.append(pieces(main, p.n_k, 1))
@@ -125,6 +131,59 @@ def _decode(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
                       torch.full_like(z, -math.inf))
     out = out.reshape(B, p.heads_q, n_q, p.d_v).to(p.dtype)
     return out, lse.reshape(B, p.heads_q, n_q)
+
+
+def _fused_chunks(p: Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: int,
+                  allowed: torch.Tensor | None, bias: torch.Tensor | None,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunks as extra heads of torch's fused CPU flash kernel, merged by LSE.
+
+    ``q (B, H_kv, R, D)`` pre-scaled; keys ``[0, C·L)`` are viewed as ``(B, H_kv·C, L, D)``
+    (no copy), the rest is one more call. → out ``(B, H_kv, R, D_v)``, lse ``(B, H_kv, R)``.
+    """
+    B, hkv, r, d = q.shape
+    n_k = k.shape[2]
+    L = n_k // c
+    main = c * L
+    outs, lses = [], []
+    for k0, k1, n_chunks in ((0, main, c), (main, n_k, 1)):
+        if k1 <= k0:
+            continue
+        length = (k1 - k0) // n_chunks
+        kc = k[:, :, k0:k1].reshape(B, hkv * n_chunks, length, d)
+        vc = v[:, :, k0:k1].reshape(B, hkv * n_chunks, length, d)
+        qc = q.repeat_interleave(n_chunks, dim=1)                       # (B, H_kv·C, R, D)
+        add = has_key = None
+        if allowed is not None or bias is not None:
+            shape = (B, hkv, r, k1 - k0)
+            add = torch.zeros((), dtype=q.dtype).expand(shape)
+            if bias is not None:
+                add = add + bias[..., k0:k1]
+            if allowed is not None:
+                al = allowed[..., k0:k1].expand(shape)
+                add = add.masked_fill(~al, -math.inf)
+                has_key = al.reshape(B, hkv, r, n_chunks, length).any(-1)   # (B, H_kv, R, C)
+                has_key = has_key.transpose(2, 3).reshape(B, hkv * n_chunks, r)
+            add = (add.reshape(B, hkv, r, n_chunks, length).transpose(2, 3)
+                   .reshape(B, hkv * n_chunks, r, length))
+        o, lse = _flash(qc, kc, vc, attn_mask=add, scale=1.0)
+        lse = lse.to(q.dtype)
+        if has_key is not None:
+            lse = torch.where(has_key, lse, torch.full_like(lse, -math.inf))
+        outs.append(o.view(B, hkv, n_chunks, r, d))
+        lses.append(lse.view(B, hkv, n_chunks, r))
+    o = torch.cat(outs, 2)                                               # (B, H_kv, C', R, D)
+    lse = torch.cat(lses, 2)                                             # (B, H_kv, C', R)
+    m = lse.amax(2, keepdim=True)
+    m = torch.where(m == -math.inf, torch.zeros_like(m), m)
+    w = torch.exp(lse - m)
+    z = w.sum(2)                                                         # (B, H_kv, R)
+    nonempty = z > 0
+    z_safe = torch.where(nonempty, z, torch.ones_like(z))
+    out = (o * (w / z_safe.unsqueeze(2)).unsqueeze(-1)).sum(2)
+    lse_out = torch.where(nonempty, m.squeeze(2) + torch.log(z_safe),
+                          torch.full_like(z, -math.inf))
+    return out, lse_out
 
 
 class DecodeBackend(Backend):
