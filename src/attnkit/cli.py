@@ -97,8 +97,7 @@ def _delegate(name: str, rest: list[str]) -> int:
 def _examples(args: argparse.Namespace) -> int:
     width = max(len(n) for n in EXAMPLES)
     for name, ex in EXAMPLES.items():
-        mark = " *" if name == DEFAULT else "  "
-        print(f"{name.ljust(width)}{mark} {ex.describe(args.lang)}")
+        print(f"{name.ljust(width)}  {ex.describe(args.lang)}")
     return 0
 
 

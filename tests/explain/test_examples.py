@@ -183,7 +183,9 @@ def test_examples_command_lists_every_example_with_a_description(capsys):
     assert main(["examples"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert [ln.split()[0] for ln in lines] == list(EXAMPLES)
-    assert all(len(ln.split()) > 3 for ln in lines)
+    for ln in lines:
+        name, description = ln.split(None, 1)
+        assert description == EXAMPLES[name].describe("en") and len(description) > 20
     assert main(["examples", "--lang", "ko"]) == 0
     ko = capsys.readouterr().out.strip().splitlines()
     assert [ln.split()[0] for ln in ko] == list(EXAMPLES)
