@@ -73,7 +73,9 @@ _flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 # Tunables (measured on a 2-core AVX2 machine, see BENCHMARKS.md): query rows per block,
 # key granularity of the block map, and the key chunk of the general engine.
-_SIZES = {"block_q": 256, "block_k": 128, "chunk_k": 1024, "general_block_q": 128}
+_SIZES = {"block_q": 256, "block_k": 128, "chunk_k": 2048, "general_block_q": 256}
+# Score elements one general-engine step may hold (a block's recompute holds a few such).
+_GENERAL_BUDGET = 1 << 22
 
 # Debug counters of the last call(s): tiles seen / skipped, kernel calls. Tests read them.
 STATS: dict[str, int] = {}
@@ -181,6 +183,11 @@ def plan(p: Problem, block_q: int | None = None, block_k: int | None = None,
     pl.empty = int((st == _masks.EMPTY).sum())
     pl.full = int((st == _masks.FULL).sum())
     pl.partial = int((st == _masks.PARTIAL).sum())
+    if coarsen and p.group == 1 and p.bias is None and _band_is_tril(p, 0, p.n_q, 0, p.n_k):
+        # plain causal: one call of the fused kernel's own causal schedule
+        pl.block_q = p.n_q
+        pl.blocks.append((0, p.n_q, [Run(0, p.n_k, True)]))
+        return pl
     if coarsen:
         base = _cost(st, bq, p.n_q, bk)
         for f in (4, 2):
@@ -254,6 +261,36 @@ def _tile_is_tril(allowed: torch.Tensor) -> bool:
     return bool((allowed == _tril(bq)).all())
 
 
+# Band masks (causal, sliding_window) allow ``lo <= q - k + off <= hi``; their tiles'
+# patterns are known in closed form. Recognised by the code object of masks' band rule.
+_BAND_CODE = getattr(_masks.causal()._fn, "__code__", None)
+
+
+def _band(mask: _masks.Mask) -> tuple[float, float, bool] | None:
+    """``(lo, hi, bottom_right)`` when ``mask`` is a plain band mask, else ``None``."""
+    fn = mask._fn
+    if _BAND_CODE is None or getattr(fn, "__code__", None) is not _BAND_CODE:
+        return None
+    cells = dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ()),
+                     strict=True))
+    try:
+        return float(cells["lo"]), float(cells["hi"]), bool(cells["br"])
+    except KeyError:
+        return None
+
+
+def _band_is_tril(p: Problem, q0: int, q1: int, k0: int, k1: int) -> bool:
+    """True when a band mask is exactly top-left causal on this square tile."""
+    assert p.mask is not None
+    band = _band(p.mask)
+    n = q1 - q0
+    if band is None or n != k1 - k0:
+        return False
+    lo, hi, br = band
+    c = q0 - k0 + ((p.n_k - p.n_q) if br else 0)    # allowed iff lo <= c + (i - j) <= hi
+    return c == lo == 0 and hi >= n - 1
+
+
 @functools.lru_cache(maxsize=8)
 def _tril(n: int) -> torch.Tensor:
     return torch.ones(n, n, dtype=torch.bool).tril_()
@@ -279,6 +316,9 @@ def _run_mask(f: _Fused, q0: int, q1: int, run: Run) -> tuple[torch.Tensor | Non
     if not run.masked:
         return None, False, None
     g = p.group
+    if (p.mask is not None and f.bias is None and g == 1
+            and _band_is_tril(p, q0, q1, run.k0, run.k1)):
+        return None, True, None                              # known without evaluating
     allowed = _allowed_tile(p, q0, q1, run.k0, run.k1) if p.mask is not None else None
     if allowed is not None and f.bias is None and g == 1 and _tile_is_tril(allowed):
         return None, True, None
@@ -484,9 +524,11 @@ def _general_attention(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     k = p.k.to(acc).reshape(B * hkv, p.n_k, p.d_k)
     v = p.v.to(acc).reshape(B * hkv, p.n_k, p.d_v)
     bias = p.bias.to(acc) if p.bias is not None else None
-    pl = plan(p, block_q=_SIZES["general_block_q"], coarsen=False)
+    # rows per block and keys per chunk within a budget of score elements per step
+    rows = max(16, min(_SIZES["general_block_q"], _GENERAL_BUDGET // (B * p.heads_q * p.n_k)))
+    pl = plan(p, block_q=rows, coarsen=False)
     _count(pl)
-    chunk = _SIZES["chunk_k"]
+    chunk = max(16, min(_SIZES["chunk_k"], _GENERAL_BUDGET // (B * p.heads_q * rows)))
     # score_mod may close over tensors that require grad: recompute whenever autograd records
     grad = torch.is_grad_enabled()
     outs, lses = [], []
