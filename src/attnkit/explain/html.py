@@ -53,6 +53,8 @@ PAGE: dict[str, dict[str, str]] = {
         "hover": "hover a cell", "rows": "rows: queries", "cols": "columns: keys",
         "notes": "What to notice", "options": "Options",
         "per_head": "{h} heads: every shape here is per head",
+        "colors": "Colours", "c_weights": "weights", "c_other": "other matrices",
+        "c_masked": "masked (−∞)",
         "generated": "Made by attnkit — a self-contained page: no network needed.",
     },
     "ko": {
@@ -67,6 +69,7 @@ PAGE: dict[str, dict[str, str]] = {
         "hover": "셀에 마우스를 올리세요", "rows": "행: 쿼리", "cols": "열: 키",
         "notes": "눈여겨볼 점", "options": "옵션",
         "per_head": "헤드 {h}개: 여기의 모든 모양은 헤드 하나 기준",
+        "colors": "색", "c_weights": "가중치", "c_other": "다른 행렬", "c_masked": "마스크됨 (−∞)",
         "generated": "attnkit로 만든 독립 실행형 페이지: 네트워크가 필요 없습니다.",
     },
 }
@@ -124,6 +127,10 @@ table.hm td.x{background:repeating-linear-gradient(45deg,#e6e8ee 0 4px,#f6f7fa 4
  color:#8a93a5}
 table.hm td:hover{outline:2px solid #111}
 .notes li{margin:3px 0}
+.colors{color:var(--mute);font-size:13px;margin:0 0 8px}
+.sw{display:inline-block;width:14px;height:14px;border:1px solid var(--line);
+ border-radius:3px;vertical-align:-2px;margin:0 1px}
+.sw.x{background:repeating-linear-gradient(45deg,#e6e8ee 0 4px,#f6f7fa 4px 8px)}
 #tip{position:fixed;pointer-events:none;background:#1d2330;color:#fff;padding:4px 8px;
  border-radius:6px;font:12px ui-monospace,monospace;display:none;z-index:10}
 #js-errors{color:#b00020;white-space:pre-wrap}
@@ -284,6 +291,20 @@ def flow_svg(trace: Trace, lang: str, anchor: str) -> str:
     return "".join(parts)
 
 
+def _color_legend(lang: str) -> str:
+    """One line saying what the heatmap colours mean."""
+    p = PAGE[lang]
+
+    def sw(bg: str, cls: str = "") -> str:
+        return f'<span class="sw{cls}" style="background:{bg}"></span>'
+
+    w0, w1 = cell_color(0.0, "weights", 1.0)[0], cell_color(1.0, "weights", 1.0)[0]
+    neg, pos = cell_color(-1.0, "value", 1.0)[0], cell_color(1.0, "value", 1.0)[0]
+    return (f'<div class="colors">{E(p["colors"])}: {E(p["c_weights"])} 0 {sw(w0)}→{sw(w1)} 1'
+            f'  ·  {E(p["c_other"])} − {sw(neg)}{sw("#ffffff")}{sw(pos)} +'
+            f'  ·  <span class="sw x"></span> {E(p["c_masked"])}</div>')
+
+
 def _step_table(trace: Trace, lang: str) -> str:
     t = check_lang(lang)
     rows = [f"<tr><th>{E(t['step'])}</th><th>{E(t['what'])}</th><th>{E(t['formula'])}</th>"
@@ -343,7 +364,8 @@ def _section(trace: Trace, lang: str, idx: int, decimals: int) -> str:
             cols = dv if name == "V" else dk
             out.append(f'<div class="card"><h4>{name} <span class="shp">{_shape(m.shape)}'
                        f"</span></h4>{heatmap(m, rows, cols, 'input', name, decimals)}</div>")
-        out.append("</div><h3>" + E(t["rows_cols"]) + '</h3><div class="grid">')
+        out.append("</div><h3>" + E(t["rows_cols"]) + "</h3>" + _color_legend(lang)
+                   + '<div class="grid">')
         for i, s in enumerate(trace.steps):
             m = values[i][h]
             cols = dv if s.key == "output" else kl
