@@ -171,8 +171,14 @@ def plan(p: Problem, block_q: int | None = None, block_k: int | None = None,
     """
     bq = block_q or _SIZES["block_q"]
     bk = block_k or _SIZES["block_k"]
-    st = _status_map(p, bq, bk)
     nbq, nbk = math.ceil(p.n_q / bq), math.ceil(p.n_k / bk)
+    if (coarsen and p.mask is not None and p.group == 1 and p.bias is None
+            and _band_is_tril(p, 0, p.n_q, 0, p.n_k)):
+        # plain causal: one call of the fused kernel's own causal schedule
+        pl = Plan(p.n_q, bk, tiles=nbq * nbk)
+        pl.blocks.append((0, p.n_q, [Run(0, p.n_k, True)]))
+        return pl
+    st = _status_map(p, bq, bk)
     pl = Plan(bq, bk, tiles=nbq * nbk)
     if st is None:
         pl.full = nbq * nbk
@@ -183,11 +189,6 @@ def plan(p: Problem, block_q: int | None = None, block_k: int | None = None,
     pl.empty = int((st == _masks.EMPTY).sum())
     pl.full = int((st == _masks.FULL).sum())
     pl.partial = int((st == _masks.PARTIAL).sum())
-    if coarsen and p.group == 1 and p.bias is None and _band_is_tril(p, 0, p.n_q, 0, p.n_k):
-        # plain causal: one call of the fused kernel's own causal schedule
-        pl.block_q = p.n_q
-        pl.blocks.append((0, p.n_q, [Run(0, p.n_k, True)]))
-        return pl
     if coarsen:
         base = _cost(st, bq, p.n_q, bk)
         for f in (4, 2):
@@ -362,10 +363,14 @@ def _fused_forward(f: _Fused) -> tuple[torch.Tensor, torch.Tensor]:
     """→ out (B, H_kv, G, N_q, D), lse (B, H_kv, G, N_q) in the compute dtype."""
     p = f.p
     B, hkv, g, n_q, d = f.q.shape
-    out = f.q.new_zeros(B, hkv, g, n_q, d)
-    lse = torch.full((B, hkv, g, n_q), -math.inf, dtype=f.q.dtype)
+    one = len(f.pl.blocks) == 1 and f.pl.blocks[0][2]        # one block with runs: no copy
+    out = None if one else f.q.new_empty(B, hkv, g, n_q, d)
+    lse = None if one else f.q.new_empty(B, hkv, g, n_q)
     for q0, q1, runs in f.pl.blocks:
         if not runs:
+            assert out is not None and lse is not None
+            out[:, :, :, q0:q1] = 0.0
+            lse[:, :, :, q0:q1] = -math.inf
             continue
         bq = q1 - q0
         qb = f.q[:, :, :, q0:q1].reshape(B, hkv, g * bq, d)
@@ -381,8 +386,11 @@ def _fused_forward(f: _Fused) -> tuple[torch.Tensor, torch.Tensor]:
                 lse_r = torch.where(has_key, lse_r, torch.full_like(lse_r, -math.inf))
             parts.append((o, lse_r.to(o.dtype)))
         o, l_ = _merge(parts)
+        if out is None or lse is None:
+            return o.view(B, hkv, g, bq, d), l_.view(B, hkv, g, bq)
         out[:, :, :, q0:q1] = o.view(B, hkv, g, bq, d)
         lse[:, :, :, q0:q1] = l_.view(B, hkv, g, bq)
+    assert out is not None and lse is not None
     return out, lse
 
 
