@@ -210,7 +210,7 @@ def _compile_only(arch: int) -> int:
     backend = triton.compiler.make_backend(target)
     failures = 0
     every = ("HAS_BAND", "HAS_MASK", "HAS_BIAS", "HAS_KVLEN", "HAS_QLEN", "HAS_DOC",
-             "HAS_TILES", "HAS_SOFTCAP", "HAS_DLSE")
+             "HAS_TILES", "HAS_DROPOUT", "HAS_SOFTCAP", "HAS_DLSE")
     variants = (("fp16", "fp32", tl.float32, 128, 64, ()),                # no mask at all
                 ("fp16", "fp32", tl.float32, 128, 64, every),
                 ("bf16", "fp32", tl.float32, 128, 64, ("HAS_BAND",)),     # causal / window
@@ -230,7 +230,7 @@ def _compile_only(arch: int) -> int:
                 elif name in pointers:
                     sig[name] = pointer_types.get(name) or (
                         f"*{acc}" if name in ("Lse", "DLse", "Delta", "Bias") else f"*{io}")
-                elif name in ("scale", "softcap"):
+                elif name in ("scale", "softcap", "drop_p", "inv_keep"):
                     sig[name] = "fp32"
                 else:
                     sig[name] = "i32"

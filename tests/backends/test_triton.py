@@ -175,6 +175,40 @@ def test_bfloat16_refused_in_the_interpreter(interpret: None) -> None:
 
 
 @needs_triton
+def test_dropout_drops_weights_and_rescales_the_rest(interpret: None) -> None:
+    # V = I: the output rows are the (dropped-out) weights themselves
+    q, k = torch.randn(1, 2, 17, 8, dtype=torch.float64), torch.randn(1, 2, 32, 8,
+                                                                     dtype=torch.float64)
+    v = torch.eye(32, dtype=torch.float64).expand(1, 2, 32, 32)
+    weights = ak.attention(q, k, v, is_causal=True, backend="reference")
+    torch.manual_seed(7)
+    out = ak.attention(q, k, v, is_causal=True, dropout_p=0.5, backend="triton")
+    torch.manual_seed(7)
+    again = ak.attention(q, k, v, is_causal=True, dropout_p=0.5, backend="triton")
+    other = ak.attention(q, k, v, is_causal=True, dropout_p=0.5, backend="triton")
+    assert torch.equal(out, again) and not torch.equal(out, other)
+    dropped = out == 0
+    assert torch.allclose(out[~dropped], 2 * weights[~dropped], rtol=1e-12, atol=0)
+    allowed = weights > 0
+    assert (dropped | allowed).all()
+    rate = float((dropped & allowed).sum() / allowed.sum())      # ~306 allowed pairs
+    assert 0.38 < rate < 0.62, rate
+
+
+@needs_triton
+def test_dropout_gradients_match_finite_differences(interpret: None) -> None:
+    p = _problem(1, 2, 1, 5, 7, 3, 2, mask=M.causal("bottom_right"), dropout_p=0.3)
+    be = tb.TritonBackend()
+
+    def fn(q, k, v):  # noqa: ANN001, ANN202
+        torch.manual_seed(11)                      # one dropout pattern for every evaluation
+        return be.forward(Problem(**{**p.__dict__, "q": q, "k": k, "v": v}))
+
+    inputs = [x.detach().clone().requires_grad_() for x in (p.q, p.k, p.v)]
+    assert torch.autograd.gradcheck(fn, inputs, fast_mode=True)
+
+
+@needs_triton
 def test_gradcheck_float64(interpret: None) -> None:
     p = _problem(1, 2, 1, 5, 7, 3, 2, mask=M.causal("bottom_right"), softcap=1.0)
     be = tb.TritonBackend()
@@ -236,7 +270,6 @@ def test_reasons_name_each_unsupported_option(monkeypatch: pytest.MonkeyPatch) -
         not tb.triton_available()
     cases = {
         "score_mod": _problem(1, 2, 2, 4, 4, 8, 8, score_mod=ak.scores.alibi(2)),
-        "dropout": _problem(1, 1, 1, 4, 4, 8, 8, dropout_p=0.1),
         "exceed 256": _problem(1, 1, 1, 2, 2, 8, 300),
     }
     for needle, p in cases.items():

@@ -19,6 +19,9 @@ of one (batch, head) pair. The logits of a tile are, in order::
 
     x = (Q Kᵀ)·scale  →  softcap c·tanh(x/c)  →  + BIAS  →  −∞ where blocked
 
+With dropout, the weights that mix V are dropped (and the kept ones scaled by 1/(1−p)) by a
+counter-based hash of (seed, b·H_q + h, i, j), so the backward regenerates the same mask.
+
 A pair (i, j) is blocked when j ≥ N_k, when ``i - j`` lies outside ``[BAND_LO, BAND_HI]``
 (causal and sliding-window masks), when j ≥ KVLEN[b] or i ≥ QLEN[b], when the document ids
 differ, or when MASK is 0. The band and the lengths also bound the loops, and TILES (a block
@@ -89,6 +92,28 @@ def _range(first, last, N_OTHER, LO, HI, pid_b, KvLen, QLen, slen, IS_Q_TILE: tl
 
 
 @triton.jit
+def _mix32(x):
+    # a 32-bit integer mixer (xorshift-multiply, two rounds), computed in int64 with masking
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    x ^= x >> 16
+    return x
+
+
+@triton.jit
+def _keep(seed, pid_bh, offs_m, offs_n, N_K, drop_p):
+    """Dropout's keep mask for a tile: a counter-based hash of (seed, b·h, i, j) → uniform
+    in [0, 1) compared with drop_p; forward and backward regenerate the same mask."""
+    key = (seed.to(tl.int64) * 0x9E3779B1 + pid_bh.to(tl.int64) * 0x85EBCA77) & 0xFFFFFFFF
+    idx = offs_m[:, None].to(tl.int64) * N_K + offs_n[None, :]
+    x = _mix32(_mix32((idx ^ key) & 0xFFFFFFFF) ^ key)
+    u = (x >> 8).to(tl.float32) * (1.0 / 16777216.0)
+    return u >= drop_p
+
+
+@triton.jit
 def _logits(
     q, k_t, offs_m, offs_n, pid_b, h, scale, softcap, BAND_LO, BAND_HI, N_Q, N_K,
     Mask, smb, smh, smn, smk, Bias, sbb, sbh, sbn, sbk, KvLen, QLen, slen,
@@ -137,10 +162,11 @@ def _fwd_kernel(
     Mask, smb, smh, smn, smk, Bias, sbb, sbh, sbn, sbk, KvLen, QLen, slen,
     QIds, KIds, sqib, sqin, skib, skin, Tiles, stb, sth, stm, stn,
     H_Q, GROUP, N_Q, N_K, D_K, D_V, scale, softcap, BAND_LO, BAND_HI,
+    seed, drop_p, inv_keep,
     HAS_BAND: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_KVLEN: tl.constexpr, HAS_QLEN: tl.constexpr, HAS_DOC: tl.constexpr,
-    HAS_TILES: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ACC: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_TILES: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    ACC: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """Forward: online softmax over key tiles → O and LSE for one query tile."""
@@ -191,6 +217,8 @@ def _fwd_kernel(
             l_i = l_i * alpha + tl.reduce(p, 1, _ADD)
             v = tl.load(V_base + offs_n[:, None] * svn + offs_dv[None, :] * svd,
                         mask=col_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
+            if HAS_DROPOUT:     # the normaliser l_i keeps every weight; the mix drops some
+                p = tl.where(_keep(seed, pid_bh, offs_m, offs_n, N_K, drop_p), p * inv_keep, 0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION,
                                                 out_dtype=ACC)
             m_i = m_new
@@ -239,10 +267,11 @@ def _bwd_dq_kernel(
     Mask, smb, smh, smn, smk, Bias, sbb, sbh, sbn, sbk, KvLen, QLen, slen,
     QIds, KIds, sqib, sqin, skib, skin, Tiles, stb, sth, stm, stn,
     H_Q, GROUP, N_Q, N_K, D_K, D_V, scale, softcap, BAND_LO, BAND_HI,
+    seed, drop_p, inv_keep,
     HAS_BAND: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_KVLEN: tl.constexpr, HAS_QLEN: tl.constexpr, HAS_DOC: tl.constexpr,
-    HAS_TILES: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ACC: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_TILES: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    ACC: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """dQ for one query tile: dQ = scale · Σ_j dS_ij K_j with dS = P ∘ (dP − Δ) (∘ softcap′)."""
@@ -291,6 +320,9 @@ def _bwd_dq_kernel(
                 HAS_QLEN, HAS_DOC, HAS_SOFTCAP, ACC, PRECISION)
             p = tl.where(allowed, tl.exp(s - lse[:, None]), 0.0)
             dp = tl.dot(do, v_t, input_precision=PRECISION, out_dtype=ACC)
+            if HAS_DROPOUT:     # dP = dropout(dO Vᵀ): the same mask and rescaling
+                dp = tl.where(_keep(seed, pid_bh, offs_m, offs_n, N_K, drop_p), dp * inv_keep,
+                              0.0)
             ds = p * (dp - delta[:, None])
             if HAS_SOFTCAP:
                 ds = ds * (1.0 - t * t)
@@ -309,10 +341,11 @@ def _bwd_dkdv_kernel(
     Mask, smb, smh, smn, smk, Bias, sbb, sbh, sbn, sbk, KvLen, QLen, slen,
     QIds, KIds, sqib, sqin, skib, skin, Tiles, stb, sth, stm, stn,
     H_KV, GROUP, N_Q, N_K, D_K, D_V, scale, softcap, BAND_LO, BAND_HI,
+    seed, drop_p, inv_keep,
     HAS_BAND: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_KVLEN: tl.constexpr, HAS_QLEN: tl.constexpr, HAS_DOC: tl.constexpr,
-    HAS_TILES: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ACC: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_TILES: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    ACC: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """dK, dV for one key tile of one K/V head, summed over the GROUP query heads sharing it.
@@ -367,9 +400,15 @@ def _bwd_dkdv_kernel(
                     QIds, KIds, sqib, sqin, skib, skin, HAS_BAND, HAS_MASK, HAS_BIAS,
                     HAS_KVLEN, HAS_QLEN, HAS_DOC, HAS_SOFTCAP, ACC, PRECISION)
                 p = tl.where(allowed, tl.exp(s - lse[:, None]), 0.0)        # (BLOCK_M, BLOCK_N)
-                dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PRECISION,
-                             out_dtype=ACC)
                 dp = tl.dot(do, v_t, input_precision=PRECISION, out_dtype=ACC)
+                if HAS_DROPOUT:
+                    keep = _keep(seed, pid_b * H_KV * GROUP + h, offs_m, offs_n, N_K, drop_p)
+                    dv += tl.dot(tl.trans(tl.where(keep, p * inv_keep, 0.0)).to(do.dtype), do,
+                                 input_precision=PRECISION, out_dtype=ACC)
+                    dp = tl.where(keep, dp * inv_keep, 0.0)
+                else:
+                    dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PRECISION,
+                                 out_dtype=ACC)
                 ds = p * (dp - delta[:, None])
                 if HAS_SOFTCAP:
                     ds = ds * (1.0 - t * t)
