@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 import types
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 
 from attnkit.cli import main
+from attnkit.explain.inputs import MESSAGES
 from explain.textparse import all_close, parse
 
 Q = np.array([[1.0, 0, 1, 0], [0, 1, 0, 1]])
@@ -207,6 +209,26 @@ def test_every_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
         for w in words:
             assert w in lines[0], (argv, w, lines[0])
         assert "Traceback" not in err
+
+
+def test_bad_input_messages_in_korean(tmp_path, capsys):
+    for argv, words in bad_cases(tmp_path):
+        if "--lang" in argv:
+            continue                      # argparse's own message
+        rc, _, err = run(capsys, *argv, "--lang", "ko")
+        assert rc == 2, argv
+        (line,) = err.strip().splitlines()
+        assert re.search("[가-힣]", line), line
+        for w in words:                   # file names and shapes are the same in Korean
+            if re.search(r"\.(npy|json|csv|txt)$|^\(", w):
+                assert w in line, (w, line)
+
+
+def test_every_message_exists_in_both_languages():
+    assert MESSAGES["en"].keys() == MESSAGES["ko"].keys()
+    for key, en in MESSAGES["en"].items():
+        names = sorted(re.findall(r"{(\w+)", en))
+        assert sorted(re.findall(r"{(\w+)", MESSAGES["ko"][key])) == names, key
 
 
 def test_bad_input_in_a_real_process_has_no_traceback(tmp_path):

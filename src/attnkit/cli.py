@@ -110,12 +110,10 @@ def _traces(args: argparse.Namespace) -> list[Trace]:
         own = [f"--{n}" for n in ("k", "v", "mask", "heads", "q_labels", "k_labels")
                if getattr(args, n) is not None] + (["--causal"] if args.causal else [])
         if own:
-            raise InputError(f"{', '.join(o.replace('_', '-') for o in own)}: only for your "
-                             "own inputs; give --q FILE (and --k, --v)")
+            raise InputError("own_only", opts=", ".join(o.replace("_", "-") for o in own))
         name = args.example or DEFAULT
         if name not in EXAMPLES:
-            raise InputError(f"unknown example {name!r}; choose one of "
-                             f"{', '.join(EXAMPLES)} (see `attnkit examples`)")
+            raise InputError("unknown_example", name=name, names=", ".join(EXAMPLES))
         traces = EXAMPLES[name].traces()
         if scale is None and softcap is None:
             return traces
@@ -135,7 +133,7 @@ def _traces(args: argparse.Namespace) -> list[Trace]:
             out.append(new)
         return out
     if args.example is not None:
-        raise InputError("give either --example or your own --q/--k/--v, not both")
+        raise InputError("example_and_q")
     inp = prepare_inputs(args.q, args.k, args.v, mask_path=args.mask, heads=args.heads,
                          causal=args.causal)
     tr = explain(inp.q, inp.k, inp.v, mask=inp.mask, is_causal=args.causal, scale=scale,
@@ -147,13 +145,12 @@ def _traces(args: argparse.Namespace) -> list[Trace]:
 
 def _explain(args: argparse.Namespace) -> int:
     if args.decimals < 0 or args.decimals > 12:
-        raise InputError(f"--decimals must be between 0 and 12, got {args.decimals}")
+        raise InputError("decimals", d=args.decimals)
     from .explain.plot import WHAT
 
     plot_what = tuple(w.strip() for w in args.plot_steps.split(",") if w.strip())
     if not plot_what or any(w not in WHAT for w in plot_what):
-        raise InputError(f"--plot-steps {args.plot_steps!r}: choose from {', '.join(WHAT)}, "
-                         "comma-separated (e.g. scores,weights)")
+        raise InputError("plot_steps", given=args.plot_steps, choices=", ".join(WHAT))
     try:
         traces = _traces(args)
     except InputError:
@@ -161,7 +158,7 @@ def _explain(args: argparse.Namespace) -> int:
     except (ValueError, TypeError) as e:      # the API's own checks (shapes, options)
         files = ", ".join(f"--{n} {getattr(args, n)}" for n in ("q", "k", "v", "mask")
                           if getattr(args, n, None))
-        raise InputError(f"{e}" + (f" [{files}]" if files else "")) from None
+        raise InputError("api", msg=e, files=f" [{files}]" if files else "") from None
     color = {"auto": None, "always": True, "never": False}[args.color]
     sys.stdout.write(render_many(traces, lang=args.lang, decimals=args.decimals, color=color))
     sys.stdout.flush()
@@ -173,7 +170,7 @@ def _explain(args: argparse.Namespace) -> int:
             with open(args.html, "w", encoding="utf-8") as f:
                 f.write(page)
         except OSError as e:
-            raise InputError(f"cannot write --html {args.html}: {e.strerror or e}") from None
+            raise InputError("write_html", path=args.html, err=e.strerror or e) from None
         print(f"attnkit: wrote {args.html}", file=sys.stderr)
     if args.plot:
         try:
@@ -181,10 +178,9 @@ def _explain(args: argparse.Namespace) -> int:
 
             render_plot(traces, args.plot, what=plot_what, lang=args.lang)
         except ImportError as e:
-            raise InputError(f"--plot needs matplotlib ({e}): pip install 'attnkit[plot]'"
-                             ) from None
+            raise InputError("needs_mpl", err=e) from None
         except OSError as e:
-            raise InputError(f"cannot write --plot {args.plot}: {e.strerror or e}") from None
+            raise InputError("write_plot", path=args.plot, err=e.strerror or e) from None
         print(f"attnkit: wrote {args.plot}", file=sys.stderr)
     return 0
 
@@ -194,8 +190,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in DELEGATED:
         return _delegate(argv[0], argv[1:])
+    lang = "en"
     try:
         args = _build_parser().parse_args(argv)
+        lang = getattr(args, "lang", "en")
         if args.cmd == "examples":
             return _examples(args)
         if args.cmd is None:            # bare `attnkit`: the default example
@@ -205,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(" ".join(str(e).split("\n")), file=sys.stderr)
         return 2
     except InputError as e:
-        print("attnkit explain: " + " ".join(str(e).split("\n")), file=sys.stderr)
+        print("attnkit explain: " + e.message(lang), file=sys.stderr)
         return 2
     except BrokenPipeError:             # `attnkit explain | head`
         devnull = os.open(os.devnull, os.O_WRONLY)

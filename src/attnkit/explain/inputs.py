@@ -9,8 +9,8 @@ Shape legend::
     q (n_q, d_k)   k (n_k, d_k)   v (n_k, d_v)   mask (n_q, n_k), (1, n_k) or (n_k,)
     a 1-D file is one row: (d,) → (1, d);  3-D files are (h, n, d): one matrix per head
 
-Every problem raises :class:`InputError` with one line naming the file, the shape seen and
-what would fit.
+Every problem raises :class:`InputError`: one line naming the file, the shape seen and what
+would fit, in English or Korean (``err.message("ko")``).
 """
 
 from __future__ import annotations
@@ -20,19 +20,174 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-__all__ = ["InputError", "UserInputs", "load_array", "load_mask", "prepare_inputs",
-           "shape_str"]
+__all__ = ["InputError", "MESSAGES", "UserInputs", "load_array", "load_mask",
+           "prepare_inputs", "parse_labels", "finite_number", "shape_str"]
 
 FORMATS = (".npy", ".json", ".csv")
 _TRUE = {"true", "True", "TRUE"}
 _FALSE = {"false", "False", "FALSE"}
 
+MESSAGES: dict[str, dict[str, str]] = {
+    "en": {
+        "csv_empty": "{what} file {path} is empty: write one row of numbers per line",
+        "csv_ragged": "{what} file {path}: rows have different lengths {lens}; every row needs "
+                      "the same number of comma-separated values",
+        "csv_cell": "{what} file {path}: row {i}, column {j} is {cell!r}, not a number "
+                    "(use e.g. 0.5, -2 or -inf)",
+        "json_bad": "{what} file {path} is not valid JSON ({msg} at line {line}, column {col}): "
+                    "write nested lists like [[1, 0], [0, 1]]",
+        "json_ragged": "{what} file {path}: the nested lists have rows of different lengths; "
+                       "every row needs the same number of values",
+        "json_nonnum": "{what} file {path}: expected nested lists of numbers, found {bad!r}",
+        "ext": "cannot read {what} file {path}: unknown extension {ext!r}; use {formats}",
+        "missing": "cannot read {what} file {path}: no such file",
+        "npy_bad": "cannot read {what} file {path} as .npy ({err}): save it with "
+                   "numpy.save(path, array) from a numeric array",
+        "npy_dtype": "{what} file {path} holds dtype {dtype}, not numbers: save a numeric (or "
+                     "bool) array",
+        "os": "cannot read {what} file {path}: {err}",
+        "not_utf8": "cannot read {what} file {path}: it is not UTF-8 text (a {ext} file must "
+                    "be text)",
+        "not_matrix": "--{name} {path} has shape {shape}: give a matrix (n, d) with one row "
+                      "per vector",
+        "empty_dim": "--{name} {path} has shape {shape}: give at least one row and one column "
+                     "of numbers",
+        "too_many_dims": "--{name} {path} has shape {shape} ({ndim} dims): give (n, d), "
+                         "(h, n, d) or (b, h, n, d)",
+        "bool_qkv": "--{name} {path} holds true/false values: Q, K and V need numbers",
+        "nonfinite": "--{name} {path} has a non-finite value {val} at index {idx}: Q, K and V "
+                     "must hold finite numbers (masks go in --mask)",
+        "mask_dims": "--mask {path} has shape {shape}: give ({n_q}, {n_k})",
+        "mask_shape": "--mask {path} has shape {shape} but the scores are (n_q, n_k) = "
+                      "({n_q}, {n_k}): give a ({n_q}, {n_k}) mask, or (1, {n_k}) for one row "
+                      "shared by every query",
+        "mask_values": "--mask {path} holds {val}: a number mask is added to the logits, so "
+                       "use 0 (keep) or -inf (block)",
+        "mask_01": "--mask {path} holds {val}: a number mask is added to the logits, so use 0 "
+                   "(keep) or -inf (block) (0/1 looks like keep/block: write true/false "
+                   "instead)",
+        "heads_divide": "--heads {h} does not divide the feature width of --{name} {path} "
+                        "{shape}: {w} / {h} is not whole; use one of {divs}",
+        "ndim": "Q, K, V must have the same number of dims; got {seen}: give all as (n, d) or "
+                "all as (h, n, d)",
+        "d_k": "Q and K need the same width d_k (last dim) for the dot products; got {seen}: "
+               "d_k {a} vs {b}, so K should be {fit}",
+        "n_k": "K and V need the same number of rows n_k (one value per key); got {seen}: "
+               "n_k {a} vs {b}, so V should be {fit}",
+        "lead": "Q, K, V must have the same leading (head) dims; got {seen}",
+        "heads_min": "--heads must be at least 1, got {h}",
+        "heads_3d": "--heads splits (n, d) inputs into heads, but the files already have "
+                    "heads: {seen}; drop --heads",
+        "causal_and_mask": "give either --causal or --mask, not both (put the causal pattern "
+                           "into the mask file)",
+        "q_labels": "--q-labels has {n} labels ({text!r}) but there are {m} queries: give {m}, "
+                    "comma-separated",
+        "k_labels": "--k-labels has {n} labels ({text!r}) but there are {m} keys: give {m}, "
+                    "comma-separated",
+        "finite": "--{name} must be a finite number, got {x}",
+        "decimals": "--decimals must be between 0 and 12, got {d}",
+        "plot_steps": "--plot-steps {given!r}: choose from {choices}, comma-separated "
+                      "(e.g. scores,weights)",
+        "own_only": "{opts}: only for your own inputs; give --q FILE (and --k, --v)",
+        "unknown_example": "unknown example {name!r}; choose one of {names} (see `attnkit "
+                           "examples`)",
+        "example_and_q": "give either --example or your own --q/--k/--v, not both",
+        "api": "{msg}{files}",
+        "write_html": "cannot write --html {path}: {err}",
+        "write_plot": "cannot write --plot {path}: {err}",
+        "needs_mpl": "--plot needs matplotlib ({err}): pip install 'attnkit[plot]'",
+    },
+    "ko": {
+        "csv_empty": "{what} 파일 {path}이(가) 비어 있습니다: 한 줄에 숫자 한 행씩 쓰세요",
+        "csv_ragged": "{what} 파일 {path}: 행의 길이가 서로 다릅니다 {lens}; 모든 행은 쉼표로 "
+                      "구분된 값의 개수가 같아야 합니다",
+        "csv_cell": "{what} 파일 {path}: {i}행 {j}열의 {cell!r}은(는) 숫자가 아닙니다 "
+                    "(예: 0.5, -2, -inf)",
+        "json_bad": "{what} 파일 {path}은(는) 올바른 JSON이 아닙니다 ({line}행 {col}열: {msg}): "
+                    "[[1, 0], [0, 1]]처럼 중첩 리스트로 쓰세요",
+        "json_ragged": "{what} 파일 {path}: 중첩 리스트의 행 길이가 서로 다릅니다; 모든 행의 "
+                       "값 개수가 같아야 합니다",
+        "json_nonnum": "{what} 파일 {path}: 숫자로 된 중첩 리스트가 필요한데 {bad!r}이(가) "
+                       "있습니다",
+        "ext": "{what} 파일 {path}을(를) 읽을 수 없습니다: 알 수 없는 확장자 {ext!r}; "
+               "{formats} 중 하나를 쓰세요",
+        "missing": "{what} 파일 {path}을(를) 읽을 수 없습니다: 파일이 없습니다",
+        "npy_bad": "{what} 파일 {path}을(를) .npy로 읽을 수 없습니다 ({err}): 숫자 배열을 "
+                   "numpy.save(path, array)로 저장하세요",
+        "npy_dtype": "{what} 파일 {path}의 dtype {dtype}은(는) 숫자가 아닙니다: 숫자(또는 bool) "
+                     "배열을 저장하세요",
+        "os": "{what} 파일 {path}을(를) 읽을 수 없습니다: {err}",
+        "not_utf8": "{what} 파일 {path}을(를) 읽을 수 없습니다: UTF-8 텍스트가 아닙니다 "
+                    "({ext} 파일은 텍스트여야 합니다)",
+        "not_matrix": "--{name} {path}의 모양이 {shape}입니다: 벡터마다 한 행인 (n, d) 행렬을 "
+                      "주세요",
+        "empty_dim": "--{name} {path}의 모양이 {shape}입니다: 숫자가 적어도 한 행, 한 열은 "
+                     "있어야 합니다",
+        "too_many_dims": "--{name} {path}의 모양이 {shape}입니다 ({ndim}차원): (n, d), "
+                         "(h, n, d) 또는 (b, h, n, d)를 주세요",
+        "bool_qkv": "--{name} {path}에 true/false 값이 있습니다: Q, K, V는 숫자여야 합니다",
+        "nonfinite": "--{name} {path}의 인덱스 {idx}에 유한하지 않은 값 {val}이(가) 있습니다: "
+                     "Q, K, V는 유한한 숫자여야 합니다 (마스크는 --mask로)",
+        "mask_dims": "--mask {path}의 모양이 {shape}입니다: ({n_q}, {n_k})를 주세요",
+        "mask_shape": "--mask {path}의 모양은 {shape}인데 점수는 (n_q, n_k) = ({n_q}, {n_k})"
+                      "입니다: ({n_q}, {n_k}) 마스크, 또는 모든 쿼리가 함께 쓰는 한 행 "
+                      "(1, {n_k})를 주세요",
+        "mask_values": "--mask {path}에 {val}이(가) 있습니다: 숫자 마스크는 로짓에 더해지므로 "
+                       "0(유지) 또는 -inf(차단)를 쓰세요",
+        "mask_01": "--mask {path}에 {val}이(가) 있습니다: 숫자 마스크는 로짓에 더해지므로 "
+                   "0(유지) 또는 -inf(차단)를 쓰세요 (0/1로 유지/차단을 뜻했다면 true/false로 "
+                   "쓰세요)",
+        "heads_divide": "--heads {h}은(는) --{name} {path} {shape}의 특성 폭을 나누지 못합니다: "
+                        "{w} / {h}이(가) 정수가 아닙니다; {divs} 중 하나를 쓰세요",
+        "ndim": "Q, K, V의 차원 수가 같아야 합니다; 받은 것: {seen}: 모두 (n, d) 또는 모두 "
+                "(h, n, d)로 주세요",
+        "d_k": "내적을 하려면 Q와 K의 폭 d_k(마지막 차원)가 같아야 합니다; 받은 것: {seen}: "
+               "d_k {a} 대 {b}, 그러므로 K는 {fit}이어야 합니다",
+        "n_k": "K와 V의 행 수 n_k가 같아야 합니다 (키마다 값 하나); 받은 것: {seen}: "
+               "n_k {a} 대 {b}, 그러므로 V는 {fit}이어야 합니다",
+        "lead": "Q, K, V의 앞쪽(헤드) 차원이 같아야 합니다; 받은 것: {seen}",
+        "heads_min": "--heads는 1 이상이어야 합니다, 받은 값: {h}",
+        "heads_3d": "--heads는 (n, d) 입력을 헤드로 나누는데, 파일에 이미 헤드가 있습니다: "
+                    "{seen}; --heads를 빼세요",
+        "causal_and_mask": "--causal과 --mask 중 하나만 주세요 (인과 패턴을 마스크 파일에 "
+                           "넣으세요)",
+        "q_labels": "--q-labels의 레이블은 {n}개({text!r})인데 쿼리는 {m}개입니다: 쉼표로 "
+                    "구분해 {m}개를 주세요",
+        "k_labels": "--k-labels의 레이블은 {n}개({text!r})인데 키는 {m}개입니다: 쉼표로 "
+                    "구분해 {m}개를 주세요",
+        "finite": "--{name}은(는) 유한한 숫자여야 합니다, 받은 값: {x}",
+        "decimals": "--decimals는 0에서 12 사이여야 합니다, 받은 값: {d}",
+        "plot_steps": "--plot-steps {given!r}: {choices} 중에서 쉼표로 구분해 고르세요 "
+                      "(예: scores,weights)",
+        "own_only": "{opts}: 직접 준 입력에만 쓰입니다; --q FILE (그리고 --k, --v)을 주세요",
+        "unknown_example": "알 수 없는 예제 {name!r}; {names} 중 하나를 고르세요 "
+                           "(`attnkit examples` 참고)",
+        "example_and_q": "--example과 직접 준 --q/--k/--v 중 하나만 주세요",
+        "api": "입력이 맞지 않습니다 (라이브러리 메시지): {msg}{files}",
+        "write_html": "--html {path}에 쓸 수 없습니다: {err}",
+        "write_plot": "--plot {path}에 쓸 수 없습니다: {err}",
+        "needs_mpl": "--plot에는 matplotlib가 필요합니다 ({err}): pip install 'attnkit[plot]'",
+    },
+}
+
 
 class InputError(ValueError):
-    """A bad user input: the message is one line, ready for stderr."""
+    """A bad user input: one line, ready for stderr, in English (``str``) or Korean.
+
+    ``InputError(key, **params)`` formats ``MESSAGES[lang][key]``.
+    """
+
+    def __init__(self, key: str, **params: Any) -> None:
+        self.key, self.params = key, params
+        super().__init__(self.message("en"))
+
+    def message(self, lang: str = "en") -> str:
+        table = MESSAGES.get(lang, MESSAGES["en"])
+        return " ".join(table[self.key].format(**self.params).split("\n"))
 
 
 def shape_str(shape: tuple[int, ...]) -> str:
@@ -44,12 +199,9 @@ def _read_csv(path: Path, what: str) -> np.ndarray:
         rows = [[c.strip() for c in r] for r in csv.reader(f)]
     rows = [r for r in rows if any(r)]
     if not rows:
-        raise InputError(f"{what} file {path} is empty: write one row of numbers per line")
-    widths = {len(r) for r in rows}
-    if len(widths) > 1:
-        lens = [len(r) for r in rows]
-        raise InputError(f"{what} file {path}: rows have different lengths {lens}; every row "
-                         "needs the same number of comma-separated values")
+        raise InputError("csv_empty", what=what, path=path)
+    if len({len(r) for r in rows}) > 1:
+        raise InputError("csv_ragged", what=what, path=path, lens=[len(r) for r in rows])
     cells = [c for r in rows for c in r]
     if all(c in _TRUE | _FALSE for c in cells):
         return np.array([[c in _TRUE for c in r] for r in rows], dtype=bool)
@@ -59,8 +211,8 @@ def _read_csv(path: Path, what: str) -> np.ndarray:
             try:
                 out[i, j] = float(c)
             except ValueError:
-                raise InputError(f"{what} file {path}: row {i + 1}, column {j + 1} is {c!r}, "
-                                 "not a number (use e.g. 0.5, -2 or -inf)") from None
+                raise InputError("csv_cell", what=what, path=path, i=i + 1, j=j + 1,
+                                 cell=c) from None
     return out
 
 
@@ -68,22 +220,18 @@ def _read_json(path: Path, what: str) -> np.ndarray:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
-        raise InputError(f"{what} file {path} is not valid JSON ({e.msg} at line {e.lineno}, "
-                         f"column {e.colno}): write nested lists like [[1, 0], [0, 1]]") from None
+        raise InputError("json_bad", what=what, path=path, msg=e.msg, line=e.lineno,
+                         col=e.colno) from None
     try:
         a = np.array(data)
     except ValueError:
-        raise InputError(f"{what} file {path}: the nested lists have rows of different "
-                         "lengths; every row needs the same number of values") from None
+        raise InputError("json_ragged", what=what, path=path) from None
     if a.dtype == bool:
         return a
-    if a.dtype.kind in "iuf":
-        return a.astype(np.float64)
     try:
         return a.astype(np.float64)        # "-inf" strings are fine
     except (ValueError, TypeError):
-        raise InputError(f"{what} file {path}: expected nested lists of numbers, found "
-                         f"{_first_bad(data)!r}") from None
+        raise InputError("json_nonnum", what=what, path=path, bad=_first_bad(data)) from None
 
 
 def _first_bad(data: object) -> object:
@@ -107,49 +255,44 @@ def load_array(path: str | Path, what: str = "input") -> np.ndarray:
     p = Path(path)
     ext = p.suffix.lower()
     if ext not in FORMATS:
-        raise InputError(f"cannot read {what} file {p}: unknown extension {ext or '(none)'!r}; "
-                         f"use {', '.join(FORMATS)}")
+        raise InputError("ext", what=what, path=p, ext=ext or "(none)",
+                         formats=", ".join(FORMATS))
     if not p.is_file():
-        raise InputError(f"cannot read {what} file {p}: no such file")
+        raise InputError("missing", what=what, path=p)
     try:
         if ext == ".npy":
             try:
                 a = np.load(p, allow_pickle=False)
             except ValueError as e:
-                raise InputError(f"cannot read {what} file {p} as .npy ({e}): save it with "
-                                 "numpy.save(path, array) from a numeric array") from None
+                raise InputError("npy_bad", what=what, path=p, err=e) from None
             if not isinstance(a, np.ndarray) or a.dtype.kind not in "biuf":
-                raise InputError(f"{what} file {p} holds dtype {getattr(a, 'dtype', '?')}, not "
-                                 "numbers: save a numeric (or bool) array")
+                raise InputError("npy_dtype", what=what, path=p,
+                                 dtype=getattr(a, "dtype", "?"))
             return a if a.dtype == bool else a.astype(np.float64)
         if ext == ".json":
             return _read_json(p, what)
         return _read_csv(p, what)
     except OSError as e:
-        raise InputError(f"cannot read {what} file {p}: {e.strerror or e}") from None
+        raise InputError("os", what=what, path=p, err=e.strerror or e) from None
     except UnicodeDecodeError:
-        raise InputError(f"cannot read {what} file {p}: it is not UTF-8 text "
-                         f"(a {ext} file must be text)") from None
+        raise InputError("not_utf8", what=what, path=p, ext=ext) from None
 
 
 def _as_matrix(a: np.ndarray, name: str, path: str) -> np.ndarray:
-    if a.ndim == 0 or a.size == 0 and a.ndim == 1:
-        raise InputError(f"--{name} {path} has shape {shape_str(a.shape)}: give a matrix "
-                         f"(n, d) — one row per {'query' if name == 'q' else 'key'}")
+    if a.ndim == 0:
+        raise InputError("not_matrix", name=name, path=path, shape=shape_str(a.shape))
+    if 0 in a.shape:
+        raise InputError("empty_dim", name=name, path=path, shape=shape_str(a.shape))
     if a.ndim == 1:
         a = a[None, :]                          # (d,) → one row (1, d)
-    if a.ndim <= 4 and 0 in a.shape:
-        raise InputError(f"--{name} {path} has shape {shape_str(a.shape)}: give at least one "
-                         "row and one column of numbers")
     if a.ndim > 4:
-        raise InputError(f"--{name} {path} has shape {shape_str(a.shape)} ({a.ndim} dims): "
-                         "give (n, d), (h, n, d) or (b, h, n, d)")
+        raise InputError("too_many_dims", name=name, path=path, shape=shape_str(a.shape),
+                         ndim=a.ndim)
     if a.dtype == bool:
-        raise InputError(f"--{name} {path} holds true/false values: Q, K and V need numbers")
+        raise InputError("bool_qkv", name=name, path=path)
     if not np.isfinite(a).all():
         idx = tuple(int(i) for i in np.argwhere(~np.isfinite(a))[0])
-        raise InputError(f"--{name} {path} has a non-finite value {a[idx]} at index {idx}: "
-                         "Q, K and V must hold finite numbers (masks go in --mask)")
+        raise InputError("nonfinite", name=name, path=path, val=a[idx], idx=idx)
     return a
 
 
@@ -162,22 +305,16 @@ def load_mask(path: str | Path, n_q: int, n_k: int) -> np.ndarray:
     if m.ndim == 1:
         m = m[None, :]
     if m.ndim == 0 or m.ndim > 4:
-        raise InputError(f"--mask {path} has shape {shape_str(m.shape)}: give ({n_q}, {n_k})")
+        raise InputError("mask_dims", path=path, shape=shape_str(m.shape), n_q=n_q, n_k=n_k)
     rows, cols = m.shape[-2:]
     if rows not in (1, n_q) or cols not in (1, n_k):
-        raise InputError(
-            f"--mask {path} has shape {shape_str(m.shape)} but the scores are (n_q, n_k) = "
-            f"({n_q}, {n_k}): give a ({n_q}, {n_k}) mask, or (1, {n_k}) for one row shared by "
-            "every query")
+        raise InputError("mask_shape", path=path, shape=shape_str(m.shape), n_q=n_q, n_k=n_k)
     if m.dtype != bool:
         ok = (m == 0) | np.isneginf(m)
         if not ok.all():
             bad = m[~ok]
-            hint = (" (0/1 looks like keep/block: write true/false instead)"
-                    if np.isin(bad, [1.0]).all() else "")
-            raise InputError(
-                f"--mask {path} holds {bad.flat[0]:g}: a number mask is added to the logits, "
-                f"so use 0 (keep) or -inf (block){hint}")
+            key = "mask_01" if np.isin(bad, [1.0]).all() else "mask_values"
+            raise InputError(key, path=path, val=f"{bad.flat[0]:g}")
     return m
 
 
@@ -196,10 +333,8 @@ def _split(a: np.ndarray, heads: int, name: str, path: str) -> np.ndarray:
     n, width = a.shape
     if width % heads:
         divs = [d for d in range(1, width + 1) if width % d == 0]
-        raise InputError(
-            f"--heads {heads} does not divide the feature width of --{name} {path} "
-            f"{shape_str(a.shape)}: {width} / {heads} is not whole; use one of "
-            f"{', '.join(map(str, divs))}")
+        raise InputError("heads_divide", h=heads, name=name, path=path,
+                         shape=shape_str(a.shape), w=width, divs=", ".join(map(str, divs)))
     return a.reshape(n, heads, width // heads).transpose(1, 0, 2).copy()   # (h, n, d/h)
 
 
@@ -212,39 +347,29 @@ def prepare_inputs(q_path: str, k_path: str | None = None, v_path: str | None = 
     paths = {"q": q_path, "k": k_path, "v": v_path}
     arrs = {n: _as_matrix(load_array(p, n.upper()), n, p) for n, p in paths.items()}
     q, k, v = arrs["q"], arrs["k"], arrs["v"]
-
-    def seen() -> str:
-        return ", ".join(f"--{n} {paths[n]} {shape_str(a.shape)}" for n, a in arrs.items())
-
+    seen = ", ".join(f"--{n} {paths[n]} {shape_str(a.shape)}" for n, a in arrs.items())
     if not q.ndim == k.ndim == v.ndim:
-        raise InputError(f"Q, K, V must have the same number of dims; got {seen()}: give all "
-                         "as (n, d) or all as (h, n, d)")
+        raise InputError("ndim", seen=seen)
     if q.shape[-1] != k.shape[-1]:
-        raise InputError(
-            f"Q and K need the same width d_k (last dim) for the dot products; got {seen()}: "
-            f"d_k {q.shape[-1]} vs {k.shape[-1]}, so K should be "
-            f"{shape_str((*k.shape[:-1], q.shape[-1]))}")
+        raise InputError("d_k", seen=seen, a=q.shape[-1], b=k.shape[-1],
+                         fit=shape_str((*k.shape[:-1], q.shape[-1])))
     if k.shape[-2] != v.shape[-2]:
-        raise InputError(
-            f"K and V need the same number of rows n_k (one value per key); got {seen()}: "
-            f"n_k {k.shape[-2]} vs {v.shape[-2]}, so V should be "
-            f"{shape_str((*v.shape[:-2], k.shape[-2], v.shape[-1]))}")
+        raise InputError("n_k", seen=seen, a=k.shape[-2], b=v.shape[-2],
+                         fit=shape_str((*v.shape[:-2], k.shape[-2], v.shape[-1])))
     if q.shape[:-2] != k.shape[:-2] or k.shape[:-2] != v.shape[:-2]:
-        raise InputError(f"Q, K, V must have the same leading (head) dims; got {seen()}")
+        raise InputError("lead", seen=seen)
     h = 1
     if heads is not None:
         if heads < 1:
-            raise InputError(f"--heads must be at least 1, got {heads}")
+            raise InputError("heads_min", h=heads)
         if q.ndim != 2:
-            raise InputError(f"--heads splits (n, d) inputs into heads, but the files already "
-                             f"have heads: {seen()}; drop --heads")
+            raise InputError("heads_3d", seen=seen)
         q, k, v = (_split(a, heads, n, paths[n]) for n, a in (("q", q), ("k", k), ("v", v)))
         h = heads
     mask = None
     if mask_path is not None:
         if causal:
-            raise InputError("give either --causal or --mask, not both (put the causal "
-                             "pattern into the mask file)")
+            raise InputError("causal_and_mask")
         mask = load_mask(mask_path, q.shape[-2], k.shape[-2])
     return UserInputs(q, k, v, mask, h)
 
@@ -255,12 +380,12 @@ def parse_labels(text: str | None, n: int, what: str) -> list[str] | None:
         return None
     labels = [s.strip() for s in text.split(",")]
     if len(labels) != n:
-        raise InputError(f"--{what}-labels has {len(labels)} labels ({text!r}) but there are "
-                         f"{n} {'queries' if what == 'q' else 'keys'}: give {n}, comma-separated")
+        raise InputError(f"{what}_labels", n=len(labels), text=text, m=n)
     return labels
 
 
 def finite_number(x: float, name: str) -> float:
+    """``x`` if finite, else an :class:`InputError` naming the option."""
     if not math.isfinite(x):
-        raise InputError(f"--{name} must be a finite number, got {x}")
+        raise InputError("finite", name=name, x=x)
     return x
