@@ -203,14 +203,14 @@ def _compile_only(arch: int) -> int:
 
     kern = _kernels(False)
     pointers = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV", "Lse", "DLse", "Delta", "Mask",
-                "Bias", "KvLen", "QLen", "QIds", "KIds", "Tiles"}
+                "Bias", "DBias", "KvLen", "QLen", "QIds", "KIds", "Tiles"}
     pointer_types = {"Mask": "*u8", "Tiles": "*i8", "KvLen": "*i32", "QLen": "*i32",
                      "QIds": "*i64", "KIds": "*i64"}
     target = GPUTarget("cuda", arch, 32)
     backend = triton.compiler.make_backend(target)
     failures = 0
     every = ("HAS_BAND", "HAS_MASK", "HAS_BIAS", "HAS_KVLEN", "HAS_QLEN", "HAS_DOC",
-             "HAS_TILES", "HAS_DROPOUT", "HAS_SOFTCAP", "HAS_DLSE")
+             "HAS_TILES", "HAS_DROPOUT", "HAS_SOFTCAP", "HAS_DLSE", "HAS_DBIAS")
     variants = (("fp16", "fp32", tl.float32, 128, 64, ()),                # no mask at all
                 ("fp16", "fp32", tl.float32, 128, 64, every),
                 ("bf16", "fp32", tl.float32, 128, 64, ("HAS_BAND",)),     # causal / window
@@ -228,8 +228,8 @@ def _compile_only(arch: int) -> int:
                 if name in const:
                     sig[name] = "constexpr"
                 elif name in pointers:
-                    sig[name] = pointer_types.get(name) or (
-                        f"*{acc}" if name in ("Lse", "DLse", "Delta", "Bias") else f"*{io}")
+                    in_acc = name in ("Lse", "DLse", "Delta", "Bias", "DBias")
+                    sig[name] = pointer_types.get(name) or (f"*{acc}" if in_acc else f"*{io}")
                 elif name in ("scale", "softcap", "drop_p", "inv_keep"):
                     sig[name] = "fp32"
                 else:

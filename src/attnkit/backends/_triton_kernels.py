@@ -261,9 +261,9 @@ def _bwd_delta_kernel(
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, DO, DQ, Lse, Delta,
+    Q, K, V, DO, DQ, Lse, Delta, DBias,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
-    sdob, sdoh, sdon, sdod, sdqb, sdqh, sdqn, sdqd, slb, slh, sln,
+    sdob, sdoh, sdon, sdod, sdqb, sdqh, sdqn, sdqd, slb, slh, sln, sdbb, sdbh, sdbn, sdbk,
     Mask, smb, smh, smn, smk, Bias, sbb, sbh, sbn, sbk, KvLen, QLen, slen,
     QIds, KIds, sqib, sqin, skib, skin, Tiles, stb, sth, stm, stn,
     H_Q, GROUP, N_Q, N_K, D_K, D_V, scale, softcap, BAND_LO, BAND_HI,
@@ -272,9 +272,12 @@ def _bwd_dq_kernel(
     HAS_KVLEN: tl.constexpr, HAS_QLEN: tl.constexpr, HAS_DOC: tl.constexpr,
     HAS_TILES: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     ACC: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_DBIAS: tl.constexpr,
 ):
-    """dQ for one query tile: dQ = scale · Σ_j dS_ij K_j with dS = P ∘ (dP − Δ) (∘ softcap′)."""
+    """dQ for one query tile: dQ = scale · Σ_j dS_ij K_j with dS = P ∘ (dP − Δ) (∘ softcap′).
+
+    With HAS_DBIAS, dS (the gradient of the biased logits) is also added atomically into
+    DBIAS, which has the bias's shape (stride 0 on broadcast dims sums over them)."""
     n_tiles = (N_Q + BLOCK_M - 1) // BLOCK_M
     pid_m = tl.program_id(0) % n_tiles
     pid_bh = tl.program_id(0) // n_tiles
@@ -324,6 +327,10 @@ def _bwd_dq_kernel(
                 dp = tl.where(_keep(seed, pid_bh, offs_m, offs_n, N_K, drop_p), dp * inv_keep,
                               0.0)
             ds = p * (dp - delta[:, None])
+            if HAS_DBIAS:
+                tl.atomic_add(DBias + pid_b * sdbb + h * sdbh + offs_m[:, None] * sdbn
+                              + offs_n[None, :] * sdbk, ds,
+                              mask=(offs_m[:, None] < N_Q) & col_ok[None, :])
             if HAS_SOFTCAP:
                 ds = ds * (1.0 - t * t)
             dq += tl.dot(ds.to(k_t.dtype), tl.trans(k_t), input_precision=PRECISION,
