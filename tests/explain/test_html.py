@@ -189,3 +189,14 @@ def test_page_in_chromium_with_selenium(browser, tmp_path):
     assert errors == []
     severe = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
     assert severe == [], severe
+
+
+def test_grouped_query_heads_show_their_shared_kv_head():
+    f = torch.float64
+    tr = ak.explain(torch.randn(4, 3, 8, dtype=f), torch.randn(2, 5, 8, dtype=f),
+                    torch.randn(2, 5, 6, dtype=f))
+    page = tr.to_html()
+    assert re.findall(r"<h4>(K · kv head \d)", page) == ["K · kv head 1"] * 2 + [
+        "K · kv head 2"] * 2
+    assert len(re.findall(r'<div class="head" data-head="\d"', page)) == 4
+    assert "kv head 2" in tr.to_text()

@@ -305,6 +305,14 @@ def _color_legend(lang: str) -> str:
             f'  ·  <span class="sw x"></span> {E(p["c_masked"])}</div>')
 
 
+def _kv_index(trace: Trace, h: int) -> int:
+    """The flat K/V head that flat query head ``h`` reads (GQA: H_q / H_kv queries share one)."""
+    if trace.k.ndim == 2 or trace.k.shape[-3] == trace.q.shape[-3]:
+        return h
+    h_q, h_kv = trace.q.shape[-3], trace.k.shape[-3]
+    return (h // h_q) * h_kv + (h % h_q) // (h_q // h_kv)
+
+
 def _step_table(trace: Trace, lang: str) -> str:
     t = check_lang(lang)
     rows = [f"<tr><th>{E(t['step'])}</th><th>{E(t['what'])}</th><th>{E(t['formula'])}</th>"
@@ -353,6 +361,7 @@ def _section(trace: Trace, lang: str, idx: int, decimals: int) -> str:
         return [m for _, m in split_heads(a, lang)]
 
     inputs = [per_head(trace.q), per_head(trace.k), per_head(trace.v)]
+    kv_labels = [label for label, _ in split_heads(trace.k, lang, "kv_head")]
     values = [per_head(s.value) for s in trace.steps]
     for h in range(len(heads)):
         hidden = " hidden" if h > 0 else ""
@@ -360,8 +369,11 @@ def _section(trace: Trace, lang: str, idx: int, decimals: int) -> str:
         out.append(f"<h3>{E(p['inputs'])}</h3><div class=\"grid\">")
         for name, mats, rows in (("Q", inputs[0], ql), ("K", inputs[1], kl),
                                  ("V", inputs[2], kl)):
-            m = mats[h]
+            j = _kv_index(trace, h) if name != "Q" else h
+            m = mats[j]
             cols = dv if name == "V" else dk
+            if name != "Q" and len(mats) != len(heads):        # GQA / MQA: a shared K/V head
+                name = f"{name} · {kv_labels[j]}"
             out.append(f'<div class="card"><h4>{name} <span class="shp">{_shape(m.shape)}'
                        f"</span></h4>{heatmap(m, rows, cols, 'input', name, decimals)}</div>")
         out.append("</div><h3>" + E(t["rows_cols"]) + "</h3>" + _color_legend(lang)

@@ -48,7 +48,8 @@ STRINGS: dict[str, dict[str, str]] = {
         "Softmax": "turn each row into weights that sum to 1",
         "MatMul_output": "mix the values with the weights",
         "Concat": "put the heads' outputs side by side",
-        "head": "head", "heads": "heads", "batch": "batch", "row_sums": "row sums of the weights",
+        "head": "head", "kv_head": "kv head", "heads": "heads", "batch": "batch",
+        "row_sums": "row sums of the weights",
         "sum": "Σ", "per_head": "per head",
         "inputs": "Inputs", "scale_is": "scale", "queries": "queries", "keys": "keys",
         "softcap_is": "soft-cap", "mask_is": "mask", "no_mask": "none",
@@ -91,7 +92,8 @@ STRINGS: dict[str, dict[str, str]] = {
         "Softmax": "각 행을 합이 1인 가중치로 변환",
         "MatMul_output": "가중치로 값(V)을 섞음",
         "Concat": "헤드들의 출력을 옆으로 이어 붙임",
-        "head": "헤드", "heads": "헤드", "batch": "배치", "row_sums": "가중치 행의 합",
+        "head": "헤드", "kv_head": "KV 헤드", "heads": "헤드", "batch": "배치",
+        "row_sums": "가중치 행의 합",
         "sum": "합", "per_head": "헤드마다",
         "inputs": "입력", "scale_is": "스케일", "queries": "쿼리", "keys": "키",
         "softcap_is": "소프트캡", "mask_is": "마스크", "no_mask": "없음",
@@ -318,8 +320,12 @@ def format_matrix(
     return "\n".join(lines)
 
 
-def split_heads(a: np.ndarray, lang: str = "en") -> list[tuple[str, np.ndarray]]:
-    """Split ``(..., H, N, M)`` into labelled 2-D matrices (``""`` for a 2-D input)."""
+def split_heads(a: np.ndarray, lang: str = "en", word: str = "head",
+                ) -> list[tuple[str, np.ndarray]]:
+    """Split ``(..., H, N, M)`` into labelled 2-D matrices (``""`` for a 2-D input).
+
+    ``word`` is ``"head"`` or ``"kv_head"`` (K and V with fewer heads than Q: GQA / MQA).
+    """
     t = STRINGS[lang]
     if a.ndim == 2:
         return [("", a)]
@@ -329,10 +335,10 @@ def split_heads(a: np.ndarray, lang: str = "en") -> list[tuple[str, np.ndarray]]
     for n in range(flat.shape[0]):
         idx = np.unravel_index(n, lead)
         if len(lead) == 1:
-            label = f"{t['head']} {idx[0] + 1}"
+            label = f"{t[word]} {idx[0] + 1}"
         else:
             label = ", ".join([f"{t['batch']} {int(i) + 1}" for i in idx[:-1]]
-                              + [f"{t['head']} {int(idx[-1]) + 1}"])
+                              + [f"{t[word]} {int(idx[-1]) + 1}"])
         out.append((label, flat[n]))
     return out
 
@@ -475,11 +481,11 @@ def step_table(trace: Trace, lang: str = "en") -> str:
 def _matrices(
     a: np.ndarray, lang: str, decimals: int, rows: Sequence[str] | str | None,
     cols: Sequence[str] | str | None, style: Style, max_heads: int, *, sums: bool = False,
-    emph_max: bool = False,
+    emph_max: bool = False, word: str = "head",
 ) -> list[str]:
     t = STRINGS[lang]
     parts: list[str] = []
-    heads = split_heads(a, lang)
+    heads = split_heads(a, lang, word)
     for label, m in heads[:max_heads]:
         if label:
             parts.append(f"  {style.bold(label)}")
@@ -523,7 +529,9 @@ def render_text(trace: Trace, lang: str = "en", decimals: int = 3, color: bool |
     parts.append(st.head(f"{t['inputs']}") + "   " + "   ".join(opts))
     for name, arr, rows in (("Q", trace.q, qrows), ("K", trace.k, krows), ("V", trace.v, krows)):
         parts.append(f"  {name} {_shape(arr.shape)}")
-        parts += _matrices(arr, lang, decimals, rows, "d", st, max_heads)
+        shared = name != "Q" and arr.ndim > 2 and arr.shape[-3] != trace.q.shape[-3]
+        parts += _matrices(arr, lang, decimals, rows, "d", st, max_heads,
+                           word="kv_head" if shared else "head")
     parts.append("")
     for i, s in enumerate(trace.steps):
         parts.append(st.head(f"[{i + 1}] {step_name(s, lang)}: {step_formula(s, lang)}") + "   "
