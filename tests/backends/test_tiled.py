@@ -255,7 +255,8 @@ def test_block_map_drives_the_schedule():
     with tiled.tile_sizes(block_q=16, block_k=8):
         ak.attention(q, k, v, mask=mask, backend="tiled")
     assert tiled.STATS["empty"] >= pl.empty                    # counted and skipped
-    assert tiled.STATS["full"] > 0 and tiled.STATS["causal_runs"] > 0
+    assert tiled.STATS["full"] > 0
+    assert tiled.STATS["windowed"] == 1                        # the band: one batched call
 
 
 def test_diagonal_tiles_use_the_causal_kernel_and_full_tiles_no_mask():
@@ -306,3 +307,16 @@ def test_tile_sizes_rejects_bad_values():
         pass
     with pytest.raises(ValueError, match="positive integer"), tiled.tile_sizes(block_q=0):
         pass
+
+
+@pytest.mark.parametrize("hq,hkv", [(2, 2), (4, 2)])
+@pytest.mark.parametrize("mask", [
+    M.sliding_window(24),
+    M.sliding_window(10, causal=False) & M.padding([150, 90], q_lengths=[150, 100]),
+    M.document(torch.arange(150) // 25),
+], ids=["sliding", "two_sided_padding", "document"])
+def test_windowed_schedule_one_call_for_local_masks(mask, hq, hkv):
+    q, k, v = _inputs(2, hq, hkv, 150, 150, 8, 8, grad=True)
+    tiled._reset_stats()
+    check(q, k, v, mask=mask)
+    assert tiled.STATS["windowed"] >= 1               # all query blocks in one call

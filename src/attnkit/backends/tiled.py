@@ -82,7 +82,8 @@ STATS: dict[str, int] = {}
 
 
 def _reset_stats() -> None:
-    STATS.update(tiles=0, empty=0, full=0, partial=0, runs=0, causal_runs=0, masked_runs=0)
+    STATS.update(tiles=0, empty=0, full=0, partial=0, runs=0, causal_runs=0, masked_runs=0,
+                 windowed=0)
 
 
 _reset_stats()
@@ -308,6 +309,7 @@ class _Fused:
     k: torch.Tensor       # (B, H_kv, N_k, D)
     v: torch.Tensor       # (B, H_kv, N_k, D)
     bias: torch.Tensor | None
+    win: _Window | None = None
 
 
 def _run_mask(f: _Fused, q0: int, q1: int, run: Run) -> tuple[torch.Tensor | None, bool,
@@ -361,6 +363,8 @@ def _merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor
 
 def _fused_forward(f: _Fused) -> tuple[torch.Tensor, torch.Tensor]:
     """→ out (B, H_kv, G, N_q, D), lse (B, H_kv, G, N_q) in the compute dtype."""
+    if f.win is not None:
+        return _win_forward(f, f.win)
     p = f.p
     B, hkv, g, n_q, d = f.q.shape
     one = len(f.pl.blocks) == 1 and f.pl.blocks[0][2]        # one block with runs: no copy
@@ -397,6 +401,8 @@ def _fused_forward(f: _Fused) -> tuple[torch.Tensor, torch.Tensor]:
 def _fused_backward(f: _Fused, out: torch.Tensor, lse: torch.Tensor,
                     dout: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """FlashAttention-2 style: recompute each run with the final out/LSE of its rows."""
+    if f.win is not None:
+        return _win_backward(f, f.win, out, lse, dout)
     p = f.p
     B, hkv, g, n_q, d = f.q.shape
     dq = torch.zeros_like(f.q)
@@ -428,12 +434,145 @@ def _fused_backward(f: _Fused, out: torch.Tensor, lse: torch.Tensor,
     return dq, dk, dv
 
 
+# ---------------------------------------------------------------------------- windows
+@dataclass
+class _Window:
+    """All query blocks in ONE fused call: block i sees keys ``[starts[i], starts[i] + lw)``.
+
+    Used when every block's non-empty tiles fit in a short window (sliding windows,
+    documents, local masks): one kernel call instead of one per run, windows batched as
+    extra "heads". K/V windows are gathered (a copy of ``nb·lw`` rows per head).
+    """
+
+    bq: int
+    nb: int
+    lw: int
+    starts: torch.Tensor          # (nb,) first key of each block's window
+    masked: bool                  # False: every window is exactly one FULL run
+
+
+def _window_plan(p: Problem, pl: Plan) -> _Window | None:
+    if len(pl.blocks) < 2:
+        return None
+    starts, ends, masked = [], [], False
+    for _q0, _q1, runs in pl.blocks:
+        if not runs:
+            starts.append(0)
+            ends.append(0)
+            masked = True
+            continue
+        starts.append(runs[0].k0)
+        ends.append(runs[-1].k1)
+        masked |= len(runs) > 1 or runs[0].masked
+    lw = max(e - s for s, e in zip(starts, ends, strict=True))
+    nb = len(pl.blocks)
+    if lw == 0 or 2 * lw > p.n_k or nb * pl.block_q * p.group * lw > (1 << 25):
+        return None
+    masked |= any(e - s != lw for s, e in zip(starts, ends, strict=True))
+    return _Window(pl.block_q, nb, lw, torch.tensor(starts), masked)
+
+
+def _win_rows(t: torch.Tensor, w: _Window, n_q: int) -> torch.Tensor:
+    """``(B, H_kv, G, N_q, X)`` → ``(B·H_kv, nb, G·bq, X)`` (rows padded to nb·bq)."""
+    B, hkv, g, _, x = t.shape
+    if w.nb * w.bq != n_q:
+        t = F.pad(t, (0, 0, 0, w.nb * w.bq - n_q))
+    return t.view(B, hkv, g, w.nb, w.bq, x).transpose(2, 3).reshape(B * hkv, w.nb, g * w.bq, x)
+
+
+def _win_unrows(t: torch.Tensor, B: int, hkv: int, g: int, w: _Window, n_q: int) -> torch.Tensor:
+    """Inverse of :func:`_win_rows`: ``(B·H_kv, nb, G·bq, X)`` → ``(B, H_kv, G, N_q, X)``."""
+    x = t.shape[-1]
+    t = t.view(B, hkv, w.nb, g, w.bq, x).transpose(2, 3).reshape(B, hkv, g, w.nb * w.bq, x)
+    return t[:, :, :, :n_q]
+
+
+def _win_kv(f: _Fused, w: _Window) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gathered K/V windows ``(B·H_kv, nb, lw, D)`` and the key index of each ``(nb, lw)``."""
+    B, hkv, n_k, d = f.k.shape
+    idx = (w.starts.view(-1, 1) + torch.arange(w.lw).view(1, -1)).clamp_(max=n_k)
+    kp = F.pad(f.k, (0, 0, 0, 1))                            # row n_k: zeros (masked anyway)
+    vp = F.pad(f.v, (0, 0, 0, 1))
+    return (kp[:, :, idx].reshape(B * hkv, w.nb, w.lw, d),
+            vp[:, :, idx].reshape(B * hkv, w.nb, w.lw, d), idx)
+
+
+def _win_mask(f: _Fused, w: _Window) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """→ (additive mask ``(B·H_kv|1, nb, G·bq, lw)``, rows with a key ``(…, nb, G·bq)``)."""
+    p = f.p
+    if not w.masked:
+        return None, None
+    m = p.mask
+    assert m is not None
+    B, hkv, g = p.batch, p.heads_kv, p.group
+    rows = torch.arange(w.nb * w.bq)
+    qi = rows.clamp(max=p.n_q - 1).view(1, 1, -1, 1)
+    ki = w.starts.repeat_interleave(w.bq).view(1, 1, -1, 1) + torch.arange(w.lw).view(1, 1, 1, -1)
+    inside = ki < p.n_k
+    b = torch.arange(B if m.depends_on_batch else 1).view(-1, 1, 1, 1)
+    h = torch.arange(p.heads_q if m.depends_on_heads else 1).view(1, -1, 1, 1)
+    allowed = m(b, h, qi, ki.clamp(max=p.n_k - 1), p.n_q, p.n_k) & inside
+    while allowed.dim() < 4:
+        allowed = allowed.unsqueeze(0)
+    allowed = allowed.expand(allowed.shape[0], allowed.shape[1], w.nb * w.bq, w.lw)
+    bm, hm = allowed.shape[:2]
+    if bm == 1 and hm == 1:                                  # one mask for every (b, h)
+        a = allowed.view(1, w.nb, 1, w.bq, w.lw).expand(1, w.nb, g, w.bq, w.lw)
+        a = a.reshape(1, w.nb, g * w.bq, w.lw)
+    else:
+        a = allowed.expand(B, p.heads_q, w.nb * w.bq, w.lw).reshape(B, hkv, g, w.nb * w.bq,
+                                                                    w.lw, 1)
+        a = _win_rows(a.flatten(-2), w, w.nb * w.bq)          # (B·H_kv, nb, G·bq, lw)
+    add = torch.zeros(a.shape, dtype=f.q.dtype).masked_fill_(~a, -math.inf)
+    return add, a.any(-1)
+
+
+def _win_forward(f: _Fused, w: _Window) -> tuple[torch.Tensor, torch.Tensor]:
+    p = f.p
+    B, hkv, g, n_q, d = f.q.shape
+    kw, vw, _ = _win_kv(f, w)
+    add, has_key = _win_mask(f, w)
+    STATS["runs"] += 1
+    STATS["windowed"] += 1
+    STATS["masked_runs"] += int(add is not None)
+    o, lse = _flash(_win_rows(f.q, w, n_q), kw, vw, attn_mask=add, scale=p.scale)
+    lse = lse.to(o.dtype)
+    if has_key is not None:
+        lse = torch.where(has_key, lse, torch.full_like(lse, -math.inf))
+    out = _win_unrows(o, B, hkv, g, w, n_q)
+    lse = _win_unrows(lse.unsqueeze(-1), B, hkv, g, w, n_q).squeeze(-1)
+    return out.contiguous(), lse.contiguous()
+
+
+def _win_backward(f: _Fused, w: _Window, out: torch.Tensor, lse: torch.Tensor,
+                  dout: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    p = f.p
+    B, hkv, g, n_q, d = f.q.shape
+    kw, vw, idx = _win_kv(f, w)
+    add, _ = _win_mask(f, w)
+    lse_b = torch.where(lse == -math.inf, torch.full_like(lse, math.inf), lse)
+    if lse_b.dtype != torch.float64:
+        lse_b = lse_b.float()
+    lse_w = _win_rows(lse_b.unsqueeze(-1), w, n_q).squeeze(-1)
+    gq, gk, gv = _flash_bwd(_win_rows(dout, w, n_q), _win_rows(f.q, w, n_q), kw, vw,
+                            _win_rows(out, w, n_q), lse_w, 0.0, False, attn_mask=add,
+                            scale=p.scale)
+    dq = _win_unrows(gq, B, hkv, g, w, n_q)
+    n_k = f.k.shape[2]
+    dk = f.k.new_zeros(B, hkv, n_k + 1, d)
+    dv = f.v.new_zeros(B, hkv, n_k + 1, d)
+    flat = idx.reshape(-1)
+    dk.index_add_(2, flat, gk.reshape(B, hkv, w.nb * w.lw, d))
+    dv.index_add_(2, flat, gv.reshape(B, hkv, w.nb * w.lw, d))
+    return dq.contiguous(), dk[:, :, :n_k], dv[:, :, :n_k]
+
+
 class _FusedAttention(torch.autograd.Function):
     """out, lse = attention(q, k, v) on the fused engine; backward recomputes per run."""
 
     @staticmethod
     def forward(ctx, q, k, v, f):  # noqa: ANN001, ANN205
-        f = _Fused(f.p, f.pl, q, k, v, f.bias)
+        f = _Fused(f.p, f.pl, q, k, v, f.bias, f.win)
         out, lse = _fused_forward(f)
         ctx.f = f
         ctx.save_for_backward(q, k, v, out, lse)
@@ -443,7 +582,7 @@ class _FusedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):  # noqa: ANN001, ANN205
         q, k, v, out, lse = ctx.saved_tensors
-        f = _Fused(ctx.f.p, ctx.f.pl, q, k, v, ctx.f.bias)
+        f = _Fused(ctx.f.p, ctx.f.pl, q, k, v, ctx.f.bias, ctx.f.win)
         dq, dk, dv = _fused_backward(f, out, lse, dout.contiguous())
         return dq, dk, dv, None
 
@@ -461,9 +600,13 @@ def _fused_attention(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
         v = F.pad(v, (0, d - p.d_v))
     q = q.view(B, hkv, g, p.n_q, d)
     bias = p.bias.to(acc) if p.bias is not None else None
-    pl = plan(p)
+    win = None
+    if p.mask is not None and bias is None:
+        fine = plan(p, coarsen=False)
+        win = _window_plan(p, fine)
+    pl = fine if win is not None else plan(p)
     _count(pl)
-    f = _Fused(p, pl, q, k, v, bias)
+    f = _Fused(p, pl, q, k, v, bias, win)
     if p.requires_grad:
         out, lse = _FusedAttention.apply(q, k, v, f)
     else:
@@ -539,6 +682,10 @@ def _general_attention(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     chunk = max(16, min(_SIZES["chunk_k"], _GENERAL_BUDGET // (B * p.heads_q * rows)))
     # score_mod may close over tensors that require grad: recompute whenever autograd records
     grad = torch.is_grad_enabled()
+    if grad and p.score_mod is None and p.dropout_p == 0.0 and not (
+            bias is not None and bias.requires_grad):
+        out, lse = _ManualAttention.apply(q, k, v, (p, pl, chunk, bias))
+        return out.to(p.dtype), lse
     outs, lses = [], []
     for q0, q1, runs in pl.blocks:
         bq = q1 - q0
@@ -555,6 +702,82 @@ def _general_attention(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
         lses.append(lse_b)
     out = torch.cat(outs, dim=2)
     return out.to(p.dtype), torch.cat(lses, dim=2)
+
+
+def _general_forward(p: Problem, pl: Plan, chunk: int, q: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor, bias: torch.Tensor | None,
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    B, hkv, g = p.batch, p.heads_kv, p.group
+    out = q.new_zeros(B, p.heads_q, p.n_q, p.d_v)
+    lse = torch.full((B, p.heads_q, p.n_q), -math.inf, dtype=q.dtype)
+    for q0, q1, runs in pl.blocks:
+        if runs:
+            qb = q[:, :, :, q0:q1].reshape(B * hkv, g * (q1 - q0), p.d_k)
+            o, l_ = _general_block(p, q0, q1, runs, chunk, qb, k, v, bias)
+            out[:, :, q0:q1] = o
+            lse[:, :, q0:q1] = l_
+    return out, lse
+
+
+class _ManualAttention(torch.autograd.Function):
+    """The general engine with a hand-written FlashAttention-2 backward (softcap, masks, a
+    bias without grad; no score_mod, no dropout): per chunk, recompute the logits, take
+    ``P = exp(logits − lse)`` with the saved LSE, and form dV, dP, dS and dQ, dK from them.
+
+    ``q (B, H_kv, G, N_q, D_k)`` is pre-scaled; ``k (B·H_kv, N_k, D_k)``, ``v (B·H_kv, N_k, D_v)``.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, meta):  # noqa: ANN001, ANN205
+        p, pl, chunk, bias = meta
+        out, lse = _general_forward(p, pl, chunk, q, k, v, bias)
+        ctx.meta = meta
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):  # noqa: ANN001, ANN205
+        q, k, v, out, lse = ctx.saved_tensors
+        p, pl, chunk, bias = ctx.meta
+        B, hq, hkv, g = p.batch, p.heads_q, p.heads_kv, p.group
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        dcol = (dout * out).sum(-1, keepdim=True)                # (B, H_q, N_q, 1) = rowsum(dO∘O)
+        lse_b = torch.where(lse == -math.inf, torch.full_like(lse, math.inf), lse).unsqueeze(-1)
+        c = p.softcap
+        for q0, q1, runs in pl.blocks:
+            if not runs:
+                continue
+            bq = q1 - q0
+            qb = q[:, :, :, q0:q1].reshape(B * hkv, g * bq, p.d_k)
+            dob = dout[:, :, q0:q1].reshape(B * hkv, g * bq, p.d_v)
+            lb, db = lse_b[:, :, q0:q1], dcol[:, :, q0:q1]       # (B, H_q, bq, 1)
+            dqb = torch.zeros_like(qb)
+            for run in runs:
+                for k0 in range(run.k0, run.k1, chunk):
+                    k1 = min(k0 + chunk, run.k1)
+                    L = k1 - k0
+                    x = torch.bmm(qb, k[:, k0:k1].transpose(1, 2)).view(B, hq, bq, L)
+                    t = None
+                    if c is not None:
+                        t = torch.tanh(x / c)
+                        x = t * c
+                    if bias is not None:
+                        x = x + _bias_tile(bias, q0, q1, k0, k1)
+                    if run.masked and p.mask is not None:
+                        x = x.masked_fill(~_allowed_tile(p, q0, q1, k0, k1), -math.inf)
+                    pr = torch.exp(x - lb)                        # (B, H_q, bq, L) probabilities
+                    p2 = pr.view(B * hkv, g * bq, L)
+                    dv[:, k0:k1].baddbmm_(p2.transpose(1, 2), dob)
+                    dp = torch.bmm(dob, v[:, k0:k1].transpose(1, 2)).view(B, hq, bq, L)
+                    ds = pr * (dp - db)
+                    if t is not None:
+                        ds = ds * (1.0 - t * t)                   # d softcap / dx
+                    ds2 = ds.view(B * hkv, g * bq, L)
+                    dqb.baddbmm_(ds2, k[:, k0:k1])
+                    dk[:, k0:k1].baddbmm_(ds2.transpose(1, 2), qb)
+            dq[:, :, :, q0:q1] = dqb.view(B, hkv, g, bq, p.d_k)
+        return dq, dk, dv, None
 
 
 # ---------------------------------------------------------------------------- the backend
