@@ -4,7 +4,8 @@ Each program of the forward kernel owns ``BLOCK_M`` queries of one (batch, head)
 over key tiles with an online softmax, so memory is O(N) and the (N_q, N_k) weights are never
 written out. The backward recomputes the weights tile by tile from the saved log-sum-exp:
 one kernel for dQ (per query tile) and one for dK/dV (per key tile of a K/V head, summed over
-the query heads that share it — no atomics), after ``Δ = rowsum(dO ∘ O)`` in PyTorch.
+the query heads that share it — no atomics), after a small kernel for
+``Δ = rowsum(dO ∘ O) − dLSE`` (so the LSE, when returned, is differentiable too).
 
 Shape legend::
 
@@ -45,7 +46,9 @@ Caution
 - Dropout draws its own pattern: the same torch seed gives the same result from this backend
   every time, but not the same pattern as another backend.
 - Dense terms are materialised at (B|1, H_q|1, N_q, N_k) bytes, reduced to 1 on each
-  dimension the term does not depend on (a call is refused above 2^31 elements).
+  dimension the term does not depend on (a call is refused above 2^31 elements). A bias
+  that requires grad costs a float32 gradient of its own shape, summed with atomics (slow
+  when many heads share one bias).
 - Recognising terms reads the parameters of the masks built by :func:`attnkit.masks.causal`,
   :func:`~attnkit.masks.sliding_window`, :func:`~attnkit.masks.full`,
   :func:`~attnkit.masks.padding` and :func:`~attnkit.masks.document` (and their ``&``) from
@@ -565,9 +568,9 @@ class TritonBackend(Backend):
                 general = _and_all(rest)
                 if _dense_size(general, p) > _MAX_DENSE_MASK:
                     reasons.append(
-                        f"mask {p.mask.name} is not a causal/sliding-window band and its dense "
-                        f"form would hold {_dense_size(general, p)} elements (limit "
-                        f"{_MAX_DENSE_MASK})")
+                        f"mask {p.mask.name} has terms that are not a band, padding or "
+                        f"document mask, and their dense form would hold "
+                        f"{_dense_size(general, p)} elements (limit {_MAX_DENSE_MASK})")
         return reasons
 
     def _launch(self, p: Problem) -> _Launch:
