@@ -277,6 +277,15 @@ def test_public_api_non_contiguous_inputs_and_nan_in_masked_rows(interpret: None
 
 
 @needs_triton
+def test_second_derivatives_are_refused_not_wrong(interpret: None) -> None:
+    q = torch.randn(1, 1, 3, 4, dtype=torch.float64, requires_grad=True)
+    out = ak.attention(q, q, q, backend="triton")
+    (dq,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        dq.sum().backward()
+
+
+@needs_triton
 def test_gradient_of_q_alone(interpret: None) -> None:
     q = torch.randn(1, 2, 17, 8, dtype=torch.float64, requires_grad=True)
     k, v = torch.randn(1, 1, 9, 8, dtype=torch.float64), torch.randn(1, 1, 9, 8,

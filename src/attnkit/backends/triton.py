@@ -73,6 +73,7 @@ from types import ModuleType
 from typing import Any
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .. import masks as _masks
 from . import PRIORITY, register
@@ -486,6 +487,7 @@ class _TritonAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @once_differentiable          # the kernels' gradients are not differentiable again
     def backward(  # type: ignore[override]
         ctx: Any, d_out: torch.Tensor | None, d_lse: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
