@@ -437,39 +437,48 @@ def _fused_backward(f: _Fused, out: torch.Tensor, lse: torch.Tensor,
 # ---------------------------------------------------------------------------- windows
 @dataclass
 class _Window:
-    """All query blocks in ONE fused call: block i sees keys ``[starts[i], starts[i] + lw)``.
+    """All query blocks in ONE fused call: block i sees keys ``[i·bq + off, i·bq + off + lw)``.
 
-    Used when every block's non-empty tiles fit in a short window (sliding windows,
-    documents, local masks): one kernel call instead of one per run, windows batched as
-    extra "heads". K/V windows are gathered (a copy of ``nb·lw`` rows per head).
+    Used when every block's non-empty tiles lie in a short window at a fixed offset from the
+    block (sliding windows, documents, local masks): one kernel call instead of one per run,
+    blocks batched as extra "heads". K/V are padded by ``front``/``back`` zero rows (masked)
+    and the windows are strided views of them (no gather).
     """
 
     bq: int
     nb: int
     lw: int
-    starts: torch.Tensor          # (nb,) first key of each block's window
+    off: int
+    front: int
+    back: int
     masked: bool                  # False: every window is exactly one FULL run
 
 
 def _window_plan(p: Problem, pl: Plan) -> _Window | None:
     if len(pl.blocks) < 2:
         return None
-    starts, ends, masked = [], [], False
-    for _q0, _q1, runs in pl.blocks:
+    bq, nb = pl.block_q, len(pl.blocks)
+    lo, hi, exact = None, None, True
+    for i, (_q0, _q1, runs) in enumerate(pl.blocks):
         if not runs:
-            starts.append(0)
-            ends.append(0)
-            masked = True
+            exact = False
             continue
-        starts.append(runs[0].k0)
-        ends.append(runs[-1].k1)
-        masked |= len(runs) > 1 or runs[0].masked
-    lw = max(e - s for s, e in zip(starts, ends, strict=True))
-    nb = len(pl.blocks)
-    if lw == 0 or 2 * lw > p.n_k or nb * pl.block_q * p.group * lw > (1 << 25):
+        s0, e0 = runs[0].k0 - i * bq, runs[-1].k1 - i * bq
+        lo = s0 if lo is None else min(lo, s0)
+        hi = e0 if hi is None else max(hi, e0)
+        exact &= len(runs) == 1 and not runs[0].masked
+    if lo is None or hi is None:
         return None
-    masked |= any(e - s != lw for s, e in zip(starts, ends, strict=True))
-    return _Window(pl.block_q, nb, lw, torch.tensor(starts), masked)
+    lw = hi - lo
+    if 2 * lw > p.n_k or nb * bq * p.group * lw > (1 << 25):
+        return None
+    front = max(0, -lo)
+    back = max(0, (nb - 1) * bq + lo + lw - p.n_k)
+    if exact:        # windows must be exactly the FULL runs, inside [0, N_k)
+        exact = front == 0 and back == 0 and all(
+            runs[0].k0 == i * bq + lo and runs[0].k1 == i * bq + lo + lw
+            for i, (_q0, _q1, runs) in enumerate(pl.blocks))
+    return _Window(bq, nb, lw, lo, front, back, not exact)
 
 
 def _win_rows(t: torch.Tensor, w: _Window, n_q: int) -> torch.Tensor:
@@ -487,14 +496,16 @@ def _win_unrows(t: torch.Tensor, B: int, hkv: int, g: int, w: _Window, n_q: int)
     return t[:, :, :, :n_q]
 
 
-def _win_kv(f: _Fused, w: _Window) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gathered K/V windows ``(B·H_kv, nb, lw, D)`` and the key index of each ``(nb, lw)``."""
+def _win_kv(f: _Fused, w: _Window) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V windows ``(B·H_kv, nb, lw, D)``: strided views of the zero-padded K/V."""
     B, hkv, n_k, d = f.k.shape
-    idx = (w.starts.view(-1, 1) + torch.arange(w.lw).view(1, -1)).clamp_(max=n_k)
-    kp = F.pad(f.k, (0, 0, 0, 1))                            # row n_k: zeros (masked anyway)
-    vp = F.pad(f.v, (0, 0, 0, 1))
-    return (kp[:, :, idx].reshape(B * hkv, w.nb, w.lw, d),
-            vp[:, :, idx].reshape(B * hkv, w.nb, w.lw, d), idx)
+    out = []
+    for t in (f.k, f.v):
+        tp = F.pad(t, (0, 0, w.front, w.back)) if (w.front or w.back) else t.contiguous()
+        n_p = n_k + w.front + w.back
+        out.append(tp.as_strided((B * hkv, w.nb, w.lw, d), (n_p * d, w.bq * d, d, 1),
+                                 tp.storage_offset() + (w.off + w.front) * d))
+    return out[0], out[1]
 
 
 def _win_mask(f: _Fused, w: _Window) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -505,24 +516,34 @@ def _win_mask(f: _Fused, w: _Window) -> tuple[torch.Tensor | None, torch.Tensor 
     m = p.mask
     assert m is not None
     B, hkv, g = p.batch, p.heads_kv, p.group
-    rows = torch.arange(w.nb * w.bq)
-    qi = rows.clamp(max=p.n_q - 1).view(1, 1, -1, 1)
-    ki = w.starts.repeat_interleave(w.bq).view(1, 1, -1, 1) + torch.arange(w.lw).view(1, 1, 1, -1)
-    inside = ki < p.n_k
-    b = torch.arange(B if m.depends_on_batch else 1).view(-1, 1, 1, 1)
-    h = torch.arange(p.heads_q if m.depends_on_heads else 1).view(1, -1, 1, 1)
-    allowed = m(b, h, qi, ki.clamp(max=p.n_k - 1), p.n_q, p.n_k) & inside
-    while allowed.dim() < 4:
-        allowed = allowed.unsqueeze(0)
+    c = torch.arange(w.lw)
+    k_abs = torch.arange(w.nb).view(-1, 1) * w.bq + w.off + c.view(1, -1)   # (nb, lw)
+    inside = (k_abs >= 0) & (k_abs < p.n_k)
+    band = _band(m)
+    if band is not None:
+        # q − k = r − off − c for every block: one (bq, lw) pattern, shifted nowhere
+        lo, hi, br = band
+        dqk = (torch.arange(w.bq).view(-1, 1) - w.off - c.view(1, -1)
+               + ((p.n_k - p.n_q) if br else 0))
+        shared = (dqk >= lo) & (dqk <= hi)                                    # (bq, lw)
+        allowed = (shared.unsqueeze(0) & inside.unsqueeze(1)).view(1, 1, w.nb * w.bq, w.lw)
+    else:
+        qi = torch.arange(w.nb * w.bq).clamp(max=p.n_q - 1).view(1, 1, -1, 1)
+        ki = k_abs.clamp(0, p.n_k - 1).repeat_interleave(w.bq, 0).view(1, 1, -1, w.lw)
+        b = torch.arange(B if m.depends_on_batch else 1).view(-1, 1, 1, 1)
+        h = torch.arange(p.heads_q if m.depends_on_heads else 1).view(1, -1, 1, 1)
+        allowed = m(b, h, qi, ki, p.n_q, p.n_k) & inside.repeat_interleave(w.bq, 0)
+        while allowed.dim() < 4:
+            allowed = allowed.unsqueeze(0)
     allowed = allowed.expand(allowed.shape[0], allowed.shape[1], w.nb * w.bq, w.lw)
     bm, hm = allowed.shape[:2]
     if bm == 1 and hm == 1:                                  # one mask for every (b, h)
-        a = allowed.view(1, w.nb, 1, w.bq, w.lw).expand(1, w.nb, g, w.bq, w.lw)
+        a = allowed.reshape(1, w.nb, 1, w.bq, w.lw).expand(1, w.nb, g, w.bq, w.lw)
         a = a.reshape(1, w.nb, g * w.bq, w.lw)
     else:
         a = allowed.expand(B, p.heads_q, w.nb * w.bq, w.lw).reshape(B, hkv, g, w.nb * w.bq,
-                                                                    w.lw, 1)
-        a = _win_rows(a.flatten(-2), w, w.nb * w.bq)          # (B·H_kv, nb, G·bq, lw)
+                                                                    w.lw)
+        a = _win_rows(a, w, w.nb * w.bq)                      # (B·H_kv, nb, G·bq, lw)
     add = torch.zeros(a.shape, dtype=f.q.dtype).masked_fill_(~a, -math.inf)
     return add, a.any(-1)
 
@@ -530,7 +551,7 @@ def _win_mask(f: _Fused, w: _Window) -> tuple[torch.Tensor | None, torch.Tensor 
 def _win_forward(f: _Fused, w: _Window) -> tuple[torch.Tensor, torch.Tensor]:
     p = f.p
     B, hkv, g, n_q, d = f.q.shape
-    kw, vw, _ = _win_kv(f, w)
+    kw, vw = _win_kv(f, w)
     add, has_key = _win_mask(f, w)
     STATS["runs"] += 1
     STATS["windowed"] += 1
@@ -548,7 +569,7 @@ def _win_backward(f: _Fused, w: _Window, out: torch.Tensor, lse: torch.Tensor,
                   dout: torch.Tensor) -> tuple[torch.Tensor, ...]:
     p = f.p
     B, hkv, g, n_q, d = f.q.shape
-    kw, vw, idx = _win_kv(f, w)
+    kw, vw = _win_kv(f, w)
     add, _ = _win_mask(f, w)
     lse_b = torch.where(lse == -math.inf, torch.full_like(lse, math.inf), lse)
     if lse_b.dtype != torch.float64:
@@ -559,12 +580,13 @@ def _win_backward(f: _Fused, w: _Window, out: torch.Tensor, lse: torch.Tensor,
                             scale=p.scale)
     dq = _win_unrows(gq, B, hkv, g, w, n_q)
     n_k = f.k.shape[2]
-    dk = f.k.new_zeros(B, hkv, n_k + 1, d)
-    dv = f.v.new_zeros(B, hkv, n_k + 1, d)
-    flat = idx.reshape(-1)
-    dk.index_add_(2, flat, gk.reshape(B, hkv, w.nb * w.lw, d))
-    dv.index_add_(2, flat, gv.reshape(B, hkv, w.nb * w.lw, d))
-    return dq.contiguous(), dk[:, :, :n_k], dv[:, :, :n_k]
+    n_p = n_k + w.front + w.back
+    # window j of block i is padded row i·bq + off + front + j: overlapping windows add up
+    flat = (torch.arange(w.nb).view(-1, 1) * w.bq + (w.off + w.front)
+            + torch.arange(w.lw).view(1, -1)).reshape(-1)
+    dk = f.k.new_zeros(B, hkv, n_p, d).index_add_(2, flat, gk.reshape(B, hkv, w.nb * w.lw, d))
+    dv = f.v.new_zeros(B, hkv, n_p, d).index_add_(2, flat, gv.reshape(B, hkv, w.nb * w.lw, d))
+    return dq.contiguous(), dk[:, :, w.front:w.front + n_k], dv[:, :, w.front:w.front + n_k]
 
 
 class _FusedAttention(torch.autograd.Function):
