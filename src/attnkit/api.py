@@ -34,6 +34,7 @@ import torch
 from . import backends as _backends
 from . import masks as _masks
 from .backends.base import Problem
+from .backends.base import compute_dtype as _compute_dtype
 from .scores import ScoreMod
 
 __all__ = ["attention", "prepare", "Prepared"]
@@ -285,7 +286,9 @@ def _run(p: Problem, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     bad = _bad_kv_rows(p) if p.requires_grad else None
     if bad is None or not bad.any():
         out, lse = chosen.forward(p)
-        if bad is not None or bool(torch.isfinite(out).all()):
+        # one-pass screen: NaN/inf anywhere make the sum non-finite (an overflowing sum of
+        # finite values only sends us to the exact check below)
+        if bad is not None or bool(torch.isfinite(out.sum(dtype=_compute_dtype(p.dtype)))):
             return out, lse
         bad = _bad_kv_rows(p)
         if not bad.any():

@@ -161,14 +161,15 @@ def _cost(st: np.ndarray, bq: int, n_q: int, bk: int) -> int:
 
 
 def plan(p: Problem, block_q: int | None = None, block_k: int | None = None,
-         coarsen: bool = True) -> Plan:
+         coarsen: bool = True, factor: int = 1) -> Plan:
     """Cut ``p`` into query blocks and key runs from the mask's block map.
 
     A run is a maximal range of consecutive non-empty tiles of one kind: FULL tiles (no mask
     work) or PARTIAL tiles (mask evaluated on the run). A bias makes every run masked.
     With ``coarsen``, query blocks grow to 2× or 4× ``block_q`` rows (bigger, faster kernel
     calls) when that computes at most 25% more score pairs than the fine blocks.
-    Without a mask or bias the whole call is one block and one run.
+    Without a mask or bias the whole call is one block and one run. ``factor`` > 1 merges
+    exactly that many fine block rows (instead of ``coarsen``'s choice).
     """
     bq = block_q or _SIZES["block_q"]
     bk = block_k or _SIZES["block_k"]
@@ -190,7 +191,10 @@ def plan(p: Problem, block_q: int | None = None, block_k: int | None = None,
     pl.empty = int((st == _masks.EMPTY).sum())
     pl.full = int((st == _masks.FULL).sum())
     pl.partial = int((st == _masks.PARTIAL).sum())
-    if coarsen:
+    if factor > 1:
+        st, bq = _coarsen(st, factor), factor * bq
+        pl.block_q = bq
+    elif coarsen:
         base = _cost(st, bq, p.n_q, bk)
         for f in (4, 2):
             cst = _coarsen(st, f)
@@ -622,11 +626,19 @@ def _fused_attention(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
         v = F.pad(v, (0, d - p.d_v))
     q = q.view(B, hkv, g, p.n_q, d)
     bias = p.bias.to(acc) if p.bias is not None else None
-    win = None
-    if p.mask is not None and bias is None:
-        fine = plan(p, coarsen=False)
-        win = _window_plan(p, fine)
-    pl = fine if win is not None else plan(p)
+    win, fine = None, None
+    if p.mask is not None and bias is None and _band_is_tril(p, 0, p.n_q, 0, p.n_k) is False:
+        # the cheapest windowed schedule over query blocks of 1, 2, 4 × block_q rows
+        best = None
+        for factor in (1, 2, 4):
+            cand = plan(p, coarsen=False, factor=factor)
+            w_ = _window_plan(p, cand)
+            if w_ is not None and (best is None or w_.nb * w_.bq * w_.lw
+                                   < 0.95 * best[1].nb * best[1].bq * best[1].lw):
+                best = (cand, w_)
+        if best is not None:
+            fine, win = best
+    pl = fine if fine is not None else plan(p)
     _count(pl)
     f = _Fused(p, pl, q, k, v, bias, win)
     if p.requires_grad:
