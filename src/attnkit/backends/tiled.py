@@ -667,6 +667,7 @@ def _general_block(p: Problem, q0: int, q1: int, runs: list[Run], chunk_k: int,
     m = torch.full((B, hq, bq, 1), -math.inf, dtype=qb.dtype, device=dev)
     lsum = torch.zeros((B, hq, bq, 1), dtype=qb.dtype, device=dev)
     acc = torch.zeros((B * hkv, g * bq, v.shape[-1]), dtype=qb.dtype, device=dev)
+    ip = not torch.is_grad_enabled()          # nothing recorded: work in place on the tile
     for run in runs:
         for k0 in range(run.k0, run.k1, chunk_k):
             k1 = min(k0 + chunk_k, run.k1)
@@ -674,25 +675,31 @@ def _general_block(p: Problem, q0: int, q1: int, runs: list[Run], chunk_k: int,
             s = torch.bmm(qb, k[:, k0:k1].transpose(1, 2))          # (B·H_kv, G·bq, L)
             x = s.view(B, hq, bq, k1 - k0)                            # (B, H_q, bq, L)
             if p.softcap is not None:
-                x = p.softcap * torch.tanh(x / p.softcap)
+                c = p.softcap
+                x = x.div_(c).tanh_().mul_(c) if ip else c * torch.tanh(x / c)
             if p.score_mod is not None:
                 ki = torch.arange(k0, k1, device=dev).view(1, 1, 1, -1)
                 x = p.score_mod(x, bi, hi, qi, ki)
             if bias is not None:
-                x = x + _bias_tile(bias, q0, q1, k0, k1)
+                bt = _bias_tile(bias, q0, q1, k0, k1)
+                x = x.add_(bt) if ip and x.shape == torch.broadcast_shapes(x.shape, bt.shape) \
+                    else x + bt
             if run.masked and p.mask is not None:
                 allowed = _allowed_tile(p, q0, q1, k0, k1)
-                x = x.masked_fill(~allowed, -math.inf)
+                x = x.masked_fill_(~allowed, -math.inf) if ip else x.masked_fill(~allowed,
+                                                                                 -math.inf)
             m_new = torch.maximum(m, x.detach().amax(-1, keepdim=True))
             m_safe = torch.where(m_new == -math.inf, torch.zeros_like(m_new), m_new)
             alpha = torch.exp(m - m_safe)                             # rescales the past
-            e = torch.exp(x - m_safe)                                 # (B, H_q, bq, L)
+            e = x.sub_(m_safe).exp_() if ip else torch.exp(x - m_safe)  # (B, H_q, bq, L)
             lsum = lsum * alpha + e.sum(-1, keepdim=True)
             if p.dropout_p > 0.0:
                 keep = torch.rand(e.shape, device=dev) >= p.dropout_p
                 e = torch.where(keep, e * (1.0 / (1.0 - p.dropout_p)), torch.zeros_like(e))
             a = alpha.view(B * hkv, g * bq, 1)
-            acc = torch.baddbmm(acc * a, e.reshape(B * hkv, g * bq, k1 - k0), v[:, k0:k1])
+            acc = (acc.mul_(a).baddbmm_(e.reshape(B * hkv, g * bq, k1 - k0), v[:, k0:k1]) if ip
+                   else torch.baddbmm(acc * a, e.reshape(B * hkv, g * bq, k1 - k0),
+                                      v[:, k0:k1]))
             m = m_new
     nonempty = lsum > 0
     l_safe = torch.where(nonempty, lsum, torch.ones_like(lsum))
@@ -709,15 +716,18 @@ def _general_attention(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     k = p.k.to(acc).reshape(B * hkv, p.n_k, p.d_k)
     v = p.v.to(acc).reshape(B * hkv, p.n_k, p.d_v)
     bias = p.bias.to(acc) if p.bias is not None else None
-    # rows per block and keys per chunk within a budget of score elements per step
-    rows = max(16, min(_SIZES["general_block_q"], _GENERAL_BUDGET // (B * p.heads_q * p.n_k)))
+    # rows per block and keys per chunk within a budget of score elements per step; a
+    # checkpointed block (score_mod, dropout, bias with grad) holds its whole key range
+    manual = p.score_mod is None and p.dropout_p == 0.0 and not (
+        p.bias is not None and p.bias.requires_grad)
+    span = _SIZES["chunk_k"] if manual else p.n_k
+    rows = max(16, min(_SIZES["general_block_q"], _GENERAL_BUDGET // (B * p.heads_q * span)))
     pl = plan(p, block_q=rows, coarsen=False)
     _count(pl)
     chunk = max(16, min(_SIZES["chunk_k"], _GENERAL_BUDGET // (B * p.heads_q * rows)))
     # score_mod may close over tensors that require grad: recompute whenever autograd records
     grad = torch.is_grad_enabled()
-    if grad and p.score_mod is None and p.dropout_p == 0.0 and not (
-            bias is not None and bias.requires_grad):
+    if grad and manual:
         out, lse = _ManualAttention.apply(q, k, v, (p, pl, chunk, bias))
         return out.to(p.dtype), lse
     outs, lses = [], []
@@ -794,19 +804,19 @@ class _ManualAttention(torch.autograd.Function):
                     x = torch.bmm(qb, k[:, k0:k1].transpose(1, 2)).view(B, hq, bq, L)
                     t = None
                     if c is not None:
-                        t = torch.tanh(x / c)
+                        t = x.div_(c).tanh_()                     # kept for d softcap / dx
                         x = t * c
                     if bias is not None:
                         x = x + _bias_tile(bias, q0, q1, k0, k1)
                     if run.masked and p.mask is not None:
-                        x = x.masked_fill(~_allowed_tile(p, q0, q1, k0, k1), -math.inf)
-                    pr = torch.exp(x - lb)                        # (B, H_q, bq, L) probabilities
+                        x = x.masked_fill_(~_allowed_tile(p, q0, q1, k0, k1), -math.inf)
+                    pr = x.sub_(lb).exp_()                        # (B, H_q, bq, L) probabilities
                     p2 = pr.view(B * hkv, g * bq, L)
                     dv[:, k0:k1].baddbmm_(p2.transpose(1, 2), dob)
                     dp = torch.bmm(dob, v[:, k0:k1].transpose(1, 2)).view(B, hq, bq, L)
-                    ds = pr * (dp - db)
+                    ds = dp.sub_(db).mul_(pr)
                     if t is not None:
-                        ds = ds * (1.0 - t * t)                   # d softcap / dx
+                        ds.mul_(t.mul_(t).neg_().add_(1.0))       # × (1 − tanh²)
                     ds2 = ds.view(B * hkv, g * bq, L)
                     dqb.baddbmm_(ds2, k[:, k0:k1])
                     dk[:, k0:k1].baddbmm_(ds2.transpose(1, 2), qb)
