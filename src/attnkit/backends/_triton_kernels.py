@@ -195,6 +195,9 @@ def _fwd_kernel(
     q_first = pid_m * BLOCK_M
     lo, hi = _range(q_first, tl.minimum(q_first + BLOCK_M, N_Q) - 1, N_K, BAND_LO, BAND_HI,
                     pid_b, KvLen, QLen, slen, True, HAS_BAND, HAS_KVLEN, HAS_QLEN, BLOCK_N)
+    n_keys = N_K + 0 * lo
+    if HAS_KVLEN:       # K/V rows past a padding length are never read (garbage there stays out)
+        n_keys = tl.minimum(n_keys, tl.load(KvLen + pid_b * slen))
     for start_n in range(lo, hi, BLOCK_N):
         visit = True
         if HAS_TILES:          # skip tiles where the block summary says nothing is allowed
@@ -202,7 +205,7 @@ def _fwd_kernel(
                             + (start_n // BLOCK_N) * stn) != 0
         if visit:
             offs_n = start_n + offs_n0
-            col_ok = offs_n < N_K
+            col_ok = offs_n < n_keys
             k_t = tl.load(K_base + offs_n[None, :] * skn + offs_dk[:, None] * skd,
                           mask=col_ok[None, :] & (offs_dk[:, None] < D_K), other=0.0)
             s, _t, _allowed = _logits(
