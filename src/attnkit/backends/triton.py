@@ -59,7 +59,8 @@ Caution
   the GPU carry a relative error of about 1e-8 (the interpreter keeps them in float64).
 - NaN/inf in a K/V row that a whole tile of queries may not see still meets a zero weight
   inside the P·V product (0·inf = NaN); ``attention()`` detects that and reruns the call
-  with those rows zeroed, as for every backend.
+  with those rows zeroed, as for every backend. Rows past a ``padding`` length are never
+  read by the forward, so garbage in a padded KV cache costs no rerun.
 """
 
 from __future__ import annotations
