@@ -279,6 +279,12 @@ def run_case(c: Case, flops_s: float, bw: float, flex: tuple[Callable | None, st
                 msg = f"{type(e).__name__}: {e}".splitlines()[0][:160]
                 skipped["flex"] = f"compile/run failed: {msg}"
     timings: dict[str, Timing] = {}
+    # the yardsticks run interleaved with the implementations, so they see the same machine
+    ga, gb = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    impls["_sgemm"] = lambda: ga @ gb
+    if c.name.startswith("decode"):
+        xr = torch.ones(64 * 2**20)                          # 256 MB, far beyond the caches
+        impls["_read"] = lambda: xr.sum()
     # interleave the implementations run by run, so a busy moment hits all of them
     for fn_ in impls.values():
         fn_()                                              # warm-up
@@ -298,9 +304,14 @@ def run_case(c: Case, flops_s: float, bw: float, flex: tuple[Callable | None, st
                 per[name].append(time.perf_counter() - t0)
     for name in impls:
         timings[name] = Timing(statistics.median(per[name]), peaks[name], c.repeat)
+    flops_s = 2 * 1024**3 / timings.pop("_sgemm").median_s
+    if "_read" in timings:
+        bw = 64 * 2**20 * 4 / timings.pop("_read").median_s
     c.results["timings"] = timings
     c.results["skipped"] = skipped
     c.results["compile_s"] = compile_s
+    c.results["flops_s"] = flops_s
+    c.results["bw"] = bw
     ta = timings["attnkit"].median_s
     for name in ("attnkit", *[p for p in ("sdpa", "flex", "naive") if p in c.peers]):
         if name in timings:
@@ -316,6 +327,8 @@ def run_case(c: Case, flops_s: float, bw: float, flex: tuple[Callable | None, st
                                f"{t.peak_mb:9.0f}{extra}"))
         elif name in skipped:
             rows.append((name, f"{'—':>10} {'':>9} {'':>9} {'':>9}  skipped: {skipped[name]}"))
+    rows.append(("", f"(yardsticks in this case: sgemm {flops_s / 1e9:.1f} GFLOP/s"
+                     + (f", read {bw / 1e9:.1f} GB/s)" if c.name.startswith("decode") else ")")))
     return rows
 
 
@@ -391,6 +404,8 @@ def _summary(cases: list[Case], flops_s: float, bw: float) -> list[str]:
                 continue
             tm: dict[str, Timing] = c.results["timings"]  # type: ignore[assignment]
             ta = tm["attnkit"]
+            flops_s = c.results.get("flops_s", flops_s)  # type: ignore[assignment]
+            bw = c.results.get("bw", bw)  # type: ignore[assignment]
             if peer == "eff":
                 if c.name.startswith("decode"):
                     val = 2 * c.batch * c.heads * c.n_k * c.d * 4 / ta.median_s / bw

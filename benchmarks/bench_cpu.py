@@ -1,0 +1,17 @@
+"""The CPU engine side by side with torch SDPA, compiled FlexAttention and the naive formula.
+
+    .venv/bin/python benchmarks/bench_cpu.py            # the full target table (~10 min)
+    .venv/bin/python benchmarks/bench_cpu.py --quick    # small sizes, < 1 minute
+    .venv/bin/python benchmarks/bench_cpu.py --only sliding --no-flex
+
+Same as ``attnkit bench``; see :mod:`attnkit.bench` for the columns.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from attnkit.bench import run_cli
+
+if __name__ == "__main__":
+    raise SystemExit(run_cli(sys.argv[1:]))
