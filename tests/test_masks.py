@@ -331,6 +331,15 @@ def test_to_string_draws_the_mask():
     assert repr(masks.causal()) == "Mask(causal)"
 
 
+def test_str_of_sized_masks_uses_their_own_size():
+    t = torch.tensor([[True, False, True], [False, True, True]])
+    lines = str(masks.from_tensor(t)).splitlines()
+    assert "2×3" in lines[0] and lines[1:] == ["█░█", "░██"]
+    assert str(~masks.from_tensor(t)).splitlines()[1:] == ["░█░", "█░░"]
+    drawn = str(masks.document([0, 0, 1]) & masks.causal()).splitlines()
+    assert drawn[1:] == ["█░░", "██░", "░░█"]
+
+
 # ============================================================================ errors
 @pytest.mark.parametrize("call,match", [
     (lambda: masks.causal("middle"), "top_left"),

@@ -96,7 +96,7 @@ class Mask:
     with B' ∈ {1, B}, H' ∈ {1, H} (1 where the mask does not depend on it).
     """
 
-    __slots__ = ("_fn", "_blocks", "name", "_sizes", "_device")
+    __slots__ = ("_fn", "_blocks", "name", "_sizes", "_device", "_natural")
 
     def __init__(
         self,
@@ -113,6 +113,8 @@ class Mask:
         self.name = name
         self._sizes = _Sizes(batch, heads)
         self._device = device
+        # (N_q, N_k) the mask was built for (tensor and document masks), else None
+        self._natural: tuple[int | None, int | None] = (None, None)
 
     # ------------------------------------------------------------------ evaluation
     def __call__(
@@ -322,10 +324,15 @@ class Mask:
 
     # ------------------------------------------------------------------ drawing
     def to_string(
-        self, n_q: int = 8, n_k: int | None = None, *, b: int = 0, h: int = 0
+        self, n_q: int | None = None, n_k: int | None = None, *, b: int = 0, h: int = 0
     ) -> str:
-        """Draw the mask for batch ``b``, head ``h``: █ = may attend, ░ = blocked."""
-        n_k = n_q if n_k is None else n_k
+        """Draw the mask for batch ``b``, head ``h``: █ = may attend, ░ = blocked.
+
+        Sizes default to the ones the mask was built for (tensor and document masks), else 8.
+        """
+        nat_q, nat_k = self._natural
+        n_q = n_q if n_q is not None else (nat_q or nat_k or 8)
+        n_k = n_k if n_k is not None else (nat_k or n_q)
         batch = self._sizes.batch or 1
         d = self._dense(n_q, n_k, batch=max(batch, b + 1), heads=h + 1)
         d = d[min(b, d.shape[0] - 1), min(h, d.shape[1] - 1)].expand(n_q, n_k)
@@ -391,7 +398,7 @@ class Mask:
                 return ~all1, ~any1
 
         m = Mask(fn, name=f"~{a.name}", blocks=blocks)
-        m._sizes, m._device = a._sizes, a._device
+        m._sizes, m._device, m._natural = a._sizes, a._device, a._natural
         return m
 
 
@@ -399,6 +406,7 @@ def _combined(fn: IndexFn, name: str, blocks: BlockFn | None, a: Mask, b: Mask) 
     m = Mask(fn, name=name, blocks=blocks)
     m._sizes = a._sizes.merge(b._sizes)
     m._device = a._device if a._device is not None else b._device
+    m._natural = (a._natural[0] or b._natural[0], a._natural[1] or b._natural[1])
     return m
 
 
@@ -607,7 +615,9 @@ def document(ids: object, kv_ids: object | None = None) -> Mask:
         single = (qmin == qmax) & (kmin == kmax) & (qmin == kmin)
         return overlap, single
 
-    return Mask(fn, name="document", blocks=blocks, batch=nb if nb > 1 else None)
+    m = Mask(fn, name="document", blocks=blocks, batch=nb if nb > 1 else None)
+    m._natural = (q_ids.shape[1], k_ids.shape[1])
+    return m
 
 
 def prefix_lm(prefix_length: object) -> Mask:
@@ -696,5 +706,7 @@ def from_tensor(t: torch.Tensor, name: str | None = None) -> Mask:
 
     b = t4.shape[0] if t4.shape[0] > 1 else None
     hh = t4.shape[1] if t4.shape[1] > 1 else None
-    return Mask(fn, name=name or f"tensor{tuple(t.shape)}", batch=b, heads=hh,
-                device=t.device)
+    m = Mask(fn, name=name or f"tensor{tuple(t.shape)}", batch=b, heads=hh, device=t.device)
+    m._natural = (t4.shape[2] if t4.shape[2] > 1 else None,
+                  t4.shape[3] if t4.shape[3] > 1 else None)
+    return m
