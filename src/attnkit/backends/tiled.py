@@ -683,7 +683,9 @@ def _general_block(p: Problem, q0: int, q1: int, runs: list[Run], chunk_k: int,
             x = s.view(B, hq, bq, k1 - k0)                            # (B, H_q, bq, L)
             if p.softcap is not None:
                 c = p.softcap
-                x = x.div_(c).tanh_().mul_(c) if ip else c * torch.tanh(x / c)
+                # c·tanh(x/c) = c·(2σ(2x/c) − 1): torch's sigmoid is ~2× faster than its tanh
+                x = x.mul_(2.0 / c).sigmoid_().mul_(2.0 * c).sub_(c) if ip \
+                    else c * torch.tanh(x / c)
             if p.score_mod is not None:
                 ki = torch.arange(k0, k1, device=dev).view(1, 1, 1, -1)
                 x = p.score_mod(x, bi, hi, qi, ki)
@@ -811,7 +813,7 @@ class _ManualAttention(torch.autograd.Function):
                     x = torch.bmm(qb, k[:, k0:k1].transpose(1, 2)).view(B, hq, bq, L)
                     t = None
                     if c is not None:
-                        t = x.div_(c).tanh_()                     # kept for d softcap / dx
+                        t = x.mul_(2.0 / c).sigmoid_().mul_(2.0).sub_(1.0)   # tanh(x/c), kept
                         x = t * c
                     if bias is not None:
                         x = x + _bias_tile(bias, q0, q1, k0, k1)
