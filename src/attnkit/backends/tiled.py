@@ -9,6 +9,18 @@ PARTIAL (the mask is evaluated on that tile only). Consecutive tiles of one kind
 (``out = Σ_r e^{lse_r − lse} out_r``, ``lse = log Σ_r e^{lse_r}``). Nothing of size
 N_q × N_k is ever allocated.
 
+Three schedules, chosen per call:
+
+- **one call** — no mask (dense), or plain top-left causal with N_q = N_k and no GQA: the
+  fused kernel's own schedule (it skips the blocks above the diagonal itself);
+- **windowed** — when every query block's non-empty tiles lie in a short window at a fixed
+  offset from the block (sliding windows, documents, local masks): all query blocks go into
+  ONE kernel call, the windows being strided views of zero-padded K/V, batched as extra
+  "heads", with one mask tensor for them (none when every window is exactly a FULL run);
+  the query block size (1, 2 or 4 × ``block_q``) is the one computing the fewest pairs;
+- **per block** — otherwise: query blocks (coarsened up to 4 × ``block_q`` while that adds at
+  most 25% work), one kernel call per run, merged by LSE.
+
 Two engines compute a run:
 
 - **fused** (no softcap / score_mod / dropout, and no bias that needs a gradient): torch's
@@ -20,9 +32,12 @@ Two engines compute a run:
   and simply add up.
 - **general** (softcap, score_mod, dropout, bias with grad): per query block, key chunks
   of at most ``chunk_k`` keys as batched matmuls with an online softmax (running max,
-  running sum, rescaled accumulator), scores modified per tile. With autograd, each query
-  block is recomputed in backward (``torch.utils.checkpoint``): the gradients of score_mod's
-  own tensors and of a bias flow through autograd on the tile, and dropout's mask is
+  running sum, rescaled accumulator), scores modified per tile, in place when nothing is
+  recorded. Backward: a hand-written FlashAttention-2 pass inside a
+  :class:`torch.autograd.Function` (softcap's derivative by formula, score_mod's by
+  autograd on the tile) — or, when score_mod closes over tensors that need gradients, when
+  a bias needs one, or with dropout, each query block is recomputed by
+  ``torch.utils.checkpoint`` so those gradients flow through autograd and dropout's mask is
   regenerated from the saved RNG state.
 
 GQA never repeats K/V: the ``G = H_q / H_kv`` query heads sharing a K/V head are stacked as
@@ -44,6 +59,11 @@ Caution
   width (exact: zero columns add nothing to a dot product and give zero output columns).
 - Masks summarised conservatively (``&``/``|`` algebra, ``from_fn``) may mark a tile
   PARTIAL that is in fact EMPTY or FULL: correct, a little slower.
+- The windowed schedule evaluates the mask on its whole window tensor (``N_q × window``
+  elements, built once per call), FULL tiles included; it is used only when the window is at
+  most half of N_k.
+- Exact causal (one call) and the band masks' window patterns are recognised from the band
+  rule of :mod:`attnkit.masks` (its code object); other masks are evaluated.
 - Dropout draws its mask from torch's global generator (reproducible with
   ``torch.manual_seed``) but in a different order than the reference does: results agree in
   distribution, not bit for bit.
@@ -727,7 +747,7 @@ def _general_attention(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     bias = p.bias.to(acc) if p.bias is not None else None
     # rows per block and keys per chunk within a budget of score elements per step; a
     # checkpointed block (score_mod, dropout, bias with grad) holds its whole key range
-    manual = p.score_mod is None and p.dropout_p == 0.0 and not (
+    manual = _pure_score_mod(p) and p.dropout_p == 0.0 and not (
         p.bias is not None and p.bias.requires_grad)
     span = _SIZES["chunk_k"] if manual else p.n_k
     rows = max(16, min(_SIZES["general_block_q"], _GENERAL_BUDGET // (B * p.heads_q * span)))
@@ -772,10 +792,23 @@ def _general_forward(p: Problem, pl: Plan, chunk: int, q: torch.Tensor, k: torch
     return out, lse
 
 
+def _pure_score_mod(p: Problem) -> bool:
+    """True without a score_mod, or when it closes over no tensor that requires grad
+    (probed on one score): then the hand-written backward may differentiate it per tile."""
+    if p.score_mod is None:
+        return True
+    with torch.enable_grad():
+        z = torch.zeros(1, 1, 1, 1, dtype=compute_dtype(p.dtype))
+        i = torch.zeros(1, 1, 1, 1, dtype=torch.long)
+        y = p.score_mod(z, i, i, i, i)
+    return not (isinstance(y, torch.Tensor) and y.requires_grad)
+
+
 class _ManualAttention(torch.autograd.Function):
     """The general engine with a hand-written FlashAttention-2 backward (softcap, masks, a
-    bias without grad; no score_mod, no dropout): per chunk, recompute the logits, take
-    ``P = exp(logits − lse)`` with the saved LSE, and form dV, dP, dS and dQ, dK from them.
+    bias without grad, a score_mod without tensors of its own that need grad; no dropout):
+    per chunk, recompute the logits, take ``P = exp(logits − lse)`` with the saved LSE, and
+    form dV, dP, dS and dQ, dK from them (score_mod differentiated by autograd on the tile).
 
     ``q (B, H_kv, G, N_q, D_k)`` is pre-scaled; ``k (B·H_kv, N_k, D_k)``, ``v (B·H_kv, N_k, D_v)``.
     """
@@ -798,6 +831,8 @@ class _ManualAttention(torch.autograd.Function):
         dcol = (dout * out).sum(-1, keepdim=True)                # (B, H_q, N_q, 1) = rowsum(dO∘O)
         lse_b = torch.where(lse == -math.inf, torch.full_like(lse, math.inf), lse).unsqueeze(-1)
         c = p.softcap
+        bi = torch.arange(B).view(-1, 1, 1, 1)
+        hi = torch.arange(hq).view(1, -1, 1, 1)
         for q0, q1, runs in pl.blocks:
             if not runs:
                 continue
@@ -811,10 +846,16 @@ class _ManualAttention(torch.autograd.Function):
                     k1 = min(k0 + chunk, run.k1)
                     L = k1 - k0
                     x = torch.bmm(qb, k[:, k0:k1].transpose(1, 2)).view(B, hq, bq, L)
-                    t = None
+                    t = y = xr = None
                     if c is not None:
                         t = x.mul_(2.0 / c).sigmoid_().mul_(2.0).sub_(1.0)   # tanh(x/c), kept
                         x = t * c
+                    if p.score_mod is not None:                   # autograd on the tile
+                        with torch.enable_grad():
+                            xr = x.detach().requires_grad_(True)
+                            y = p.score_mod(xr, bi, hi, torch.arange(q0, q1).view(1, 1, -1, 1),
+                                            torch.arange(k0, k1).view(1, 1, 1, -1))
+                        x = y.detach().clone()
                     if bias is not None:
                         x = x + _bias_tile(bias, q0, q1, k0, k1)
                     if run.masked and p.mask is not None:
@@ -824,6 +865,8 @@ class _ManualAttention(torch.autograd.Function):
                     dv[:, k0:k1].baddbmm_(p2.transpose(1, 2), dob)
                     dp = torch.bmm(dob, v[:, k0:k1].transpose(1, 2)).view(B, hq, bq, L)
                     ds = dp.sub_(db).mul_(pr)
+                    if y is not None and xr is not None:
+                        (ds,) = torch.autograd.grad(y, xr, ds)
                     if t is not None:
                         ds.mul_(t.mul_(t).neg_().add_(1.0))       # × (1 − tanh²)
                     ds2 = ds.view(B * hkv, g * bq, L)
