@@ -468,7 +468,7 @@ def run_cli(argv: list[str]) -> int:
     if args.no_flex:
         flex: tuple[Callable | None, str] = (None, "disabled with --no-flex")
     elif args.quick:
-        flex = (None, "not in --quick (torch.compile takes ~30 s per mask here)")
+        flex = (None, "not in --quick (torch.compile takes 5-120 s per mask on a 2-core box)")
     else:
         flex = _flex_fn()
     print("B=1, H=8, D=64 unless noted; float32. speedup = peer time / attnkit time.")
@@ -486,7 +486,9 @@ def run_cli(argv: list[str]) -> int:
         for label, line in rows:
             print(f"  {label:<8} {line}")
         sys.stdout.flush()
-    print("\nTargets (ratios from this run):")
+    print("\nTargets (ratios from this run" + (
+        "; --quick uses smaller sizes than the targets are set for)" if args.quick else ")")
+        + ":")
     for line in _summary(cases, flops_s, bw):
         print(line)
     print(f"\ntotal {time.perf_counter() - t_start:.0f} s")
