@@ -293,6 +293,19 @@ def test_no_n_by_n_tensor_for_causal_4096():
     assert q.grad is not None and torch.isfinite(q.grad).all()
 
 
+@pytest.mark.parametrize("mask,limit", [(M.prefix_lm(100), 8), (M.sliding_window(256), 4)],
+                         ids=["per_block", "windowed"])
+def test_no_n_by_n_tensor_for_other_schedules(mask, limit):
+    n = 4096
+    q, k, v = (torch.randn(1, 1, n, 16, requires_grad=True) for _ in range(3))
+    tiled._reset_stats()
+    with _LargestTensor() as rec:
+        out = ak.attention(q, k, v, mask=mask, backend="tiled")
+        out.sum().backward()
+    assert (tiled.STATS["windowed"] > 0) == (limit == 4)
+    assert rec.largest < n * n // limit, rec.largest
+
+
 def test_auto_picks_tiled_on_cpu():
     q, k, v = _inputs(1, 2, 2, 40, 40, 8, 8, grad=True)
     p = prepare(q, k, v, is_causal=True).problem
@@ -313,10 +326,10 @@ def test_tile_sizes_rejects_bad_values():
 @pytest.mark.parametrize("mask", [
     M.sliding_window(24),
     M.sliding_window(10, causal=False) & M.padding([150, 90], q_lengths=[150, 100]),
-    M.document(torch.arange(150) // 25),
+    M.document(torch.arange(300) // 25),
 ], ids=["sliding", "two_sided_padding", "document"])
 def test_windowed_schedule_one_call_for_local_masks(mask, hq, hkv):
-    q, k, v = _inputs(2, hq, hkv, 150, 150, 8, 8, grad=True)
+    q, k, v = _inputs(2, hq, hkv, 300, 300, 8, 8, grad=True)
     tiled._reset_stats()
     check(q, k, v, mask=mask)
     assert tiled.STATS["windowed"] >= 1               # all query blocks in one call

@@ -61,7 +61,7 @@ Caution
   PARTIAL that is in fact EMPTY or FULL: correct, a little slower.
 - The windowed schedule evaluates the mask on its whole window tensor (``N_q × window``
   elements, built once per call), FULL tiles included; it is used only when the window is at
-  most half of N_k.
+  most a quarter of N_k (and the tensor at most 2^24 elements).
 - Exact causal (one call) and the band masks' window patterns are recognised from the band
   rule of :mod:`attnkit.masks` (its code object); other masks are evaluated.
 - Dropout draws its mask from torch's global generator (reproducible with
@@ -501,7 +501,8 @@ def _window_plan(p: Problem, pl: Plan) -> _Window | None:
     if lo is None or hi is None:
         return None
     lw = hi - lo
-    if 2 * lw > p.n_k or nb * bq * p.group * lw > (1 << 25):
+    # a window tensor of N_q × lw stays well below N_q × N_k (and below 64 MB)
+    if 4 * lw > p.n_k or nb * bq * p.group * lw > (1 << 24):
         return None
     front = max(0, -lo)
     back = max(0, (nb - 1) * bq + lo + lw - p.n_k)
