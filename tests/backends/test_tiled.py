@@ -333,3 +333,25 @@ def test_windowed_schedule_one_call_for_local_masks(mask, hq, hkv):
     tiled._reset_stats()
     check(q, k, v, mask=mask)
     assert tiled.STATS["windowed"] >= 1               # all query blocks in one call
+
+
+@pytest.mark.parametrize("kw", [
+    {"is_causal": True},
+    {"mask": M.sliding_window(20)},                              # windowed schedule
+    {"mask": M.padding([40, 0], q_lengths=[50, 60])},            # per block, empty rows
+    {"softcap": 2.0, "mask": M.causal()},                        # hand-written backward
+    {"score_mod": ak.scores.alibi(4)},                           # autograd on the tile
+    {"score_mod": ak.scores.relative_bias(torch.randn(4, 9, dtype=F64), 4)},
+], ids=["causal", "windowed", "padding", "softcap", "alibi", "relative_bias"])
+def test_lse_is_differentiable(kw):
+    q, k, v = _inputs(2, 4, 2, 60, 200, 8, 8, grad=True)
+    gl = torch.randn(2, 4, 60, dtype=F64)
+    grads = []
+    for backend in ("tiled", "reference"):
+        with tiled.tile_sizes(**TINY):
+            out, lse = ak.attention(q, k, v, backend=backend, return_lse=True, **kw)
+        assert lse.requires_grad
+        lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+        grads.append(torch.autograd.grad(out.sum() + (lse * gl).sum(), (q, k, v)))
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-9)

@@ -630,14 +630,24 @@ class _FusedAttention(torch.autograd.Function):
         out, lse = _fused_forward(f)
         ctx.f = f
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout, _dlse):  # noqa: ANN001, ANN205
+    def backward(ctx, dout, dlse):  # noqa: ANN001, ANN205
         q, k, v, out, lse = ctx.saved_tensors
+        dout = dout.contiguous()
+        lse_grad = dlse is not None and bool((dlse != 0).any())
+        if lse_grad:
+            # ∂lse/∂logits = P, so dS = P∘(dP − D + dlse): the kernel's D = rowsum(dO∘O) gets
+            # −dlse from one extra column (dO: −dlse, O: 1) whose V and Q/K columns are zero
+            dl = torch.where(torch.isfinite(lse), dlse, torch.zeros_like(dlse)).to(dout.dtype)
+            q, k, v = (F.pad(t, (0, 1)) for t in (q, k, v))
+            out = torch.cat([out, torch.ones_like(out[..., :1])], -1)
+            dout = torch.cat([dout, -dl.unsqueeze(-1)], -1)
         f = _Fused(ctx.f.p, ctx.f.pl, q, k, v, ctx.f.bias, ctx.f.win)
-        dq, dk, dv = _fused_backward(f, out, lse, dout.contiguous())
+        dq, dk, dv = _fused_backward(f, out, lse, dout)
+        if lse_grad:
+            dq, dk, dv = dq[..., :-1], dk[..., :-1], dv[..., :-1]
         return dq, dk, dv, None
 
 
@@ -736,7 +746,7 @@ def _general_block(p: Problem, q0: int, q1: int, runs: list[Run], chunk_k: int,
     out = acc.view(B, hq, bq, -1) / l_safe
     m_safe = torch.where(m == -math.inf, torch.zeros_like(m), m)
     lse = torch.where(nonempty, m_safe + torch.log(l_safe), torch.full_like(lsum, -math.inf))
-    return out, lse.squeeze(-1).detach()
+    return out, lse.squeeze(-1)
 
 
 def _general_attention(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
@@ -820,16 +830,17 @@ class _ManualAttention(torch.autograd.Function):
         out, lse = _general_forward(p, pl, chunk, q, k, v, bias)
         ctx.meta = meta
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout, _dlse):  # noqa: ANN001, ANN205
+    def backward(ctx, dout, dlse):  # noqa: ANN001, ANN205
         q, k, v, out, lse = ctx.saved_tensors
         p, pl, chunk, bias = ctx.meta
         B, hq, hkv, g = p.batch, p.heads_q, p.heads_kv, p.group
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         dcol = (dout * out).sum(-1, keepdim=True)                # (B, H_q, N_q, 1) = rowsum(dO∘O)
+        if dlse is not None:                                     # ∂lse/∂logits = P
+            dcol = dcol - torch.where(torch.isfinite(lse), dlse, torch.zeros_like(dlse))[..., None]
         lse_b = torch.where(lse == -math.inf, torch.full_like(lse, math.inf), lse).unsqueeze(-1)
         c = p.softcap
         bi = torch.arange(B).view(-1, 1, 1, 1)
