@@ -17,7 +17,7 @@ Three schedules, chosen per call:
   offset from the block (sliding windows, documents, local masks): all query blocks go into
   ONE kernel call, the windows being strided views of zero-padded K/V, batched as extra
   "heads", with one mask tensor for them (none when every window is exactly a FULL run);
-  the query block size (1, 2 or 4 × ``block_q``) is the one computing the fewest pairs;
+  the query block size (1, 2, 4 or 8 × ``block_q``) is the one computing the fewest pairs;
 - **per block** — otherwise: query blocks (coarsened up to 4 × ``block_q`` while that adds at
   most 25% work), one kernel call per run, merged by LSE.
 
@@ -93,7 +93,7 @@ _flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 # Tunables (measured on a 2-core AVX2 machine, see BENCHMARKS.md): query rows per block,
 # key granularity of the block map, and the key chunk of the general engine.
-_SIZES = {"block_q": 256, "block_k": 128, "chunk_k": 2048, "general_block_q": 256}
+_SIZES = {"block_q": 128, "block_k": 128, "chunk_k": 2048, "general_block_q": 256}
 # Score elements one general-engine step may hold (a block's recompute holds a few such).
 _GENERAL_BUDGET = 1 << 22
 
@@ -666,9 +666,9 @@ def _fused_attention(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     bias = p.bias.to(acc) if p.bias is not None else None
     win, fine = None, None
     if p.mask is not None and bias is None and _band_is_tril(p, 0, p.n_q, 0, p.n_k) is False:
-        # the cheapest windowed schedule over query blocks of 1, 2, 4 × block_q rows
+        # the cheapest windowed schedule over query blocks of 1, 2, 4, 8 × block_q rows
         best = None
-        for factor in (1, 2, 4):
+        for factor in (1, 2, 4, 8):
             cand = plan(p, coarsen=False, factor=factor)
             w_ = _window_plan(p, cand)
             if w_ is not None and (best is None or w_.nb * w_.bq * w_.lw
