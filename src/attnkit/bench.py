@@ -280,7 +280,7 @@ def run_case(c: Case, flops_s: float, bw: float, flex: tuple[Callable | None, st
                 skipped["flex"] = f"compile/run failed: {msg}"
     timings: dict[str, Timing] = {}
     # the yardsticks run interleaved with the implementations, so they see the same machine
-    ga, gb = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    ga, gb = torch.randn(2048, 2048), torch.randn(2048, 2048)
     impls["_sgemm"] = lambda: ga @ gb
     if c.name.startswith("decode"):
         xr = torch.ones(64 * 2**20)                          # 256 MB, far beyond the caches
@@ -304,7 +304,7 @@ def run_case(c: Case, flops_s: float, bw: float, flex: tuple[Callable | None, st
                 per[name].append(time.perf_counter() - t0)
     for name in impls:
         timings[name] = Timing(statistics.median(per[name]), peaks[name], c.repeat)
-    flops_s = 2 * 1024**3 / timings.pop("_sgemm").median_s
+    flops_s = 2 * 2048**3 / timings.pop("_sgemm").median_s
     if "_read" in timings:
         bw = 64 * 2**20 * 4 / timings.pop("_read").median_s
     c.results["timings"] = timings
