@@ -360,3 +360,17 @@ def test_str_of_sized_masks_uses_their_own_size():
 def test_builder_errors(call, match):
     with pytest.raises((ValueError, TypeError), match=match):
         call()
+
+
+def test_builders_describe_themselves_for_the_engines():
+    assert masks.causal().spec == masks.Band(0, math.inf, False)
+    assert masks.causal("bottom_right").spec.offset(2, 5) == 3
+    assert masks.sliding_window(4, causal=False).spec == masks.Band(-3, 3, False)
+    lengths = masks.padding([3, 1], q_lengths=[2, 2]).spec
+    assert lengths.kv_lengths.tolist() == [3, 1] and lengths.q_lengths.tolist() == [2, 2]
+    assert masks.document([0, 0, 1]).spec.ids.tolist() == [[0, 0, 1]]
+    m = masks.causal() & (masks.padding([2]) & masks.sliding_window(3))
+    assert [t.name for t in m.conjuncts()] == ["causal", "padding(kv_lengths=[2])",
+                                               "sliding_window(3, causal)"]
+    assert (masks.causal() | masks.full()).spec is None       # opaque: evaluated
+    assert (~masks.causal()).conjuncts()[0].spec is None

@@ -42,6 +42,9 @@ __all__ = [
     "PARTIAL",
     "FULL",
     "Mask",
+    "Band",
+    "Lengths",
+    "Documents",
     "causal",
     "sliding_window",
     "padding",
@@ -53,6 +56,42 @@ __all__ = [
 ]
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class Band:
+    """Spec of a band mask: allowed ⇔ ``lo <= (q_idx + offset) - kv_idx <= hi``.
+
+    ``offset`` is ``N_k - N_q`` when ``bottom_right`` else 0. ``causal()`` is
+    ``Band(0, inf)``, ``sliding_window(w)`` is ``Band(0, w-1)``, ``full()`` is
+    ``Band(-inf, inf)``.
+    """
+
+    lo: float
+    hi: float
+    bottom_right: bool = False
+
+    def offset(self, n_q: int, n_k: int) -> int:
+        return (n_k - n_q) if self.bottom_right else 0
+
+
+@dataclass(frozen=True, eq=False)
+class Lengths:
+    """Spec of a padding mask: per-batch valid lengths, ``kv_lengths`` (B,), ``q_lengths`` (B,)."""
+
+    kv_lengths: torch.Tensor
+    q_lengths: torch.Tensor | None
+
+
+@dataclass(frozen=True, eq=False)
+class Documents:
+    """Spec of a document mask: ids ``(B|1, N_q)`` and kv_ids ``(B|1, N_k)``."""
+
+    ids: torch.Tensor
+    kv_ids: torch.Tensor
+
+
+MaskSpec = Band | Lengths | Documents
 
 # fn(b, h, q_idx, kv_idx, n_q, n_k) -> bool tensor broadcast from the index tensors.
 IndexFn = Callable[..., torch.Tensor]
@@ -96,7 +135,7 @@ class Mask:
     with B' ∈ {1, B}, H' ∈ {1, H} (1 where the mask does not depend on it).
     """
 
-    __slots__ = ("_fn", "_blocks", "name", "_sizes", "_device", "_natural")
+    __slots__ = ("_fn", "_blocks", "name", "_sizes", "_device", "_natural", "spec", "_terms")
 
     def __init__(
         self,
@@ -107,8 +146,13 @@ class Mask:
         batch: int | None = None,
         heads: int | None = None,
         device: torch.device | None = None,
+        spec: MaskSpec | None = None,
     ) -> None:
         self._fn = fn
+        # What a builder made, for engines that compute it in closed form (None = opaque).
+        self.spec = spec
+        # The &-terms of a conjunction (set by ``&``); see :meth:`conjuncts`.
+        self._terms: tuple[Mask, ...] | None = None
         self._blocks = blocks
         self.name = name
         self._sizes = _Sizes(batch, heads)
@@ -131,6 +175,10 @@ class Mask:
         if not isinstance(out, torch.Tensor):
             out = torch.as_tensor(out)
         return out.to(torch.bool)
+
+    def conjuncts(self) -> list[Mask]:
+        """``a & (b & c)`` → ``[a, b, c]``; any other mask is its own single term."""
+        return list(self._terms) if self._terms is not None else [self]
 
     @property
     def batch_size(self) -> int | None:
@@ -361,7 +409,9 @@ class Mask:
                 any2, all2 = b_._blocks(qs, qe, ks, ke, n_q, n_k)
                 return any1 & any2, all1 & all2  # "any" is conservative, "all" exact
 
-        return _combined(fn, f"({a.name} & {b_.name})", blocks, a, b_)
+        m = _combined(fn, f"({a.name} & {b_.name})", blocks, a, b_)
+        m._terms = (*a.conjuncts(), *b_.conjuncts())
+        return m
 
     def __or__(self, other: Mask) -> Mask:
         other = _as_mask(other, "|")
@@ -454,7 +504,7 @@ def _band(lo: float, hi: float, align: str, name: str) -> Mask:
         d_max = (qe - 1) - ks + off
         return (d_max >= lo) & (d_min <= hi), (d_min >= lo) & (d_max <= hi)
 
-    return Mask(fn, name=name, blocks=blocks)
+    return Mask(fn, name=name, blocks=blocks, spec=Band(lo, hi, br))
 
 
 def full() -> Mask:
@@ -469,7 +519,7 @@ def full() -> Mask:
                        device=qs.device)
         return t, t
 
-    return Mask(fn, name="full", blocks=blocks)
+    return Mask(fn, name="full", blocks=blocks, spec=Band(-math.inf, math.inf))
 
 
 def causal(align: str = "top_left") -> Mask:
@@ -546,7 +596,7 @@ def padding(kv_lengths: object, q_lengths: object | None = None) -> Mask:
 
     name = f"padding(kv_lengths={kv_len.tolist()}" + (
         f", q_lengths={q_len.tolist()})" if q_len is not None else ")")
-    return Mask(fn, name=name, blocks=blocks, batch=nb)
+    return Mask(fn, name=name, blocks=blocks, batch=nb, spec=Lengths(kv_len, q_len))
 
 
 def _ids(x: object, what: str) -> torch.Tensor:
@@ -615,7 +665,8 @@ def document(ids: object, kv_ids: object | None = None) -> Mask:
         single = (qmin == qmax) & (kmin == kmax) & (qmin == kmin)
         return overlap, single
 
-    m = Mask(fn, name="document", blocks=blocks, batch=nb if nb > 1 else None)
+    m = Mask(fn, name="document", blocks=blocks, batch=nb if nb > 1 else None,
+             spec=Documents(q_ids, k_ids))
     m._natural = (q_ids.shape[1], k_ids.shape[1])
     return m
 

@@ -62,8 +62,8 @@ Caution
 - The windowed schedule evaluates the mask on its whole window tensor (``N_q × window``
   elements, built once per call), FULL tiles included; it is used only when the window is at
   most a quarter of N_k (and the tensor at most 2^24 elements).
-- Exact causal (one call) and the band masks' window patterns are recognised from the band
-  rule of :mod:`attnkit.masks` (its code object); other masks are evaluated.
+- Exact causal (one call) and the band masks' window patterns are recognised from
+  ``Mask.spec`` (:class:`attnkit.masks.Band`); other masks are evaluated.
 - Dropout draws its mask from torch's global generator (reproducible with
   ``torch.manual_seed``) but in a different order than the reference does: results agree in
   distribution, not bit for bit.
@@ -287,22 +287,13 @@ def _tile_is_tril(allowed: torch.Tensor) -> bool:
     return bool((allowed == _tril(bq)).all())
 
 
-# Band masks (causal, sliding_window) allow ``lo <= q - k + off <= hi``; their tiles'
-# patterns are known in closed form. Recognised by the code object of masks' band rule.
-_BAND_CODE = getattr(_masks.causal()._fn, "__code__", None)
-
-
 def _band(mask: _masks.Mask) -> tuple[float, float, bool] | None:
-    """``(lo, hi, bottom_right)`` when ``mask`` is a plain band mask, else ``None``."""
-    fn = mask._fn
-    if _BAND_CODE is None or getattr(fn, "__code__", None) is not _BAND_CODE:
+    """``(lo, hi, bottom_right)`` when ``mask`` is a band mask (causal, sliding window):
+    allowed ⇔ ``lo <= q - k + off <= hi``, a pattern known in closed form; else ``None``."""
+    spec = mask.spec
+    if not isinstance(spec, _masks.Band):
         return None
-    cells = dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ()),
-                     strict=True))
-    try:
-        return float(cells["lo"]), float(cells["hi"]), bool(cells["br"])
-    except KeyError:
-        return None
+    return float(spec.lo), float(spec.hi), spec.bottom_right
 
 
 def _band_is_tril(p: Problem, q0: int, q1: int, k0: int, k1: int) -> bool:

@@ -52,7 +52,8 @@ Caution
 - Recognising terms reads the parameters of the masks built by :func:`attnkit.masks.causal`,
   :func:`~attnkit.masks.sliding_window`, :func:`~attnkit.masks.full`,
   :func:`~attnkit.masks.padding` and :func:`~attnkit.masks.document` (and their ``&``) from
-  their closures; a mask it does not recognise is treated as a dense term (correct, slower).
+  ``Mask.spec`` / ``Mask.conjuncts()``; any other mask (``|``, ``~``, ``from_fn``, tensors)
+  is treated as a dense term (correct, slower).
 - Launch parameters (block sizes, warps, stages) are fixed heuristics, not autotuned; a GPU
   without the shared memory for them gets fewer stages, then smaller tiles.
 - Compiled kernels receive ``scale`` and ``softcap`` as float32 scalars, so float64 runs on
@@ -133,63 +134,29 @@ def _kernels(interpret: bool) -> ModuleType:
 
 
 # --------------------------------------------------------------------------- masks
-def _closure(fn: Any) -> dict[str, Any]:
-    code = fn.__code__
-    cells = [c.cell_contents for c in (fn.__closure__ or ())]
-    return dict(zip(code.co_freevars, cells, strict=True))
-
-
-# The mask functions built by masks.py, recognised by their code objects.
-_BAND_CODE = _masks.causal()._fn.__code__
-_FULL_CODE = _masks.full()._fn.__code__
-_AND_CODE = (_masks.full() & _masks.full())._fn.__code__
-_PADDING_CODE = _masks.padding([1])._fn.__code__
-_DOCUMENT_CODE = _masks.document([0])._fn.__code__
-
-
-def _conjuncts(m: _masks.Mask) -> list[_masks.Mask]:
-    """``a & (b & c)`` → ``[a, b, c]`` (any other mask is one term)."""
-    if m._fn.__code__ is _AND_CODE:
-        env = _closure(m._fn)
-        a, b = env.get("a"), env.get("b_")
-        if isinstance(a, _masks.Mask) and isinstance(b, _masks.Mask):
-            return _conjuncts(a) + _conjuncts(b)
-    return [m]
-
-
 def _as_band(m: _masks.Mask, n_q: int, n_k: int) -> tuple[float, float] | None:
     """``(lo, hi)`` with allowed ⇔ ``lo <= q_idx - kv_idx <= hi``, or None if not a band."""
-    code = m._fn.__code__
-    if code is _FULL_CODE:
-        return (-math.inf, math.inf)
-    if code is _BAND_CODE:
-        env = _closure(m._fn)
-        if not {"lo", "hi", "br"} <= env.keys():        # masks.py changed: treat as general
-            return None
-        off = (n_k - n_q) if env["br"] else 0
-        return (env["lo"] - off, env["hi"] - off)
-    return None
+    spec = m.spec
+    if not isinstance(spec, _masks.Band):
+        return None
+    off = spec.offset(n_q, n_k)
+    return (spec.lo - off, spec.hi - off)
 
 
 def _as_padding(m: _masks.Mask) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """``(kv_lengths (B|1,), q_lengths (B|1,) or None)`` of a padding mask, else None."""
-    if m._fn.__code__ is not _PADDING_CODE:
+    spec = m.spec
+    if not isinstance(spec, _masks.Lengths):
         return None
-    env = _closure(m._fn)
-    kv, q = env.get("kv_len"), env.get("q_len")
-    if not isinstance(kv, torch.Tensor) or not (q is None or isinstance(q, torch.Tensor)):
-        return None
-    return kv, q
+    return spec.kv_lengths, spec.q_lengths
 
 
 def _as_document(m: _masks.Mask, n_q: int, n_k: int) -> tuple[torch.Tensor, ...] | None:
     """``(ids (B|1, N_q), kv_ids (B|1, N_k))`` of a document mask that fits, else None."""
-    if m._fn.__code__ is not _DOCUMENT_CODE:
+    spec = m.spec
+    if not isinstance(spec, _masks.Documents):
         return None
-    env = _closure(m._fn)
-    qi, ki = env.get("q_ids"), env.get("k_ids")
-    if not (isinstance(qi, torch.Tensor) and isinstance(ki, torch.Tensor)):
-        return None
+    qi, ki = spec.ids, spec.kv_ids
     if qi.dim() != 2 or ki.dim() != 2 or qi.shape[1] != n_q or ki.shape[1] != n_k:
         return None           # evaluated densely instead, which raises the mask's own error
     return qi, ki
@@ -246,7 +213,7 @@ def _split_terms(p: Problem) -> tuple[tuple[int, int] | None, list[_masks.Mask],
     dense: list[_masks.Mask] = []
     found = False
     kinds: set[str] = set()
-    for term in _conjuncts(p.mask):
+    for term in p.mask.conjuncts():
         band = _as_band(term, p.n_q, p.n_k)
         if band is not None:
             if band != (-math.inf, math.inf):
