@@ -62,9 +62,10 @@ Caution
   other than the global causal one, ``score_mod`` and dropout are not supported (they would
   need global positions).
 - The backward pass needs the gradient of each block's log-sum-exp. A backend whose LSE
-  carries one (reference, triton) does each block in one recompute. For a backend whose LSE
-  does not (tiled), that part is added by hand from one more attention call per block (with
-  K as the values): about twice the backward work, still O(N) memory. With ``softcap`` that
+  carries one (reference, tiled, triton) does each block in one recompute. For a backend whose
+  LSE does not (detected per call), that part is added by hand from one more attention call
+  per block (with K as the values): about twice the backward work, still O(N) memory. With
+  ``softcap`` that
   shortcut does not apply, and such blocks are recomputed with the reference backend
   (O(N_q·N_k) memory per block).
 - Precision: for float16/bfloat16 inputs the forward blocks run in the input dtype and are
