@@ -72,6 +72,19 @@ def _positive_int(x: Any, name: str) -> int:
     return x
 
 
+def _head_dims(d_model: int, n_heads: int, head_dim: Any, v_head_dim: Any) -> tuple[int, int]:
+    """``(head_dim, v_head_dim)``: head_dim defaults to d_model / n_heads, v_head_dim to it."""
+    if head_dim is None:
+        if d_model % n_heads:
+            raise ValueError(
+                f"d_model={d_model} is not divisible by n_heads={n_heads}: choose n_heads "
+                f"that divides d_model, or pass head_dim=... explicitly"
+            )
+        head_dim = d_model // n_heads
+    head_dim = _positive_int(head_dim, "head_dim")
+    return head_dim, _positive_int(head_dim if v_head_dim is None else v_head_dim, "v_head_dim")
+
+
 def _check_options(softcap: float | None, dropout: float) -> None:
     if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
                                 or not math.isfinite(softcap) or softcap <= 0):
@@ -375,15 +388,7 @@ class MultiHeadAttention(nn.Module):
         super().__init__()
         d_model = _positive_int(d_model, "d_model")
         n_heads = _positive_int(n_heads, "n_heads")
-        if head_dim is None:
-            if d_model % n_heads:
-                raise ValueError(
-                    f"d_model={d_model} is not divisible by n_heads={n_heads}: choose n_heads "
-                    f"that divides d_model, or pass head_dim=... explicitly"
-                )
-            head_dim = d_model // n_heads
-        head_dim = _positive_int(head_dim, "head_dim")
-        v_head_dim = _positive_int(head_dim if v_head_dim is None else v_head_dim, "v_head_dim")
+        head_dim, v_head_dim = _head_dims(d_model, n_heads, head_dim, v_head_dim)
         n_kv_heads = _positive_int(n_heads if n_kv_heads is None else n_kv_heads, "n_kv_heads")
         if n_heads % n_kv_heads:
             raise ValueError(
@@ -721,15 +726,7 @@ class MultiHeadLatentAttention(nn.Module):
         d_model = _positive_int(d_model, "d_model")
         n_heads = _positive_int(n_heads, "n_heads")
         kv_latent_dim = _positive_int(kv_latent_dim, "kv_latent_dim")
-        if head_dim is None:
-            if d_model % n_heads:
-                raise ValueError(
-                    f"d_model={d_model} is not divisible by n_heads={n_heads}: choose n_heads "
-                    f"that divides d_model, or pass head_dim=... explicitly"
-                )
-            head_dim = d_model // n_heads
-        head_dim = _positive_int(head_dim, "head_dim")
-        v_head_dim = _positive_int(head_dim if v_head_dim is None else v_head_dim, "v_head_dim")
+        head_dim, v_head_dim = _head_dims(d_model, n_heads, head_dim, v_head_dim)
         kv_dim = _positive_int(d_model if kv_dim is None else kv_dim, "kv_dim")
         if q_latent_dim is not None:
             _positive_int(q_latent_dim, "q_latent_dim")
