@@ -70,7 +70,7 @@ PAGE: dict[str, dict[str, str]] = {
         "notes": "눈여겨볼 점", "options": "옵션",
         "per_head": "헤드 {h}개: 여기의 모든 모양은 헤드 하나 기준",
         "colors": "색", "c_weights": "가중치", "c_other": "다른 행렬", "c_masked": "마스크됨 (−∞)",
-        "generated": "attnkit로 만든 독립 실행형 페이지: 네트워크가 필요 없습니다.",
+        "generated": "attnkit으로 만든 독립 실행형 페이지: 네트워크가 필요 없습니다.",
     },
 }
 

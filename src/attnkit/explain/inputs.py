@@ -132,14 +132,15 @@ MESSAGES: dict[str, dict[str, str]] = {
         "bool_qkv": "--{name} {path}에 true/false 값이 있습니다: Q, K, V는 숫자여야 합니다",
         "nonfinite": "--{name} {path}의 인덱스 {idx}에 유한하지 않은 값 {val}이(가) 있습니다: "
                      "Q, K, V는 유한한 숫자여야 합니다 (마스크는 --mask로)",
-        "mask_dims": "--mask {path}의 모양이 {shape}입니다: ({n_q}, {n_k})를 주세요",
+        "mask_dims": "--mask {path}의 모양이 {shape}입니다: "
+                     "모양이 ({n_q}, {n_k})인 마스크를 주세요",
         "mask_shape": "--mask {path}의 모양은 {shape}인데 점수는 (n_q, n_k) = ({n_q}, {n_k})"
                       "입니다: ({n_q}, {n_k}) 마스크, 또는 모든 쿼리가 함께 쓰는 한 행 "
-                      "(1, {n_k})를 주세요",
+                      "(1, {n_k}) 모양의 마스크를 주세요",
         "mask_values": "--mask {path}에 {val}이(가) 있습니다: 숫자 마스크는 로짓에 더해지므로 "
-                       "0(유지) 또는 -inf(차단)를 쓰세요",
+                       "0(유지) 또는 -inf(차단)을 쓰세요",
         "mask_01": "--mask {path}에 {val}이(가) 있습니다: 숫자 마스크는 로짓에 더해지므로 "
-                   "0(유지) 또는 -inf(차단)를 쓰세요 (0/1로 유지/차단을 뜻했다면 true/false로 "
+                   "0(유지) 또는 -inf(차단)을 쓰세요 (0/1로 유지/차단을 뜻했다면 true/false로 "
                    "쓰세요)",
         "heads_divide": "--heads {h}은(는) --{name} {path} {shape}의 특성 폭을 나누지 못합니다: "
                         "{w} / {h}이(가) 정수가 아닙니다; {divs} 중 하나를 쓰세요",

@@ -128,11 +128,6 @@ class Trace:
         return render_plot([self], path, what=what, lang=lang)
 
 
-def _np(t: Any, two_d: bool) -> np.ndarray:
-    a = t.detach().to("cpu").double().numpy()
-    return a[0, 0] if two_d else a
-
-
 def explain(
     q: Any, k: Any, v: Any, *, mask: Any = None, is_causal: bool = False,
     scale: float | None = None, softcap: float | None = None,
@@ -142,8 +137,24 @@ def explain(
     """Run the reference on one call and keep every step (same options as ``attention``).
 
     ``backend`` and ``return_lse`` are accepted for symmetry with ``attention``: the trace
-    always comes from the reference and always holds the LSE.
+    always comes from the reference and always holds the LSE. ``dropout_p`` must be 0: a
+    walkthrough shows the deterministic computation (dropout would make the printed weights
+    and output disagree).
     """
+    from .. import backends as _backends
+
+    if backend != "auto" and backend not in _backends.names():
+        raise ValueError(
+            f"unknown backend {backend!r}: choose one of "
+            f"{', '.join(repr(n) for n in ['auto', *_backends.names()])} (the trace always "
+            "comes from the reference)"
+        )
+    if dropout_p:
+        raise ValueError(
+            f"explain shows the deterministic computation, got dropout_p={dropout_p!r}: "
+            "call explain without dropout (dropout zeroes random weights and rescales the "
+            "rest by 1/(1-p) during training only)"
+        )
     prep = prepare(q, k, v, mask=mask, is_causal=is_causal, scale=scale, softcap=softcap,
                    score_mod=score_mod, dropout_p=dropout_p)
     p = prep.problem
@@ -176,9 +187,7 @@ def explain(
         Step("Softmax", "weights", "W = softmax_keys(L)", sq, arr(r.weights)),
         Step("MatMul", "output", "O = W V", (n_q, d_v), arr(r.output)),
     ]
-    qn, kn, vn = (_np(t, prep.two_d) if prep.two_d else
-                  t.detach().cpu().double().numpy().reshape(*lead, *t.shape[1:])
-                  for t in (p.q, p.k, p.v))
+    qn, kn, vn = (arr(t) for t in (p.q, p.k, p.v))
     return Trace(
         q=qn, k=kn, v=vn, steps=steps, lse=arr(r.lse), allowed=allowed, scale=p.scale,
         softcap=p.softcap, mask_name=p.mask.name if p.mask is not None else None,
