@@ -220,3 +220,16 @@ def test_no_backend_fits_lists_every_reason():
 def test_mask_error_for_two_d_inputs_speaks_two_d():
     with raises(ValueError, "mask of shape (5, 6)", "(N_q, N_k) = (5, 5)"):
         ak.attention(t(5, 4), t(5, 4), t(5, 4), mask=torch.ones(5, 6, dtype=torch.bool))
+
+
+def test_mixing_torch_and_numpy_is_refused():
+    q = torch.randn(3, 4, requires_grad=True)
+    k = np.random.rand(5, 4).astype(np.float32)
+    with pytest.raises(TypeError, match=r"all torch tensors or all NumPy arrays.*q torch, k NumPy"):
+        ak.attention(q, k, k)
+
+
+def test_integer_numpy_gets_a_numpy_hint():
+    x = np.ones((3, 4), dtype=np.int64)
+    with pytest.raises(TypeError, match=r"astype\(np.float32\)"):
+        ak.attention(x, x, x)

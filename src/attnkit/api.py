@@ -87,7 +87,7 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         if not t.dtype.is_floating_point:
             raise TypeError(
                 f"{name} must be a floating-point tensor, got dtype {t.dtype}: "
-                f"convert with {name}.float()"
+                f"convert with {name}.float() (NumPy: {name}.astype(np.float32))"
             )
     if not (q.dim() == k.dim() == v.dim()):
         raise ValueError(
@@ -215,6 +215,13 @@ def prepare(
     q, q_np = _to_tensor(q, "q")
     k, k_np = _to_tensor(k, "k")
     v, v_np = _to_tensor(v, "v")
+    if not q_np == k_np == v_np:
+        kinds = ", ".join(f"{n} {'NumPy' if f else 'torch'}" for n, f in
+                          (("q", q_np), ("k", k_np), ("v", v_np)))
+        raise TypeError(
+            f"q, k, v must be all torch tensors or all NumPy arrays, got {kinds}: a NumPy "
+            "result would silently drop autograd; convert with torch.from_numpy(...)"
+        )
     _check_qkv(q, k, v)
     two_d = q.dim() == 2
     if two_d:
@@ -259,7 +266,7 @@ def prepare(
                 f"H_q={p.heads_q} query heads (q {_shape(q)}): give one mask per query head "
                 "(or a head dim of 1 to share it)"
             )
-    return Prepared(p, lead, two_d, q_np or k_np or v_np)
+    return Prepared(p, lead, two_d, q_np)
 
 
 def _empty_result(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
@@ -363,8 +370,8 @@ def attention(
         softcap: ``c`` maps each scaled logit x to ``c·tanh(x/c)`` (before the mask).
         score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score``, differentiable.
         dropout_p: dropout on the weights (seeded by torch's generator), in [0, 1).
-        backend: ``"auto"`` (fastest that supports the call), or a name from
-            ``attnkit.backends.names()``.
+        backend: ``"auto"`` (the first backend in ``attnkit.backends.PRIORITY``, fastest
+            first, that supports the call), or a name from ``attnkit.backends.names()``.
         return_lse: also return the natural-log log-sum-exp of the masked logits
             (−inf for a query with no allowed key).
 

@@ -544,7 +544,8 @@ def sliding_window(size: int, causal: bool = True, align: str = "top_left") -> M
     size = int(size)
     lo = -(size - 1) if not causal else 0
     kind = "causal" if causal else "two-sided"
-    return _band(lo, size - 1, align, f"sliding_window({size}, {kind})")
+    where = ", bottom_right" if align == "bottom_right" else ""
+    return _band(lo, size - 1, align, f"sliding_window({size}, {kind}{where})")
 
 
 def _lengths(x: object, what: str) -> torch.Tensor:

@@ -126,3 +126,11 @@ def test_empty_sequences(n_q, n_k):
     tr = ak.explain(randn(n_q, 4), randn(n_k, 4), randn(n_k, 2), is_causal=True)
     assert tr.weights.shape == (n_q, n_k) and tr.output.shape == (n_q, 2)
     assert (tr.output == 0).all() and np.isneginf(tr.lse).all()
+
+
+def test_explain_refuses_dropout_and_unknown_backends():
+    x = torch.eye(3, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"deterministic.*dropout_p=0.5"):
+        ak.explain(x, x, x, dropout_p=0.5)
+    with pytest.raises(ValueError, match="unknown backend 'bogus'"):
+        ak.explain(x, x, x, backend="bogus")
