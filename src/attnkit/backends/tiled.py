@@ -17,6 +17,9 @@ Three schedules, chosen per call:
   offset from the block (sliding windows, documents, local masks): all query blocks go into
   ONE kernel call, the windows being strided views of zero-padded K/V, batched as extra
   "heads", with one mask tensor for them (none when every window is exactly a FULL run);
+  for a band mask (sliding window) the interior blocks — windows inside ``[0, N_k)`` — share
+  one ``(bq, window)`` mask broadcast over the blocks and read K/V unpadded, and the few
+  edge blocks run in their own call (2–3 calls in all, no N_q × window mask built);
   the query block size (1, 2, 4 or 8 × ``block_q``) is the one computing the fewest pairs;
 - **per block** — otherwise: query blocks (coarsened up to 4 × ``block_q`` while that adds at
   most 25% work), one kernel call per run, merged by LSE.
@@ -60,8 +63,9 @@ Caution
 - Masks summarised conservatively (``&``/``|`` algebra, ``from_fn``) may mark a tile
   PARTIAL that is in fact EMPTY or FULL: correct, a little slower.
 - The windowed schedule evaluates the mask on its whole window tensor (``N_q × window``
-  elements, built once per call), FULL tiles included; it is used only when the window is at
-  most a quarter of N_k (and the tensor at most 2^24 elements).
+  elements, built once per call), FULL tiles included — except a band mask's forward, which
+  builds one ``(bq, window)`` pattern; it is used only when the window is at most a quarter
+  of N_k (and the tensor at most 2^24 elements).
 - Exact causal (one call) and the band masks' window patterns are recognised from
   ``Mask.spec`` (:class:`attnkit.masks.Band`); other masks are evaluated.
 - Dropout draws its mask from torch's global generator (reproducible with
@@ -574,6 +578,18 @@ def _win_mask(f: _Fused, w: _Window) -> tuple[torch.Tensor | None, torch.Tensor 
 def _win_forward(f: _Fused, w: _Window) -> tuple[torch.Tensor, torch.Tensor]:
     p = f.p
     B, hkv, g, n_q, d = f.q.shape
+    band = _band(p.mask) if (w.masked and p.mask is not None and f.bias is None) else None
+    if band is not None:
+        # interior blocks (window inside [0, N_k)) share ONE (bq, lw) band pattern: no K/V
+        # padding, a small mask broadcast over the blocks; the few edge blocks apart
+        i0 = min(w.nb, max(0, -(w.off // w.bq)))
+        i1 = max(i0, min(w.nb, (p.n_k - w.off - w.lw) // w.bq + 1))
+        if i1 - i0 >= max(2, w.nb // 2):
+            parts = [_win_range(f, w, a, b_, a == i0 and b_ == i1)
+                     for a, b_ in ((0, i0), (i0, i1), (i1, w.nb)) if b_ > a]
+            if len(parts) == 1:
+                return parts[0]
+            return (torch.cat([x[0] for x in parts], 3), torch.cat([x[1] for x in parts], 3))
     kw, vw = _win_kv(f, w)
     add, has_key = _win_mask(f, w)
     STATS["runs"] += 1
@@ -586,6 +602,61 @@ def _win_forward(f: _Fused, w: _Window) -> tuple[torch.Tensor, torch.Tensor]:
     out = _win_unrows(o, B, hkv, g, w, n_q)
     lse = _win_unrows(lse.unsqueeze(-1), B, hkv, g, w, n_q).squeeze(-1)
     return out.contiguous(), lse.contiguous()
+
+
+def _win_range(f: _Fused, w: _Window, i_lo: int, i_hi: int, interior: bool,
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks ``[i_lo, i_hi)`` of a band-masked window schedule, in ONE kernel call.
+
+    K/V are sliced to the keys those blocks see (zero-padded only where a window leaves
+    ``[0, N_k)``). ``interior``: every window lies inside ``[0, N_k)``, so all blocks share
+    one ``(G·bq, lw)`` mask, broadcast over the blocks (stride 0). → out ``(B, H_kv, G, rows,
+    D)``, lse ``(B, H_kv, G, rows)`` for query rows ``[i_lo·bq, min(i_hi·bq, N_q))``.
+    """
+    p = f.p
+    B, hkv, g, n_q, d = f.q.shape
+    n_k = f.k.shape[2]
+    bq, lw, n = w.bq, w.lw, i_hi - i_lo
+    r0, r1 = i_lo * bq, min(i_hi * bq, n_q)
+    s0, s1 = i_lo * bq + w.off, (i_hi - 1) * bq + w.off + lw       # absolute keys seen
+    ks, ke = max(0, s0), min(n_k, s1)
+    front, back = ks - s0, s1 - ke
+    wr = _Window(bq, n, lw, 0, 0, 0, True)
+    kv = []
+    for t in (f.k, f.v):
+        t = t[:, :, ks:ke]
+        t = F.pad(t, (0, 0, front, back)) if (front or back) else t.contiguous()
+        kv.append(t.as_strided((B * hkv, n, lw, d), (t.shape[2] * d, bq * d, d, 1),
+                               t.storage_offset()))
+    band = _band(p.mask)  # type: ignore[arg-type]
+    assert band is not None
+    lo, hi, br = band
+    c = torch.arange(lw)
+    dqk = (torch.arange(bq).view(-1, 1) - w.off - c.view(1, -1)
+           + ((p.n_k - p.n_q) if br else 0))
+    allowed = (dqk >= lo) & (dqk <= hi)                                   # (bq, lw)
+    if interior:
+        a = allowed.view(1, 1, 1, bq, lw).expand(1, 1, g, bq, lw).reshape(1, 1, g * bq, lw)
+    else:
+        k_abs = torch.arange(i_lo, i_hi).view(-1, 1) * bq + w.off + c.view(1, -1)
+        inside = (k_abs >= 0) & (k_abs < p.n_k)                           # (n, lw)
+        a = (allowed.unsqueeze(0) & inside.unsqueeze(1)).view(1, n, 1, bq, lw)
+        a = a.expand(1, n, g, bq, lw).reshape(1, n, g * bq, lw)
+    add = torch.zeros(a.shape, dtype=f.q.dtype).masked_fill_(~a, -math.inf)
+    has_key = a.any(-1)
+    if interior:
+        add = add.expand(1, n, g * bq, lw)
+    STATS["runs"] += 1
+    STATS["windowed"] += 1
+    STATS["masked_runs"] += 1
+    o, lse = _flash(_win_rows(f.q[:, :, :, r0:r1], wr, r1 - r0), kv[0], kv[1], attn_mask=add,
+                    scale=p.scale)
+    lse = lse.to(o.dtype)
+    if not bool(has_key.all()):
+        lse = torch.where(has_key, lse, torch.full_like(lse, -math.inf))
+    out = _win_unrows(o, B, hkv, g, wr, r1 - r0)
+    lse = _win_unrows(lse.unsqueeze(-1), B, hkv, g, wr, r1 - r0).squeeze(-1)
+    return out, lse
 
 
 def _win_backward(f: _Fused, w: _Window, out: torch.Tensor, lse: torch.Tensor,
