@@ -63,9 +63,9 @@ Caution
 - Masks summarised conservatively (``&``/``|`` algebra, ``from_fn``) may mark a tile
   PARTIAL that is in fact EMPTY or FULL: correct, a little slower.
 - The windowed schedule evaluates the mask on its whole window tensor (``N_q × window``
-  elements, built once per call), FULL tiles included — except a band mask's forward, which
-  builds one ``(bq, window)`` pattern; it is used only when the window is at most a quarter
-  of N_k (and the tensor at most 2^24 elements).
+  elements, built once per call), FULL tiles included — except a band mask, whose interior
+  blocks share one ``(bq, window)`` pattern (forward and backward); it is used only when the
+  window is at most a quarter of N_k (and the tensor at most 2^24 elements).
 - Exact causal (one call) and the band masks' window patterns are recognised from
   ``Mask.spec`` (:class:`attnkit.masks.Band`); other masks are evaluated.
 - Dropout draws its mask from torch's global generator (reproducible with
@@ -578,18 +578,14 @@ def _win_mask(f: _Fused, w: _Window) -> tuple[torch.Tensor | None, torch.Tensor 
 def _win_forward(f: _Fused, w: _Window) -> tuple[torch.Tensor, torch.Tensor]:
     p = f.p
     B, hkv, g, n_q, d = f.q.shape
-    band = _band(p.mask) if (w.masked and p.mask is not None and f.bias is None) else None
-    if band is not None:
+    split = _win_split(f, w)
+    if split is not None:
         # interior blocks (window inside [0, N_k)) share ONE (bq, lw) band pattern: no K/V
         # padding, a small mask broadcast over the blocks; the few edge blocks apart
-        i0 = min(w.nb, max(0, -(w.off // w.bq)))
-        i1 = max(i0, min(w.nb, (p.n_k - w.off - w.lw) // w.bq + 1))
-        if i1 - i0 >= max(2, w.nb // 2):
-            parts = [_win_range(f, w, a, b_, a == i0 and b_ == i1)
-                     for a, b_ in ((0, i0), (i0, i1), (i1, w.nb)) if b_ > a]
-            if len(parts) == 1:
-                return parts[0]
-            return (torch.cat([x[0] for x in parts], 3), torch.cat([x[1] for x in parts], 3))
+        parts = [_win_range(f, w, a, b_, inner) for a, b_, inner in split]
+        if len(parts) == 1:
+            return parts[0]
+        return (torch.cat([x[0] for x in parts], 3), torch.cat([x[1] for x in parts], 3))
     kw, vw = _win_kv(f, w)
     add, has_key = _win_mask(f, w)
     STATS["runs"] += 1
@@ -604,24 +600,37 @@ def _win_forward(f: _Fused, w: _Window) -> tuple[torch.Tensor, torch.Tensor]:
     return out.contiguous(), lse.contiguous()
 
 
-def _win_range(f: _Fused, w: _Window, i_lo: int, i_hi: int, interior: bool,
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Blocks ``[i_lo, i_hi)`` of a band-masked window schedule, in ONE kernel call.
+def _win_split(f: _Fused, w: _Window) -> list[tuple[int, int, bool]] | None:
+    """Block ranges ``(i_lo, i_hi, interior)`` for a band mask, or None (one masked call).
+
+    Interior blocks — windows inside ``[0, N_k)`` — share one band pattern; the edge blocks
+    before and after them are computed apart.
+    """
+    p = f.p
+    if not (w.masked and p.mask is not None and f.bias is None and _band(p.mask) is not None):
+        return None
+    i0 = min(w.nb, max(0, -(w.off // w.bq)))
+    i1 = max(i0, min(w.nb, (p.n_k - w.off - w.lw) // w.bq + 1))
+    if i1 - i0 < max(2, w.nb // 2):
+        return None
+    return [(a, b_, a == i0 and b_ == i1) for a, b_ in ((0, i0), (i0, i1), (i1, w.nb)) if b_ > a]
+
+
+def _win_range_inputs(f: _Fused, w: _Window, i_lo: int, i_hi: int, interior: bool):  # noqa: ANN202
+    """K/V windows, additive mask and rows-with-a-key for blocks ``[i_lo, i_hi)`` of a band.
 
     K/V are sliced to the keys those blocks see (zero-padded only where a window leaves
     ``[0, N_k)``). ``interior``: every window lies inside ``[0, N_k)``, so all blocks share
-    one ``(G·bq, lw)`` mask, broadcast over the blocks (stride 0). → out ``(B, H_kv, G, rows,
-    D)``, lse ``(B, H_kv, G, rows)`` for query rows ``[i_lo·bq, min(i_hi·bq, N_q))``.
+    one ``(G·bq, lw)`` mask, broadcast over the blocks (stride 0).
+    → (kw, vw ``(B·H_kv, n, lw, D)``, add, has_key, sub-window, first key (absolute)).
     """
     p = f.p
     B, hkv, g, n_q, d = f.q.shape
     n_k = f.k.shape[2]
     bq, lw, n = w.bq, w.lw, i_hi - i_lo
-    r0, r1 = i_lo * bq, min(i_hi * bq, n_q)
     s0, s1 = i_lo * bq + w.off, (i_hi - 1) * bq + w.off + lw       # absolute keys seen
     ks, ke = max(0, s0), min(n_k, s1)
     front, back = ks - s0, s1 - ke
-    wr = _Window(bq, n, lw, 0, 0, 0, True)
     kv = []
     for t in (f.k, f.v):
         t = t[:, :, ks:ke]
@@ -646,10 +655,24 @@ def _win_range(f: _Fused, w: _Window, i_lo: int, i_hi: int, interior: bool,
     has_key = a.any(-1)
     if interior:
         add = add.expand(1, n, g * bq, lw)
+    return kv[0], kv[1], add, has_key, _Window(bq, n, lw, 0, 0, 0, True), s0
+
+
+def _win_range(f: _Fused, w: _Window, i_lo: int, i_hi: int, interior: bool,
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward of blocks ``[i_lo, i_hi)`` of a band-masked window schedule, ONE kernel call.
+
+    → out ``(B, H_kv, G, rows, D)``, lse ``(B, H_kv, G, rows)`` for query rows
+    ``[i_lo·bq, min(i_hi·bq, N_q))``.
+    """
+    p = f.p
+    B, hkv, g, n_q, d = f.q.shape
+    r0, r1 = i_lo * w.bq, min(i_hi * w.bq, n_q)
+    kw, vw, add, has_key, wr, _ = _win_range_inputs(f, w, i_lo, i_hi, interior)
     STATS["runs"] += 1
     STATS["windowed"] += 1
     STATS["masked_runs"] += 1
-    o, lse = _flash(_win_rows(f.q[:, :, :, r0:r1], wr, r1 - r0), kv[0], kv[1], attn_mask=add,
+    o, lse = _flash(_win_rows(f.q[:, :, :, r0:r1], wr, r1 - r0), kw, vw, attn_mask=add,
                     scale=p.scale)
     lse = lse.to(o.dtype)
     if not bool(has_key.all()):
@@ -659,15 +682,50 @@ def _win_range(f: _Fused, w: _Window, i_lo: int, i_hi: int, interior: bool,
     return out, lse
 
 
+def _win_backward_split(f: _Fused, w: _Window, split: list[tuple[int, int, bool]],
+                        out: torch.Tensor, lse_b: torch.Tensor, dout: torch.Tensor,
+                        ) -> tuple[torch.Tensor, ...]:
+    """Backward of a band-masked window schedule, one kernel call per block range."""
+    p = f.p
+    B, hkv, g, n_q, d = f.q.shape
+    n_k = f.k.shape[2]
+    dk = f.k.new_zeros(B, hkv, n_k + w.front + w.back, d)
+    dv = f.v.new_zeros(B, hkv, n_k + w.front + w.back, d)
+    dqs = []
+    for i_lo, i_hi, interior in split:
+        r0, r1 = i_lo * w.bq, min(i_hi * w.bq, n_q)
+        kw, vw, add, _, wr, s0 = _win_range_inputs(f, w, i_lo, i_hi, interior)
+        rows = r1 - r0
+
+        def sub(t: torch.Tensor, r0: int = r0, r1: int = r1, wr: _Window = wr,
+                rows: int = rows) -> torch.Tensor:
+            return _win_rows(t[:, :, :, r0:r1], wr, rows)
+
+        lse_w = sub(lse_b.unsqueeze(-1)).squeeze(-1)
+        gq, gk, gv = _flash_bwd(sub(dout), sub(f.q), kw, vw, sub(out), lse_w, 0.0, False,
+                                attn_mask=add, scale=p.scale)
+        dqs.append(_win_unrows(gq, B, hkv, g, wr, rows))
+        # window j of this range starts at absolute key s0 + j·bq (padded: + w.front)
+        flat = (torch.arange(wr.nb).view(-1, 1) * w.bq + (s0 + w.front)
+                + torch.arange(w.lw).view(1, -1)).reshape(-1)
+        dk.index_add_(2, flat, gk.reshape(B, hkv, wr.nb * w.lw, d))
+        dv.index_add_(2, flat, gv.reshape(B, hkv, wr.nb * w.lw, d))
+    dq = torch.cat(dqs, 3) if len(dqs) > 1 else dqs[0].contiguous()
+    return dq, dk[:, :, w.front:w.front + n_k], dv[:, :, w.front:w.front + n_k]
+
+
 def _win_backward(f: _Fused, w: _Window, out: torch.Tensor, lse: torch.Tensor,
                   dout: torch.Tensor) -> tuple[torch.Tensor, ...]:
     p = f.p
     B, hkv, g, n_q, d = f.q.shape
-    kw, vw = _win_kv(f, w)
-    add, _ = _win_mask(f, w)
     lse_b = torch.where(lse == -math.inf, torch.full_like(lse, math.inf), lse)
     if lse_b.dtype != torch.float64:
         lse_b = lse_b.float()
+    split = _win_split(f, w)
+    if split is not None:
+        return _win_backward_split(f, w, split, out, lse_b, dout)
+    kw, vw = _win_kv(f, w)
+    add, _ = _win_mask(f, w)
     lse_w = _win_rows(lse_b.unsqueeze(-1), w, n_q).squeeze(-1)
     gq, gk, gv = _flash_bwd(_win_rows(dout, w, n_q), _win_rows(f.q, w, n_q), kw, vw,
                             _win_rows(out, w, n_q), lse_w, 0.0, False, attn_mask=add,
