@@ -288,3 +288,12 @@ def test_bare_attnkit_and_decimals(capsys):
     assert parse(out)[0].values("4")[2] == [0.11, 0.04, 0.84]
     rc, _, err = run(capsys, "--decimals", "-1")
     assert rc == 2 and "--decimals must be between 0 and 12" in err
+
+
+def test_output_paths_are_checked_before_any_work(tmp_path, capsys):
+    rc, out, err = run(capsys, "--plot", str(tmp_path / "heat.pdf"))
+    assert rc == 2 and out == "" and "ending in .png" in err
+    rc, out, err = run(capsys, "--html", str(tmp_path / "missing" / "page.html"))
+    assert rc == 2 and out == "" and "does not exist" in err and "missing" in err
+    rc, out, err = run(capsys, "--plot", str(tmp_path))
+    assert rc == 2 and out == "" and "directory" in err

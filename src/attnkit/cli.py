@@ -143,6 +143,17 @@ def _traces(args: argparse.Namespace) -> list[Trace]:
     return [tr]
 
 
+def _check_output(path: str | None, key: str) -> None:
+    """Fail before any work when an output path cannot be written (missing folder, a folder)."""
+    if not path:
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise InputError(key, path=path, err="it is a directory")
+    if not os.path.isdir(parent):
+        raise InputError(key, path=path, err=f"the folder {parent} does not exist")
+
+
 def _explain(args: argparse.Namespace) -> int:
     if args.decimals < 0 or args.decimals > 12:
         raise InputError("decimals", d=args.decimals)
@@ -151,6 +162,10 @@ def _explain(args: argparse.Namespace) -> int:
     plot_what = tuple(w.strip() for w in args.plot_steps.split(",") if w.strip())
     if not plot_what or any(w not in WHAT for w in plot_what):
         raise InputError("plot_steps", given=args.plot_steps, choices=", ".join(WHAT))
+    _check_output(args.html, "write_html")
+    _check_output(args.plot, "write_plot")
+    if args.plot and not args.plot.lower().endswith(".png"):
+        raise InputError("plot_ext", path=args.plot)
     try:
         traces = _traces(args)
     except InputError:

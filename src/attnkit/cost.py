@@ -248,7 +248,8 @@ def run_cli(argv: list[str]) -> int:
     parser.add_argument("--kv-heads", type=int, default=None, help="K/V heads (GQA)")
     parser.add_argument("--kv-latent", type=int, default=None, help="MLA latent width d_c")
     parser.add_argument("--ffn-mult", type=int, default=4, help="FFN width multiple (4)")
-    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--batch", type=int, default=1,
+                        help="sequences at once (scales FLOPs and KV-cache bytes)")
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES),
                         help="element type of the KV cache (bfloat16)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")

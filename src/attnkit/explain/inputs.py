@@ -99,6 +99,7 @@ MESSAGES: dict[str, dict[str, str]] = {
         "api": "{msg}{files}",
         "write_html": "cannot write --html {path}: {err}",
         "write_plot": "cannot write --plot {path}: {err}",
+        "plot_ext": "--plot {path}: heatmaps are written as PNG; give a file name ending in .png",
         "needs_mpl": "--plot needs matplotlib ({err}): pip install 'attnkit[plot]'",
     },
     "ko": {
@@ -171,6 +172,7 @@ MESSAGES: dict[str, dict[str, str]] = {
         "api": "입력이 맞지 않습니다 (라이브러리 메시지): {msg}{files}",
         "write_html": "--html {path}에 쓸 수 없습니다: {err}",
         "write_plot": "--plot {path}에 쓸 수 없습니다: {err}",
+        "plot_ext": "--plot {path}: 히트맵은 PNG로 저장됩니다. 이름이 .png로 끝나는 파일을 주세요",
         "needs_mpl": "--plot에는 matplotlib가 필요합니다 ({err}): pip install 'attnkit[plot]'",
     },
 }
