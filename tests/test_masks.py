@@ -132,10 +132,10 @@ def test_from_fn_that_ignores_batch_and_head():
     assert m.name == "mine"
     assert m.to_dense(5, 5, batch=3, heads=2).shape == (3, 2, 5, 5)
     # engines see a minimal broadcast block: no copy per batch/head for a mask that ignores them
-    assert m._dense(5, 5, 3, 2).shape == (1, 1, 5, 5)
+    assert m.evaluate(5, 5, batch=3, heads=2).shape == (1, 1, 5, 5)
     assert m.block_map(5, 5, 2, 2, batch=3, heads=2).shape == (1, 1, 3, 3)
     per_head = masks.from_fn(lambda b, h, q, k: (q + h) % 2 == 0)
-    assert per_head._dense(5, 5, 3, 2).shape == (1, 2, 5, 5)
+    assert per_head.evaluate(5, 5, batch=3, heads=2).shape == (1, 2, 5, 5)
     assert per_head.block_map(5, 5, 2, 2, batch=3, heads=2).shape == (1, 2, 3, 3)
 
 

@@ -320,7 +320,8 @@ def _attends_to(p: Problem, bad: torch.Tensor) -> torch.Tensor:
         if p.mask is None:
             allowed = torch.ones(1, 1, q1 - q0, p.n_k, dtype=torch.bool, device=p.device)
         else:
-            allowed = p.mask._dense(p.n_q, p.n_k, p.batch, p.heads_q, p.device, (q0, q1))
+            allowed = p.mask.evaluate(p.n_q, p.n_k, q_range=(q0, q1), batch=p.batch,
+                                      heads=p.heads_q, device=p.device)
         rows.append((allowed & bad_q).any(-1).expand(p.batch, p.heads_q, q1 - q0))
     return torch.cat(rows, dim=-1)
 

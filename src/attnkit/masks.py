@@ -203,26 +203,33 @@ class Mask:
         dense evaluations and block maps have size H or 1 in dim 1)."""
         return self._sizes.any_bh or (self._sizes.heads is not None and self._sizes.heads > 1)
 
-    def _index_grid(
-        self, n_q: int, n_k: int, batch: int, heads: int, device: torch.device | None,
+    def evaluate(
+        self,
+        n_q: int,
+        n_k: int,
+        *,
         q_range: tuple[int, int] | None = None,
-    ) -> tuple[torch.Tensor, ...]:
-        dev = device if device is not None else self._device
+        k_range: tuple[int, int] | None = None,
+        batch: int = 1,
+        heads: int = 1,
+        device: torch.device | str | None = None,
+    ) -> torch.Tensor:
+        """The mask on queries ``[q0, q1)`` × keys ``[k0, k1)`` of an ``n_q × n_k`` call.
+
+        Returns bool ``(B|1, H|1, q1 - q0, k1 - k0)`` (True = may attend): the batch and head
+        dims are 1 where the mask does not depend on them (broadcast it, don't copy it).
+        ``q_range`` / ``k_range`` default to every query / key. This is how engines evaluate
+        a mask on one tile or one block row; :meth:`to_dense` is the full-size copy.
+        """
+        dev = torch.device(device) if device is not None else self._device
         q0, q1 = q_range if q_range is not None else (0, n_q)
+        k0, k1 = k_range if k_range is not None else (0, n_k)
         b = torch.arange(batch if self.depends_on_batch else 1, device=dev).view(-1, 1, 1, 1)
         h = torch.arange(heads if self.depends_on_heads else 1, device=dev).view(1, -1, 1, 1)
         q = torch.arange(q0, q1, device=dev).view(1, 1, -1, 1)
-        k = torch.arange(n_k, device=dev).view(1, 1, 1, -1)
-        return b, h, q, k
-
-    def _dense(
-        self, n_q: int, n_k: int, batch: int = 1, heads: int = 1,
-        device: torch.device | None = None, q_range: tuple[int, int] | None = None,
-    ) -> torch.Tensor:
-        """Minimal broadcastable dense mask ``(B'|1, H'|1, rows, N_k)``."""
-        b, h, q, k = self._index_grid(n_q, n_k, batch, heads, device, q_range)
+        k = torch.arange(k0, k1, device=dev).view(1, 1, 1, -1)
         out = self(b, h, q, k, n_q, n_k)
-        shape = (b.shape[0], h.shape[1], q.shape[2], n_k)
+        shape = (b.shape[0], h.shape[1], q1 - q0, k1 - k0)
         while out.dim() < 4:
             out = out.unsqueeze(0)
         try:
@@ -255,7 +262,8 @@ class Mask:
         batch = self._default_batch(batch)
         heads = self._default_heads(heads)
         dev = torch.device(device) if device is not None else None
-        return self._dense(n_q, n_k, batch, heads, dev).expand(batch, heads, n_q, n_k).clone()
+        return self.evaluate(n_q, n_k, batch=batch, heads=heads, device=dev).expand(
+            batch, heads, n_q, n_k).clone()
 
     def _default_batch(self, batch: int | None) -> int:
         if batch is None:
@@ -307,7 +315,7 @@ class Mask:
         pad_k = nbk * block_k - n_k
         for i in range(nbq):
             q0, q1 = i * block_q, min((i + 1) * block_q, n_q)
-            d = self._dense(n_q, n_k, batch, heads, device, q_range=(q0, q1))
+            d = self.evaluate(n_q, n_k, q_range=(q0, q1), batch=batch, heads=heads, device=device)
             d = d.expand(d.shape[0], d.shape[1], q1 - q0, n_k)
             if pad_k:
                 # padding columns: neutral for "any" (False) and for "all" (True)
@@ -365,7 +373,7 @@ class Mask:
         allowed = 0
         rows = max(1, 2**22 // max(n_k, 1))
         for q0 in range(0, n_q, rows):
-            d = self._dense(n_q, n_k, batch, heads, None, q_range=(q0, min(q0 + rows, n_q)))
+            d = self.evaluate(n_q, n_k, q_range=(q0, min(q0 + rows, n_q)), batch=batch, heads=heads)
             full_shape = (batch, heads, d.shape[2], n_k)
             allowed += int(d.sum()) * (math.prod(full_shape) // d.numel())
         return 1.0 - allowed / (batch * heads * n_q * n_k)
@@ -382,7 +390,7 @@ class Mask:
         n_q = n_q if n_q is not None else (nat_q or nat_k or 8)
         n_k = n_k if n_k is not None else (nat_k or n_q)
         batch = self._sizes.batch or 1
-        d = self._dense(n_q, n_k, batch=max(batch, b + 1), heads=h + 1)
+        d = self.evaluate(n_q, n_k, batch=max(batch, b + 1), heads=h + 1)
         d = d[min(b, d.shape[0] - 1), min(h, d.shape[1] - 1)].expand(n_q, n_k)
         lines = [f"{self.name}  ({n_q}×{n_k}, █ = may attend, ░ = blocked)"]
         lines += ["".join("█" if x else "░" for x in row.tolist()) for row in d]

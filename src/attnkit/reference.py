@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .backends.base import Backend, Problem, compute_dtype
+from .backends.base import Backend, Problem, compute_dtype, finish, softmax_shift
 from .scores import soft_cap
 
 __all__ = ["Intermediates", "reference", "ReferenceBackend", "safe_softmax"]
@@ -46,15 +46,10 @@ def safe_softmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if logits.shape[-1] == 0:                             # no keys at all: every row empty
         return logits, torch.full(logits.shape[:-1], -torch.inf, dtype=logits.dtype,
                                   device=logits.device)
-    m = logits.amax(-1, keepdim=True).detach()           # (…, N_q, 1) row max
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))   # empty row: shift by 0
-    e = torch.exp(logits - m)                             # (…, N_q, N_k) in (0, 1]
-    z = e.sum(-1, keepdim=True)                           # (…, N_q, 1)   row sum
-    nonempty = z > 0
-    z_safe = torch.where(nonempty, z, torch.ones_like(z))
-    weights = e / z_safe                                  # (…, N_q, N_k) rows sum to 1 (or 0)
-    lse = torch.where(nonempty, m + torch.log(z_safe), torch.full_like(z, -torch.inf))
-    return weights, lse.squeeze(-1)
+    m = softmax_shift(logits.amax(-1).detach())           # (…, N_q) row max (empty row: 0)
+    e = torch.exp(logits - m.unsqueeze(-1))               # (…, N_q, N_k) in (0, 1]
+    z = e.sum(-1)                                         # (…, N_q)      row sum
+    return finish(e, z, m)                                # weights sum to 1 (or 0), lse
 
 
 def _indices(p: Problem, device: torch.device) -> tuple[torch.Tensor, ...]:

@@ -26,12 +26,65 @@ import torch
 from ..masks import Mask
 from ..scores import ScoreMod
 
-__all__ = ["Problem", "Backend", "compute_dtype"]
+__all__ = ["Problem", "Backend", "compute_dtype", "softmax_shift", "finish", "merge_partials"]
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Accumulation dtype: float64 stays float64, everything else accumulates in float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# ------------------------------------------------------------------ shared primitives
+# Every engine ends an online softmax the same way and merges partial results over disjoint
+# key sets the same way; these three functions are that one way. Conventions: a row with no
+# allowed key has sum 0 and LSE −∞ (→ output 0); NaN anywhere in a row propagates (a NaN
+# input that is used shows as NaN, it is never mistaken for "no key").
+
+
+def softmax_shift(row_max: torch.Tensor) -> torch.Tensor:
+    """The row max as the softmax shift: −∞ (a row with no allowed key) becomes 0, so that
+    ``exp(x − shift)`` is exactly 0 there instead of NaN. NaN stays NaN."""
+    return torch.where(row_max == -torch.inf, torch.zeros_like(row_max), row_max)
+
+
+def finish(acc: torch.Tensor, row_sum: torch.Tensor, row_max: torch.Tensor,
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """End an online softmax: ``out = acc / l`` and ``lse = m + log l``.
+
+    ``acc (…, rows, D)`` is ``Σ_j e^{x_j − m} v_j``, ``row_sum (…, rows)`` is
+    ``l = Σ_j e^{x_j − m}`` and ``row_max (…, rows)`` the shift ``m`` that was used.
+    A row with ``l == 0`` (no allowed key) gets output 0 and LSE −∞, with zero gradients.
+    """
+    empty = row_sum == 0
+    l_safe = torch.where(empty, torch.ones_like(row_sum), row_sum)
+    out = acc / l_safe.unsqueeze(-1)
+    lse = torch.where(empty, torch.full_like(row_sum, -torch.inf), row_max + torch.log(l_safe))
+    return out, lse
+
+
+def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]], *, inplace: bool = False,
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge normalised partial results of the same rows over disjoint key sets.
+
+    Each part is ``(out_r (…, rows, D), lse_r (…, rows))``; the result is
+    ``lse = log Σ_r e^{lse_r}`` and ``out = Σ_r e^{lse_r − lse} out_r``. A row that is empty
+    in every part (all ``lse_r = −∞``) gets output 0 and LSE −∞. With ``inplace`` the first
+    part's output buffer is overwritten (no new ``(…, rows, D)`` tensor).
+    """
+    if len(parts) == 1:
+        return parts[0]
+    lse = torch.stack([p[1] for p in parts])                 # (R, …, rows)
+    m = softmax_shift(lse.amax(0))                           # (…, rows)
+    w = torch.exp(lse - m)                                   # (R, …, rows) 0 where lse = −∞
+    s = w.sum(0)                                             # (…, rows)
+    empty = s == 0
+    s_safe = torch.where(empty, torch.ones_like(s), s)
+    w = (w / s_safe).unsqueeze(-1)                           # (R, …, rows, 1) normalised
+    out = parts[0][0].mul_(w[0]) if inplace else parts[0][0] * w[0]
+    for r in range(1, len(parts)):
+        out = out.addcmul_(parts[r][0], w[r]) if inplace else out + parts[r][0] * w[r]
+    lse_out = torch.where(empty, torch.full_like(s, -torch.inf), m + torch.log(s_safe))
+    return out, lse_out
 
 
 @dataclass
@@ -100,7 +153,8 @@ class Problem:
         """The mask as bool ``(B|1, H_q|1, N_q, N_k)``, or ``None`` when everything is allowed."""
         if self.mask is None:
             return None
-        return self.mask._dense(self.n_q, self.n_k, self.batch, self.heads_q, self.device)
+        return self.mask.evaluate(self.n_q, self.n_k, batch=self.batch, heads=self.heads_q,
+                                  device=self.device)
 
 
 class Backend:

@@ -257,7 +257,7 @@ def _plan_mask(p: Problem) -> _MaskPlan:
         plan.q_ids, plan.k_ids = (t.to(device=dev, dtype=torch.int64) for t in ids)
         summary_terms.append(term)
     if dense_terms:
-        d = _and_all(dense_terms)._dense(p.n_q, p.n_k, p.batch, p.heads_q, dev)
+        d = _and_all(dense_terms).evaluate(p.n_q, p.n_k, batch=p.batch, heads=p.heads_q, device=dev)
         # keep broadcast (stride-0) dims at size 1 so that they cost no memory
         index = tuple(slice(0, 1) if (st == 0 and n > 1) else slice(None)
                       for st, n in zip(d.stride(), d.shape, strict=True))
