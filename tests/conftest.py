@@ -53,7 +53,6 @@ _ATTN_OPTS = ("mask", "is_causal", "scale", "softcap", "score_mod", "dropout_p")
 def skip_unless_supported(name: str, q: Any, k: Any, v: Any, **opts: Any) -> None:
     """``pytest.skip`` with the backend's reasons when it cannot run this call."""
     prep = prepare(q, k, v, **{o: opts[o] for o in _ATTN_OPTS if o in opts})
-    prep.problem.need_lse = bool(opts.get("return_lse", False))
     if prep.problem.n_q == 0 or prep.problem.n_k == 0:
         return                                   # answered by attention() itself
     reasons = ak.backends.get(name).not_supported_reasons(prep.problem)

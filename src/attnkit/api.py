@@ -39,8 +39,6 @@ from .scores import ScoreMod
 
 __all__ = ["attention", "prepare", "Prepared"]
 
-BackendName = Literal["auto", "reference", "tiled", "decode", "triton"]
-
 
 @dataclass
 class Prepared:
@@ -378,16 +376,9 @@ def attention(
 
     A query with no allowed key gets output 0 (never NaN).
     """
-    if not isinstance(backend, str):
-        raise TypeError(f"backend must be a string, got {type(backend).__name__}")
-    if backend != "auto" and backend not in _backends.names():
-        raise ValueError(
-            f"unknown backend {backend!r}: choose one of "
-            f"{', '.join(repr(n) for n in ['auto', *_backends.names()])}"
-        )
+    _backends.check_name(backend)
     prep = prepare(q, k, v, mask=mask, is_causal=is_causal, scale=scale, softcap=softcap,
                    score_mod=score_mod, dropout_p=dropout_p)
-    prep.problem.need_lse = return_lse
     out, lse = _run(prep.problem, backend)
     if return_lse:
         return prep.restore(out), prep.restore(lse)

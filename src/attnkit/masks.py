@@ -45,6 +45,9 @@ __all__ = [
     "Band",
     "Lengths",
     "Documents",
+    "band_of",
+    "lengths_of",
+    "documents_of",
     "causal",
     "sliding_window",
     "padding",
@@ -92,6 +95,38 @@ class Documents:
 
 
 MaskSpec = Band | Lengths | Documents
+
+# ---------------------------------------------------------------------- spec readers
+# Engines compute structured masks in closed form; these are the one place that reads specs.
+def band_of(m: Mask, n_q: int, n_k: int) -> tuple[float, float] | None:
+    """``(lo, hi)`` with allowed ⇔ ``lo <= q_idx - kv_idx <= hi`` on an ``n_q × n_k`` call
+    (the alignment offset folded in), or ``None`` when ``m`` is not a band mask."""
+    spec = m.spec
+    if not isinstance(spec, Band):
+        return None
+    off = spec.offset(n_q, n_k)
+    return (spec.lo - off, spec.hi - off)
+
+
+def lengths_of(m: Mask) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """``(kv_lengths (B|1,), q_lengths (B|1,) or None)`` of a padding mask, else ``None``."""
+    spec = m.spec
+    if not isinstance(spec, Lengths):
+        return None
+    return spec.kv_lengths, spec.q_lengths
+
+
+def documents_of(m: Mask, n_q: int, n_k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(ids (B|1, N_q), kv_ids (B|1, N_k))`` of a document mask built for this size, else
+    ``None`` (a mismatched size is left to evaluation, which raises the mask's own error)."""
+    spec = m.spec
+    if not isinstance(spec, Documents):
+        return None
+    qi, ki = spec.ids, spec.kv_ids
+    if qi.dim() != 2 or ki.dim() != 2 or qi.shape[1] != n_q or ki.shape[1] != n_k:
+        return None
+    return qi, ki
+
 
 # fn(b, h, q_idx, kv_idx, n_q, n_k) -> bool tensor broadcast from the index tensors.
 IndexFn = Callable[..., torch.Tensor]

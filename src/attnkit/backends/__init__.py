@@ -14,7 +14,8 @@ import importlib
 from ..reference import ReferenceBackend
 from .base import Backend, Problem
 
-__all__ = ["Backend", "Problem", "register", "get", "names", "select", "PRIORITY", "REGISTRY"]
+__all__ = ["Backend", "Problem", "register", "get", "names", "select", "check_name", "PRIORITY",
+           "REGISTRY"]
 
 REGISTRY: dict[str, Backend] = {}
 # Fastest first; "auto" walks this list. The reference is last: it supports everything.
@@ -36,18 +37,27 @@ def names() -> list[str]:
     return list(REGISTRY)
 
 
+def check_name(name: object, *, what: str = "backend") -> str:
+    """``name`` if it is ``"auto"`` or a registered backend, else a clear error (the one check
+    every entry point uses)."""
+    if not isinstance(name, str):
+        raise TypeError(f"{what} must be a string, got {type(name).__name__}")
+    if name != "auto" and name not in REGISTRY:
+        raise ValueError(
+            f"unknown {what} {name!r}: choose one of "
+            f"{', '.join(repr(n) for n in ['auto', *REGISTRY])}"
+        )
+    return name
+
+
 def get(name: str) -> Backend:
     return REGISTRY[name]
 
 
 def select(p: Problem, name: str = "auto") -> Backend:
     """The backend that will run ``p``: the named one, or the first in priority that fits."""
+    check_name(name)
     if name != "auto":
-        if name not in REGISTRY:
-            raise ValueError(
-                f"unknown backend {name!r}: choose one of "
-                f"{', '.join(repr(n) for n in ['auto', *REGISTRY])}"
-            )
         reasons = REGISTRY[name].not_supported_reasons(p)
         if reasons:
             raise ValueError(

@@ -19,14 +19,15 @@ K/V rows that hold NaN/inf have already been replaced by zeros where that matter
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from ..masks import Mask
 from ..scores import ScoreMod
 
-__all__ = ["Problem", "Backend", "compute_dtype", "softmax_shift", "finish", "merge_partials"]
+__all__ = ["Problem", "Backend", "Capabilities", "compute_dtype", "softmax_shift", "finish",
+           "merge_partials", "refuse_double_backward"]
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -87,6 +88,19 @@ def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]], *, inplace: b
     return out, lse_out
 
 
+def refuse_double_backward(backend: str) -> None:
+    """Call at the top of a hand-written ``backward``: second derivatives (``create_graph=True``,
+    gradgradcheck, Hessian-vector products) through it would be silently wrong, so they are
+    refused with one attnkit error, the same on every backend."""
+    if torch.is_grad_enabled():
+        raise NotImplementedError(
+            f"backend {backend!r} computes first derivatives only: second derivatives "
+            "(backward with create_graph=True, torch.autograd.gradgradcheck, Hessian-vector "
+            "products) are not supported through it. Use backend='reference', whose "
+            "derivatives are torch autograd's to any order."
+        )
+
+
 @dataclass
 class Problem:
     """One normalised attention call (see the module's shape legend)."""
@@ -100,8 +114,6 @@ class Problem:
     softcap: float | None = None
     score_mod: ScoreMod | None = None
     dropout_p: float = 0.0
-    need_lse: bool = False
-    extras: dict = field(default_factory=dict)
 
     @property
     def batch(self) -> int:
@@ -157,15 +169,81 @@ class Problem:
                                   device=self.device)
 
 
+_ALL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend supports, as data. :meth:`Backend.not_supported_reasons` turns every
+    unmet field into one reason; a backend adds only the checks that no field expresses.
+
+    ``devices``: device types (``"cpu"``, ``"cuda"``); ``dtypes``: input dtypes;
+    ``max_head_dim``: the largest ``max(D_k, D_v)`` (None = any); ``max_queries``: the
+    largest ``N_q`` (None = any); ``grad``: backward; ``dropout``; ``score_mod``: an
+    arbitrary Python score function; ``mask_kinds``: which masks run (``"any"``, or a tuple
+    of spec kinds such as ``("band", "lengths", "documents", "small_dense")``, checked by
+    the backend itself).
+    """
+
+    devices: tuple[str, ...] = ("cpu", "cuda")
+    dtypes: tuple[torch.dtype, ...] = _ALL_DTYPES
+    max_head_dim: int | None = None
+    max_queries: int | None = None
+    grad: bool = True
+    dropout: bool = True
+    score_mod: bool = True
+    mask_kinds: str | tuple[str, ...] = "any"
+    # how to fix an unmet field, appended to its reason (e.g. "use 'tiled' for training")
+    hints: tuple[tuple[str, str], ...] = ()
+
+    def reasons(self, p: Problem) -> list[str]:
+        """One reason per unmet field (empty = every declared capability fits ``p``)."""
+        hint = dict(self.hints)
+
+        def say(field_: str, text: str) -> str:
+            return f"{text}: {hint[field_]}" if field_ in hint else text
+
+        out = []
+        if p.device.type not in self.devices:
+            out.append(say("devices", f"runs on {' / '.join(self.devices)} only "
+                                      f"(inputs are on {p.device})"))
+        if p.dtype not in self.dtypes:
+            names = ", ".join(str(d).replace("torch.", "") for d in self.dtypes)
+            out.append(say("dtypes", f"dtype {p.dtype} is not supported (use {names})"))
+        if self.max_head_dim is not None and max(p.d_k, p.d_v) > self.max_head_dim:
+            out.append(say("max_head_dim", f"head dims D_k={p.d_k}, D_v={p.d_v} exceed "
+                                           f"{self.max_head_dim}"))
+        if self.max_queries is not None and p.n_q > self.max_queries:
+            out.append(say("max_queries", f"made for at most {self.max_queries} queries, "
+                                          f"got N_q={p.n_q}"))
+        if not self.grad and p.requires_grad:
+            out.append(say("grad", "forward only (inputs require grad)"))
+        if not self.dropout and p.dropout_p > 0.0:
+            out.append(say("dropout", f"no dropout, got dropout_p={p.dropout_p}"))
+        if not self.score_mod and p.score_mod is not None:
+            out.append(say("score_mod", "score_mod is an arbitrary Python function that this "
+                                        "backend cannot run"))
+        return out
+
+
 class Backend:
-    """Base class: a named way to compute attention for the problems it supports."""
+    """Base class: a named way to compute attention for the problems it supports.
+
+    A backend declares :attr:`capabilities` (data) and overrides :meth:`extra_reasons` only
+    for checks the capabilities cannot express.
+    """
 
     name: str = "?"
     description: str = ""
+    capabilities: Capabilities = Capabilities()
 
     def not_supported_reasons(self, p: Problem) -> list[str]:
         """Why this backend cannot run ``p`` (an empty list means it can)."""
-        raise NotImplementedError
+        return self.capabilities.reasons(p) + self.extra_reasons(p)
+
+    def extra_reasons(self, p: Problem) -> list[str]:
+        """Backend-specific reasons beyond :attr:`capabilities` (default: none)."""
+        return []
 
     def forward(self, p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``(out, lse)`` with shapes ``(B, H_q, N_q, D_v)`` and ``(B, H_q, N_q)``."""
