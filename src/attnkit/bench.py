@@ -204,9 +204,13 @@ def _useful_pairs(c: Case, mask: object) -> float:
     return (1.0 - mask.sparsity(c.n_q, c.n_k)) * c.n_q * c.n_k  # type: ignore[union-attr]
 
 
-def run_case(c: Case, flops_s: float, bw: float, flex: tuple[Callable | None, str],
+def run_case(c: Case, bw: float, flex: tuple[Callable | None, str],
              naive_limit_gb: float) -> list[tuple[str, str]]:
-    """Run one case; returns printable (label, line) rows and fills ``c.results``."""
+    """Run one case; returns printable (label, line) rows and fills ``c.results``.
+
+    The sgemm yardstick (and, for decode, the read bandwidth) is measured inside the case,
+    interleaved with the implementations; ``bw`` is used only when the case has no read
+    yardstick of its own."""
     import attnkit as ak
 
     torch.manual_seed(0)
@@ -479,7 +483,7 @@ def run_cli(argv: list[str]) -> int:
               f", {c.repeat} runs)")
         print(header)
         try:
-            rows = run_case(c, flops_s, bw, flex, naive_limit_gb=1.5)
+            rows = run_case(c, bw, flex, naive_limit_gb=1.5)
         except Exception as e:  # noqa: BLE001
             print(f"  failed: {type(e).__name__}: {e}")
             continue
