@@ -215,11 +215,7 @@ def make_attention_function(
     the translation. ``backend`` is passed to :func:`attnkit.attention`; keywords named in
     ``ignore_kwargs`` are accepted and ignored.
     """
-    if not isinstance(backend, str) or (backend != "auto" and backend not in _backends.names()):
-        raise ValueError(
-            f"unknown attnkit backend {backend!r}: choose one of "
-            f"{', '.join(repr(n) for n in ['auto', *_backends.names()])}"
-        )
+    _backends.check_name(backend, what="attnkit backend")
     ignore = frozenset(ignore_kwargs)
 
     def attnkit_attention_forward(
