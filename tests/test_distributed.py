@@ -28,7 +28,7 @@ import torch.multiprocessing as mp
 
 import attnkit as ak
 from attnkit import distributed as akd
-from attnkit.backends.base import Backend, Problem
+from attnkit.backends.base import Backend, Problem, merge_partials
 
 JOIN_TIMEOUT_S = 90         # a hung collective fails the run instead of hanging CI
 COLLECTIVE_TIMEOUT_S = 30   # gloo gives up on a lost peer after this
@@ -436,7 +436,7 @@ def test_merge_of_key_blocks_equals_attention_over_all_keys() -> None:
     out = torch.zeros_like(want)
     lse = torch.full_like(want_lse, -torch.inf)
     for o, lb in ((o1, l1), (o2, l2)):
-        out, lse = akd._merge(out, lse, o, lb)
+        out, lse = merge_partials([(out, lse), (o, lb)])
     _assert_close(out, want, 1e-12)
     _assert_close(lse, want_lse, 1e-12)
 
@@ -447,7 +447,7 @@ def test_merge_ignores_fully_masked_blocks() -> None:
     lse = torch.tensor([[[0.5, -torch.inf, 2.0], [1.0, -torch.inf, -3.0]]], dtype=torch.float64)
     o_b = torch.zeros_like(out)                # an empty block's output is 0
     lse_b = torch.full_like(lse, -torch.inf)
-    m_out, m_lse = akd._merge(out, lse, o_b, lse_b)
+    m_out, m_lse = merge_partials([(out, lse), (o_b, lse_b)])
     assert torch.equal(m_lse, lse)
     rows = torch.isfinite(lse)
     _assert_close(m_out[rows], out[rows], 1e-15)

@@ -38,7 +38,6 @@ owner as the full dK/dV; dQ never leaves its rank.
 Use::
 
     import torch.distributed as dist
-from torch.autograd.function import once_differentiable
     import attnkit.distributed
 
     dist.init_process_group("nccl")                         # or "gloo" on CPU
@@ -65,9 +64,8 @@ Caution
   carries one (reference, tiled, triton) does each block in one recompute. For a backend whose
   LSE does not (detected per call), that part is added by hand from one more attention call
   per block (with K as the values): about twice the backward work, still O(N) memory. With
-  ``softcap`` that
-  shortcut does not apply, and such blocks are recomputed with the reference backend
-  (O(N_q·N_k) memory per block).
+  ``softcap`` that shortcut does not apply, and such blocks are recomputed with the reference
+  backend (O(N_q·N_k) memory per block).
 - Precision: for float16/bfloat16 inputs the forward blocks run in the input dtype and are
   merged in float32; the backward recomputes each block in float32, so that a block's
   gradients are not rounded to half precision before they are summed over the ring (the
@@ -88,7 +86,7 @@ from torch.autograd.function import once_differentiable
 
 from . import backends as _backends
 from .api import attention, prepare
-from .backends.base import compute_dtype
+from .backends.base import compute_dtype, merge_partials, softmax_shift
 
 __all__ = ["ring_attention"]
 
@@ -145,29 +143,10 @@ def _unpack(buf: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor]:
     return out
 
 
-def _merge(out: torch.Tensor, lse: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor,
-           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Combine two partial softmax results by their log-sum-exps (−∞-safe).
-
-    out, o_b (B, H, N, D_v) in the accumulation dtype; lse, lse_b (B, H, N).
-    """
-    m = torch.maximum(lse, lse_b)                                  # (B, H, N)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))     # both −∞: shift by 0
-    a = torch.exp(lse - m)                                         # 0 where lse = −∞
-    b = torch.exp(lse_b - m)
-    z = a + b
-    nonempty = z > 0
-    z_safe = torch.where(nonempty, z, torch.ones_like(z))
-    new_out = (a[..., None] * out + b[..., None] * o_b.to(out.dtype)) / z_safe[..., None]
-    new_lse = torch.where(nonempty, m + torch.log(z_safe), torch.full_like(z, -torch.inf))
-    return new_out, new_lse
-
-
 def _share(lse_b: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """``exp(lse_b − lse)``: a block's share of the global softmax mass, 0 where either is −∞."""
-    ok = torch.isfinite(lse_b) & torch.isfinite(lse)
-    return torch.where(ok, torch.exp(torch.where(ok, lse_b - lse, torch.zeros_like(lse))),
-                       torch.zeros_like(lse))
+    """``exp(lse_b − lse)``: a block's share of the global softmax mass; 0 where the block has
+    no allowed key (``lse_b = −∞``, also when the whole row has none), NaN stays NaN."""
+    return torch.exp(lse_b - softmax_shift(lse))
 
 
 class _Options:
@@ -210,7 +189,7 @@ def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: _Options
         if o.computes(src):
             k_b, v_b = _unpack(kv, shapes)
             o_b, lse_b = o.block(q, k_b, v_b, src)
-            out, lse = _merge(out, lse, o_b, lse_b.to(acc))
+            out, lse = merge_partials([(out, lse), (o_b, lse_b.to(acc))], inplace=True)
         if pending is not None:
             kv, reqs = pending
             ring.wait(reqs)
@@ -439,11 +418,7 @@ def ring_attention(
                 raise TypeError(f"ring_attention: {name} must be a torch.Tensor, got "
                                 f"{type(t).__name__}")
         prep = prepare(q, k, v, scale=scale, softcap=softcap)
-        if not isinstance(backend, str):
-            raise TypeError(f"backend must be a string, got {type(backend).__name__}")
-        if backend != "auto" and backend not in _backends.names():
-            raise ValueError(f"unknown backend {backend!r}: choose one of "
-                             f"{', '.join(map(repr, ['auto', *_backends.names()]))}")
+        _backends.check_name(backend)
         p = prep.problem
         if is_causal and p.n_q != p.n_k:
             raise ValueError(
