@@ -22,10 +22,17 @@ from __future__ import annotations
 from . import backends, cost, distributed, masks, scores
 from .api import attention
 from .explain import Trace, explain
-from .layers import KVCache, MultiHeadAttention, MultiHeadLatentAttention
+from .layers import (
+    KVCache,
+    MultiHeadAttention,
+    MultiHeadLatentAttention,
+    RMSNorm,
+    TorchStyleMultiheadAttention,
+)
 
 __version__ = "0.1.0"
 
-__all__ = ["MultiHeadAttention", "MultiHeadLatentAttention", "KVCache", "cost",
+__all__ = ["MultiHeadAttention", "MultiHeadLatentAttention", "KVCache", "RMSNorm",
+           "TorchStyleMultiheadAttention", "cost",
            "attention", "explain", "Trace", "masks", "scores", "backends", "distributed",
            "__version__"]

@@ -1,0 +1,207 @@
+"""Multi-head attention with learned projections: MHA, GQA (``n_kv_heads``) and MQA.
+
+Shape legend::
+
+    B  batch      N_q query tokens     N_k key/value tokens (cached ones included)
+    d  d_model    d_kv kv_dim          H query heads    H_kv key/value heads (1 = MQA)
+    d_k head_dim  d_v v_head_dim
+
+    x (B, N_q, d)  context, value (B, N_k, d_kv)
+    q (B, H, N_q, d_k)  k (B, H_kv, N_k, d_k)  v (B, H_kv, N_k, d_v)  out (B, N_q, d)
+
+Caution
+-------
+- A query with no allowed key gets output 0 (before W_O) where torch gives NaN.
+- The cache and causal alignment rules are :mod:`attnkit.layers.cache`'s and
+  :mod:`attnkit.layers.shared`'s.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from .cache import KVCache
+from .common import check_options, head_dims, positive_int, split_heads
+from .norms import RMSNorm
+from .shared import attend, cache_step, check_call, finish
+
+__all__ = ["MultiHeadAttention"]
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention with learned projections: MHA, GQA (``n_kv_heads``) and MQA.
+
+    ``out = concat_h( softmax(Q_h K_hᵀ / √d_k + M) V_h ) W_Oᵀ`` where
+    ``Q = x W_Qᵀ``, ``K = context W_Kᵀ``, ``V = context W_Vᵀ`` are split into heads.
+
+    Example (the course's picture): T=3 tokens, d=8, h=2 → per-head Q, K, V are 3×4, each
+    head's output 3×4, concatenated back to 3×8, then W_O.
+
+    Shapes: see the module's shape legend. Parameters (``nn.Linear``; weights ``(out, in)``)::
+
+        q_proj    W_Q  (H·d_k,    d)      k_proj  W_K (H_kv·d_k, d_kv)
+        v_proj    W_V  (H_kv·d_v, d_kv)   out_proj W_O (d, H·d_v)
+        qk_proj   W_QK (H·d_k, d) — replaces q_proj and k_proj when ``tie_qk=True``
+        q_norm, k_norm  RMSNorm gains (d_k,) — when ``qk_norm=True``
+
+    Args:
+        d_model: input (and output) width d.
+        n_heads: query heads H.
+        n_kv_heads: key/value heads H_kv (default H = MHA; 1 = MQA; must divide H).
+        head_dim: d_k per head (default d / H).
+        v_head_dim: d_v per head (default d_k).
+        kv_dim: width of ``context`` for cross-attention (default d).
+        bias: add biases to all four projections.
+        qk_norm: RMSNorm with a learnable gain on each head's q and k before the scores.
+        softcap: ``c`` maps each scaled logit x to ``c·tanh(x/c)``.
+        dropout: dropout on the attention weights (training mode only).
+        tie_qk: one shared projection for Q and K (raw self-attention scores are symmetric).
+    """
+
+    cache_kind = "MultiHeadAttention"       # what a KVCache of this layer holds: k, v
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        *,
+        n_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        v_head_dim: int | None = None,
+        kv_dim: int | None = None,
+        bias: bool = False,
+        qk_norm: bool = False,
+        softcap: float | None = None,
+        dropout: float = 0.0,
+        tie_qk: bool = False,
+    ) -> None:
+        super().__init__()
+        d_model = positive_int(d_model, "d_model")
+        n_heads = positive_int(n_heads, "n_heads")
+        head_dim, v_head_dim = head_dims(d_model, n_heads, head_dim, v_head_dim)
+        n_kv_heads = positive_int(n_heads if n_kv_heads is None else n_kv_heads, "n_kv_heads")
+        if n_heads % n_kv_heads:
+            raise ValueError(
+                f"n_heads={n_heads} must be a multiple of n_kv_heads={n_kv_heads} (each K/V "
+                f"head serves a group of query heads): use a divisor of {n_heads}"
+            )
+        kv_dim = positive_int(d_model if kv_dim is None else kv_dim, "kv_dim")
+        check_options(softcap, dropout)
+        if tie_qk and (n_kv_heads != n_heads or kv_dim != d_model):
+            raise ValueError(
+                f"tie_qk=True shares one projection for Q and K, so it needs n_kv_heads == "
+                f"n_heads and kv_dim == d_model, got n_heads={n_heads}, n_kv_heads={n_kv_heads}"
+                f", d_model={d_model}, kv_dim={kv_dim}"
+            )
+        self.d_model, self.n_heads, self.n_kv_heads = d_model, n_heads, n_kv_heads
+        self.head_dim, self.v_head_dim, self.kv_dim = head_dim, v_head_dim, kv_dim
+        self.softcap = None if softcap is None else float(softcap)
+        self.dropout = float(dropout)
+        self.tie_qk, self.qk_norm = bool(tie_qk), bool(qk_norm)
+        self.scale = 1.0 / math.sqrt(head_dim)
+
+        if tie_qk:
+            self.qk_proj = nn.Linear(d_model, n_heads * head_dim, bias=bias)
+        else:
+            self.q_proj = nn.Linear(d_model, n_heads * head_dim, bias=bias)
+            self.k_proj = nn.Linear(kv_dim, n_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(kv_dim, n_kv_heads * v_head_dim, bias=bias)
+        self.out_proj = nn.Linear(n_heads * v_head_dim, d_model, bias=bias)
+        if qk_norm:
+            self.q_norm = RMSNorm(head_dim)
+            self.k_norm = RMSNorm(head_dim)
+
+    def extra_repr(self) -> str:
+        opts = [f"d_model={self.d_model}", f"n_heads={self.n_heads}",
+                f"n_kv_heads={self.n_kv_heads}", f"head_dim={self.head_dim}"]
+        if self.v_head_dim != self.head_dim:
+            opts.append(f"v_head_dim={self.v_head_dim}")
+        if self.kv_dim != self.d_model:
+            opts.append(f"kv_dim={self.kv_dim}")
+        for name in ("qk_norm", "tie_qk"):
+            if getattr(self, name):
+                opts.append(f"{name}=True")
+        if self.softcap is not None:
+            opts.append(f"softcap={self.softcap}")
+        if self.dropout:
+            opts.append(f"dropout={self.dropout}")
+        return ", ".join(opts)
+
+    # ------------------------------------------------------------------ projections
+    def project_q(self, x: torch.Tensor) -> torch.Tensor:
+        """x (B, N, d) → q (B, H, N, d_k) (normalised when ``qk_norm``)."""
+        w = self.qk_proj if self.tie_qk else self.q_proj
+        q = split_heads(w(x), self.n_heads)
+        return self.q_norm(q) if self.qk_norm else q
+
+    def project_k(self, src: torch.Tensor) -> torch.Tensor:
+        """src (B, N_k, d_kv) → k (B, H_kv, N_k, d_k) (normalised when ``qk_norm``)."""
+        w = self.qk_proj if self.tie_qk else self.k_proj
+        k = split_heads(w(src), self.n_kv_heads)
+        return self.k_norm(k) if self.qk_norm else k
+
+    def project_v(self, src: torch.Tensor) -> torch.Tensor:
+        """src (B, N_k, d_kv) → v (B, H_kv, N_k, d_v)."""
+        return split_heads(self.v_proj(src), self.n_kv_heads)
+
+    # ------------------------------------------------------------------ forward
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self,
+        x: torch.Tensor,
+        context: torch.Tensor | None = None,
+        *,
+        value: torch.Tensor | None = None,
+        mask: Any = None,
+        is_causal: bool = False,
+        cache: KVCache | None = None,
+        need_weights: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Attend from ``x`` (B, N_q, d) to ``context`` (B, N_k, d_kv), default ``x`` itself.
+
+        Args:
+            value: a separate source for the values ``(B, N_k, d_kv)`` when keys and values
+                come from different tensors (as ``torch.nn.MultiheadAttention`` allows);
+                default ``context``. Needs ``context``.
+            mask: Mask / bool (True = may attend) / additive float, broadcastable to
+                ``(B, H, N_q, N_k)``; with a cache, N_k counts the cached tokens too.
+            is_causal: causal self-attention (bottom-right aligned when a cache is given).
+            cache: a :class:`KVCache` for incremental decoding (self-attention only): the
+                new tokens' K/V are appended and the queries attend to every cached token.
+                A cache belongs to the first layer that writes to it.
+            need_weights: also return the attention weights ``(B, H, N_q, N_k)``.
+
+        Returns ``out`` ``(B, N_q, d)`` (``(N_q, d)`` for unbatched input), or
+        ``(out, weights)`` with ``need_weights=True``.
+        """
+        call = check_call(self, x, context, value, cache, mask, is_causal)
+        q = self.project_q(call.x)                          # (B, H,    N_q, d_k)
+        k = self.project_k(call.k_src)                      # (B, H_kv, N_k, d_k)
+        v = self.project_v(call.v_src)                      # (B, H_kv, N_k, d_v)
+        with cache_step(self, cache, k=k, v=v) as kv:       # (B, H_kv, N_cache, ·)
+            o, weights = attend(q, kv["k"], kv["v"], mask=call.mask, is_causal=call.is_causal,
+                                scale=self.scale, softcap=self.softcap,
+                                dropout_p=self.dropout if self.training else 0.0,
+                                need_weights=need_weights)  # (B, H, N_q, d_v)
+        return finish(self, o, weights, call, need_weights)
+
+    # ------------------------------------------------------------------ torch interop
+    @classmethod
+    def from_torch(cls, m: nn.MultiheadAttention) -> MultiHeadAttention:
+        """An attnkit layer with the same weights as ``torch.nn.MultiheadAttention`` ``m``.
+
+        The result uses attnkit's conventions: batch-first ``(B, N, d)`` inputs and bool
+        masks with True = may attend. To call it exactly like ``m`` (``batch_first`` as in
+        ``m``, torch's ``attn_mask`` / ``key_padding_mask`` with True = blocked, averaged
+        weights), wrap it: ``TorchStyleMultiheadAttention.from_torch(m)``.
+
+        Not supported (raises): ``add_bias_kv``, ``add_zero_attn`` and ``kdim != vdim``.
+        """
+        from .torch_compat import from_torch  # torch_compat builds on this module
+
+        return from_torch(m, cls)
