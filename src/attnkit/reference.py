@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .backends.base import Backend, Problem, compute_dtype, finish, softmax_shift
+from .backends.base import Backend, Capabilities, Problem, compute_dtype, finish, softmax_shift
 from .scores import soft_cap
 
 __all__ = ["Intermediates", "reference", "ReferenceBackend", "safe_softmax"]
@@ -61,7 +61,8 @@ def _indices(p: Problem, device: torch.device) -> tuple[torch.Tensor, ...]:
 
 
 def reference(p: Problem) -> Intermediates:
-    """Run the four textbook steps on a normalised problem, keeping every intermediate."""
+    """Run the five textbook steps (score, scale, mask, softmax, weighted sum) on a normalised
+    problem, keeping every intermediate."""
     acc = compute_dtype(p.dtype)
     q = p.q.to(acc)                                       # (B, H,    N_q, D_k)
     k = p.k.to(acc).repeat_interleave(p.group, dim=1)     # (B, H,    N_k, D_k)  GQA: share K
@@ -99,9 +100,7 @@ class ReferenceBackend(Backend):
 
     name = "reference"
     description = "materialised softmax(QKᵀ·scale + M)V; O(N_q·N_k) memory; every option"
-
-    def not_supported_reasons(self, p: Problem) -> list[str]:
-        return []
+    capabilities = Capabilities(devices=None, dtypes=None)      # everything: the fallback
 
     def forward(self, p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
         r = reference(p)

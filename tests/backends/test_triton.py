@@ -289,9 +289,11 @@ def test_public_api_non_contiguous_inputs_and_nan_in_masked_rows(interpret: None
 def test_second_derivatives_are_refused_not_wrong(interpret: None) -> None:
     q = torch.randn(1, 1, 3, 4, dtype=torch.float64, requires_grad=True)
     out = ak.attention(q, q, q, backend="triton")
-    (dq,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
-    with pytest.raises(RuntimeError, match="differentiate twice"):
-        dq.sum().backward()
+    # one attnkit error, raised where the second-order graph would be built
+    with pytest.raises(NotImplementedError, match="'triton' computes first derivatives only"):
+        torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    (dq,) = torch.autograd.grad(ak.attention(q, q, q, backend="triton").square().sum(), q)
+    assert torch.isfinite(dq).all()                # first derivatives still work
 
 
 @needs_triton

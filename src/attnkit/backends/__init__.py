@@ -1,10 +1,22 @@
 """Backends and the one priority list that picks among them.
 
-Each backend is a :class:`~attnkit.backends.base.Backend` with a name, a
-``not_supported_reasons(problem)`` and a ``forward(problem)``. ``backend="auto"`` takes the
-first backend in :data:`PRIORITY` that reports no reasons; a forced backend that cannot run
-raises ``ValueError`` listing its reasons, and when nothing fits the error lists every
-backend's reasons.
+What lives where::
+
+    base.py         Problem (the one layout), Backend, Capabilities (what a backend supports,
+                    as data) and the shared primitives: softmax_shift, finish, merge_partials,
+                    refuse_double_backward, compute_dtype
+    ../reference.py the formula, materialised (supports everything; the oracle)
+    decode.py       few queries over a long K/V cache (key chunks merged by LSE), CPU
+    tiled/          the CPU engine (block plan, fused/windowed/general schedules, backward)
+    native/         attnkit's compiled CPU kernels, used by tiled and decode
+    triton.py       fused GPU kernels (forward + backward), _triton_kernels.py their source
+
+Each backend is a :class:`~attnkit.backends.base.Backend` with a name, declared
+:class:`~attnkit.backends.base.Capabilities`, its own ``extra_reasons(problem)`` and a
+``forward(problem)``. ``backend="auto"`` takes the first backend in :data:`PRIORITY` that
+reports no reasons. A forced backend that cannot run raises ``ValueError`` with its reasons;
+when nothing fits, the error describes the call once and then gives every backend's reasons,
+one line each.
 """
 
 from __future__ import annotations
@@ -18,15 +30,21 @@ __all__ = ["Backend", "Problem", "register", "get", "names", "select", "check_na
            "REGISTRY"]
 
 REGISTRY: dict[str, Backend] = {}
-# Fastest first; "auto" walks this list. The reference is last: it supports everything.
-PRIORITY: list[str] = []
+#: The order ``backend="auto"`` tries, fastest first. The reference is last: it supports
+#: everything. A built-in backend whose module cannot be imported is left out (see below).
+PRIORITY: list[str] = ["triton", "decode", "tiled", "reference"]
 
 
 def register(backend: Backend, *, before: str | None = None) -> None:
-    """Add a backend to the registry, placed before ``before`` in the priority list
-    (default: just ahead of the reference)."""
+    """Add (or replace) a backend in the registry.
+
+    A name already in :data:`PRIORITY` keeps its place unless ``before`` is given; a new
+    name goes before ``before`` (default: just ahead of the reference).
+    """
     REGISTRY[backend.name] = backend
     if backend.name in PRIORITY:
+        if before is None:
+            return
         PRIORITY.remove(backend.name)
     anchor = before if before in PRIORITY else ("reference" if "reference" in PRIORITY else None)
     PRIORITY.insert(PRIORITY.index(anchor) if anchor else len(PRIORITY), backend.name)
@@ -61,26 +79,38 @@ def select(p: Problem, name: str = "auto") -> Backend:
         reasons = REGISTRY[name].not_supported_reasons(p)
         if reasons:
             raise ValueError(
-                f"backend {name!r} cannot run this call: " + "; ".join(reasons)
-                + ". Use backend='auto' to pick one that can."
+                f"backend {name!r} cannot run this call: " + "; ".join(reasons) + ".\n"
+                f"  the call: {p.describe()}\n"
+                "Use backend='auto' to pick one that can."
             )
         return REGISTRY[name]
-    all_reasons = []
+    lines = []
     for n in PRIORITY:
+        if n not in REGISTRY:
+            continue
         reasons = REGISTRY[n].not_supported_reasons(p)
         if not reasons:
             return REGISTRY[n]
-        all_reasons.append(f"{n}: " + "; ".join(reasons))
-    raise ValueError("no backend can run this call — " + " | ".join(all_reasons))
+        lines.append(f"  {n}: " + "; ".join(reasons))
+    raise ValueError(f"no backend can run this call ({p.describe()}):\n" + "\n".join(lines))
+
+
+def _load(module: str, cls: str) -> None:
+    """Import a built-in backend and register it; one whose module (or whose dependency,
+    e.g. triton) is absent is left out of :data:`PRIORITY`."""
+    try:
+        backend = getattr(importlib.import_module(f"{__name__}.{module}"), cls)()
+    except ModuleNotFoundError as e:
+        if e.name not in (f"{__name__}.{module}", "triton"):
+            raise
+        name = module
+        if name in PRIORITY and name not in REGISTRY:
+            PRIORITY.remove(name)
+        return
+    register(backend)
 
 
 register(ReferenceBackend())
-
-# Optional fast backends register themselves ahead of the reference when they import;
-# one whose module (or whose dependency, e.g. triton) is absent is simply not listed.
-for _mod in ("decode", "tiled", "triton"):
-    try:
-        importlib.import_module(f"{__name__}.{_mod}")
-    except ModuleNotFoundError as _e:
-        if _e.name not in (f"{__name__}.{_mod}", "triton"):
-            raise
+for _module, _cls in (("decode", "DecodeBackend"), ("tiled", "TiledBackend"),
+                      ("triton", "TritonBackend")):
+    _load(_module, _cls)

@@ -10,11 +10,15 @@ Shape legend (the one layout every backend sees)::
     k     (B, H_kv, N_k, D_k)      H_q = G · H_kv (G = group size; GQA/MQA when G > 1)
     v     (B, H_kv, N_k, D_v)
     out   (B, H_q,  N_q, D_v)      same dtype as q
-    lse   (B, H_q,  N_q)           float32 (float64 for float64 inputs); -inf for empty rows
+    lse   (B, H_q,  N_q)           float32 (float64 for float64 inputs); −∞ for a row with
+                                   no allowed key, NaN for a row whose used inputs hold NaN
     bias  broadcastable to (B, H_q, N_q, N_k), finite values only (−∞ entries became mask)
 
-Backends receive N_q ≥ 1 and N_k ≥ 1 (empty sizes are answered by ``attention()``), and
-K/V rows that hold NaN/inf have already been replaced by zeros where that matters.
+Backends receive N_q ≥ 1 and N_k ≥ 1 (empty sizes are answered by ``attention()``). K and V
+may hold NaN/inf, also in rows that the mask blocks: a backend must not let a blocked entry
+reach a row through the softmax (blocked logits are −∞ by ``torch.where``, never by
+arithmetic), but it may let ``0 · NaN`` reach the P·V product — ``attention()`` screens the
+output and reruns the call with such K/V rows zeroed (see :mod:`attnkit.api`).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from ..masks import Mask
 from ..scores import ScoreMod
 
 __all__ = ["Problem", "Backend", "Capabilities", "compute_dtype", "softmax_shift", "finish",
-           "merge_partials", "refuse_double_backward"]
+           "merge_partials", "merge_stacked", "refuse_double_backward"]
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -69,23 +73,42 @@ def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]], *, inplace: b
 
     Each part is ``(out_r (…, rows, D), lse_r (…, rows))``; the result is
     ``lse = log Σ_r e^{lse_r}`` and ``out = Σ_r e^{lse_r − lse} out_r``. A row that is empty
-    in every part (all ``lse_r = −∞``) gets output 0 and LSE −∞. With ``inplace`` the first
-    part's output buffer is overwritten (no new ``(…, rows, D)`` tensor).
+    in every part (all ``lse_r = −∞``) gets output 0 and LSE −∞ (an empty part's output must
+    be 0 there, as :func:`finish` makes it); NaN in any part's LSE makes the row NaN. With
+    ``inplace`` the first part's output buffer is overwritten (no new ``(…, rows, D)``
+    tensor).
     """
     if len(parts) == 1:
         return parts[0]
-    lse = torch.stack([p[1] for p in parts])                 # (R, …, rows)
-    m = softmax_shift(lse.amax(0))                           # (…, rows)
+    w, lse_out = _merge_weights(torch.stack([p[1] for p in parts]))   # (R, …, rows, 1)
+    out = parts[0][0].mul_(w[0]) if inplace else parts[0][0] * w[0]
+    for r in range(1, len(parts)):
+        out = out.addcmul_(parts[r][0], w[r]) if inplace else out + parts[r][0] * w[r]
+    return out, lse_out
+
+
+def merge_stacked(out: torch.Tensor, lse: torch.Tensor, dim: int,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`merge_partials` for parts stacked along ``dim``: ``out (…, R, …, rows, D)`` and
+    ``lse (…, R, …, rows)`` with the parts at ``dim`` of ``lse`` (a non-negative index) —
+    one tensor op per step instead of one per part (flash-decoding's many key chunks)."""
+    lse_r = lse.movedim(dim, 0)                                       # (R, …, rows)
+    w, lse_out = _merge_weights(lse_r)                                # (R, …, rows, 1)
+    out_r = out.movedim(dim, 0)                                       # (R, …, rows, D)
+    return (out_r * w).sum(0), lse_out
+
+
+def _merge_weights(lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one LSE merge: parts' LSEs ``(R, …, rows)`` → normalised weights
+    ``(R, …, rows, 1)`` (exactly 0 for a part with LSE −∞) and the merged LSE ``(…, rows)``."""
+    m = softmax_shift(lse.amax(0))                           # (…, rows) NaN stays NaN
     w = torch.exp(lse - m)                                   # (R, …, rows) 0 where lse = −∞
     s = w.sum(0)                                             # (…, rows)
     empty = s == 0
     s_safe = torch.where(empty, torch.ones_like(s), s)
-    w = (w / s_safe).unsqueeze(-1)                           # (R, …, rows, 1) normalised
-    out = parts[0][0].mul_(w[0]) if inplace else parts[0][0] * w[0]
-    for r in range(1, len(parts)):
-        out = out.addcmul_(parts[r][0], w[r]) if inplace else out + parts[r][0] * w[r]
+    w = (w / s_safe).unsqueeze(-1)
     lse_out = torch.where(empty, torch.full_like(s, -torch.inf), m + torch.log(s_safe))
-    return out, lse_out
+    return w, lse_out
 
 
 def refuse_double_backward(backend: str) -> None:
@@ -161,6 +184,23 @@ class Problem:
         return torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (self.q, self.k, self.v, self.bias))
 
+    def describe(self) -> str:
+        """The call in one line, for errors: shapes, dtype, device, mask and options."""
+        parts = [f"q {tuple(self.q.shape)}, k {tuple(self.k.shape)}, v {tuple(self.v.shape)} "
+                 "(B, H, N, D)", _dtype_name(self.dtype), f"on {self.device}",
+                 f"mask {self.mask.name}" if self.mask is not None else "no mask"]
+        if self.bias is not None:
+            parts.append(f"float mask/bias {tuple(self.bias.shape)}")
+        if self.softcap is not None:
+            parts.append(f"softcap={self.softcap}")
+        if self.score_mod is not None:
+            parts.append(f"score_mod {getattr(self.score_mod, '__name__', 'fn')}")
+        if self.dropout_p > 0.0:
+            parts.append(f"dropout_p={self.dropout_p}")
+        if self.requires_grad:
+            parts.append("needs gradients")
+        return ", ".join(parts)
+
     def allowed_dense(self) -> torch.Tensor | None:
         """The mask as bool ``(B|1, H_q|1, N_q, N_k)``, or ``None`` when everything is allowed."""
         if self.mask is None:
@@ -169,31 +209,35 @@ class Problem:
                                   device=self.device)
 
 
-_ALL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+def _dtype_name(d: torch.dtype) -> str:
+    return str(d).replace("torch.", "")
 
 
 @dataclass(frozen=True)
 class Capabilities:
     """What a backend supports, as data. :meth:`Backend.not_supported_reasons` turns every
-    unmet field into one reason; a backend adds only the checks that no field expresses.
+    unmet field into one reason; a backend adds only the checks that no field expresses
+    (:meth:`Backend.extra_reasons`).
 
-    ``devices``: device types (``"cpu"``, ``"cuda"``); ``dtypes``: input dtypes;
-    ``max_head_dim``: the largest ``max(D_k, D_v)`` (None = any); ``max_queries``: the
-    largest ``N_q`` (None = any); ``grad``: backward; ``dropout``; ``score_mod``: an
-    arbitrary Python score function; ``mask_kinds``: which masks run (``"any"``, or a tuple
-    of spec kinds such as ``("band", "lengths", "documents", "small_dense")``, checked by
-    the backend itself).
+    ``devices``: device types (``"cpu"``, ``"cuda"``; None = any); ``dtypes``: input dtypes
+    (None = any); ``max_head_dim``: the largest ``max(D_k, D_v)`` (None = any);
+    ``max_queries``: the largest ``N_q`` (None = any); ``grad``: backward; ``dropout``;
+    ``score_mod``: an arbitrary Python score function; ``mask_kinds``: which masks run
+    (``"any"``, or a tuple of spec kinds such as ``("band", "lengths", "documents",
+    "small_dense")``, checked by the backend itself); ``hints``: ``(field, how to fix it)``
+    pairs, each appended to that field's reason (e.g. ``("grad", "use 'tiled' for
+    training")``).
     """
 
-    devices: tuple[str, ...] = ("cpu", "cuda")
-    dtypes: tuple[torch.dtype, ...] = _ALL_DTYPES
+    devices: tuple[str, ...] | None = ("cpu", "cuda")
+    dtypes: tuple[torch.dtype, ...] | None = (torch.float16, torch.bfloat16, torch.float32,
+                                              torch.float64)
     max_head_dim: int | None = None
     max_queries: int | None = None
     grad: bool = True
     dropout: bool = True
     score_mod: bool = True
     mask_kinds: str | tuple[str, ...] = "any"
-    # how to fix an unmet field, appended to its reason (e.g. "use 'tiled' for training")
     hints: tuple[tuple[str, str], ...] = ()
 
     def reasons(self, p: Problem) -> list[str]:
@@ -204,12 +248,13 @@ class Capabilities:
             return f"{text}: {hint[field_]}" if field_ in hint else text
 
         out = []
-        if p.device.type not in self.devices:
-            out.append(say("devices", f"runs on {' / '.join(self.devices)} only "
-                                      f"(inputs are on {p.device})"))
-        if p.dtype not in self.dtypes:
-            names = ", ".join(str(d).replace("torch.", "") for d in self.dtypes)
-            out.append(say("dtypes", f"dtype {p.dtype} is not supported (use {names})"))
+        if self.devices is not None and p.device.type not in self.devices:
+            where = " / ".join(d.upper() if d in ("cpu", "cuda") else d for d in self.devices)
+            out.append(say("devices", f"runs on {where} only (inputs are on {p.device})"))
+        if self.dtypes is not None and p.dtype not in self.dtypes:
+            names = ", ".join(_dtype_name(d) for d in self.dtypes)
+            out.append(say("dtypes", f"dtype {_dtype_name(p.dtype)} is not supported "
+                                     f"(supported: {names})"))
         if self.max_head_dim is not None and max(p.d_k, p.d_v) > self.max_head_dim:
             out.append(say("max_head_dim", f"head dims D_k={p.d_k}, D_v={p.d_v} exceed "
                                            f"{self.max_head_dim}"))

@@ -5,8 +5,8 @@ into ``C`` chunks of ``L`` keys; every chunk computes its own softmax pieces —
 ``m_c``, sum ``l_c`` and unnormalised output ``o_c`` — in one batched matmul over
 (batch × K/V heads × chunks), and the chunks are merged by their log-sum-exp::
 
-    M = max_c m_c      out = Σ_c e^{m_c − M} o_c / Σ_c e^{m_c − M} l_c
-    lse = M + log Σ_c e^{m_c − M} l_c
+    out_c, lse_c = finish(o_c, l_c, m_c)            (base.finish: −∞-safe, NaN-propagating)
+    lse = log Σ_c e^{lse_c}      out = Σ_c e^{lse_c − lse} out_c     (base.merge_stacked)
 
 Without softcap/score_mod the chunks run as extra "heads" of torch's fused CPU flash kernel
 (one pass over K and V, chunks in parallel, LSE returned); with them, as batched matmuls.
@@ -27,8 +27,10 @@ Caution
 - Dropout is declined (decoding is inference).
 - float16/bfloat16 K/V are cast to float32 once per call (a copy of the cache): the engine
   is tuned for float32 caches.
-- Masks are evaluated densely on ``N_q × N_k`` (tiny for ≤ 16 queries); chunks with no
-  allowed key are computed anyway (their weight is exactly 0).
+- Masks are evaluated densely on ``N_q × N_k`` with ``Mask.evaluate`` (tiny for ≤ 16
+  queries); chunks with no allowed key are computed anyway (their weight is exactly 0).
+- A query row holding NaN/inf is computed on the batched-matmul path (IEEE arithmetic, as in
+  the reference: NaN output and LSE where it attends), not in torch's fused kernel.
 """
 
 from __future__ import annotations
@@ -37,8 +39,16 @@ import math
 
 import torch
 
-from . import register
-from .base import Backend, Problem, compute_dtype
+from ..scores import soft_cap
+from .base import (
+    Backend,
+    Capabilities,
+    Problem,
+    compute_dtype,
+    finish,
+    merge_stacked,
+    softmax_shift,
+)
 
 __all__ = ["DecodeBackend", "MAX_QUERIES", "chunk_count"]
 
@@ -53,6 +63,18 @@ def chunk_count(n_k: int, chunk: int | None = None) -> int:
     return max(1, n_k // (chunk or _CHUNK))
 
 
+def _grouped_allowed(p: Problem) -> torch.Tensor | None:
+    """The mask as grouped rows ``(B|1, H_kv|1, R, N_k)`` bool, or None (all allowed)."""
+    if p.mask is None:
+        return None
+    hkv, g, r = p.heads_kv, p.group, p.group * p.n_q
+    a = p.mask.evaluate(p.n_q, p.n_k, batch=p.batch, heads=p.heads_q,
+                        device=p.device)                            # (B|1, H_q|1, N_q, N_k)
+    if a.shape[1] == 1:
+        return a.repeat(1, 1, g, 1)                                 # (B|1, 1, R, N_k)
+    return a.reshape(a.shape[0], hkv, r, p.n_k)                     # (B|1, H_kv, R, N_k)
+
+
 def _decode(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     acc = compute_dtype(p.dtype)
     B, hkv, g, n_q = p.batch, p.heads_kv, p.group, p.n_q
@@ -60,86 +82,69 @@ def _decode(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     q = (p.q.to(acc) * p.scale).reshape(B, hkv, 1, r, p.d_k)      # (B, H_kv, 1, R, D_k)
     k, v = p.k.to(acc), p.v.to(acc)
     c = chunk_count(p.n_k)
-    L = p.n_k // c
-    main = c * L
-    dev = p.device
-    allowed = None
-    if p.mask is not None:
-        b = torch.arange(p.batch if p.mask.depends_on_batch else 1, device=dev).view(-1, 1, 1, 1)
-        h = torch.arange(p.heads_q if p.mask.depends_on_heads else 1,
-                         device=dev).view(1, -1, 1, 1)
-        qi = torch.arange(n_q, device=dev).view(1, 1, -1, 1)
-        ki = torch.arange(p.n_k, device=dev).view(1, 1, 1, -1)
-        a = p.mask(b, h, qi, ki, p.n_q, p.n_k)
-        while a.dim() < 4:
-            a = a.unsqueeze(0)
-        a = a.expand(a.shape[0], a.shape[1], n_q, p.n_k)
-        # (B|1, H_q|1, N_q, N_k) → grouped rows (B|1, H_kv|1, R, N_k)
-        allowed = (a.repeat(1, 1, g, 1) if a.shape[1] == 1 else a.reshape(a.shape[0], hkv, r,
-                                                                          p.n_k))
+    main = c * (p.n_k // c)
+    allowed = _grouped_allowed(p)
     bias = None
     if p.bias is not None:
         bb = p.bias.to(acc).expand(B, p.heads_q, n_q, p.n_k)
-        bias = bb.reshape(B, hkv, r, p.n_k)
+        bias = bb.reshape(B, hkv, r, p.n_k)                           # (B, H_kv, R, N_k)
 
-    def pieces(k0: int, k1: int, n_chunks: int) -> tuple[torch.Tensor, ...]:
-        """Softmax pieces of keys [k0, k1) cut into ``n_chunks`` equal chunks."""
-        length = (k1 - k0) // n_chunks
-        kc = k[:, :, k0:k1].reshape(B, hkv, n_chunks, length, p.d_k)  # view when possible
-        vc = v[:, :, k0:k1].reshape(B, hkv, n_chunks, length, p.d_v)
-        s = torch.matmul(q, kc.transpose(-1, -2))                      # (B, H_kv, C, R, L)
-        if p.softcap is not None or p.score_mod is not None:
-            # to the (B, H_q, N_q, keys) frame score mods are written for, and back
-            x = s.view(B, hkv, n_chunks, g, n_q, length).permute(0, 1, 3, 4, 2, 5)
-            x = x.reshape(B, p.heads_q, n_q, n_chunks * length)
-            if p.softcap is not None:
-                x = p.softcap * torch.tanh(x / p.softcap)
-            if p.score_mod is not None:
-                x = p.score_mod(x, torch.arange(B, device=dev).view(-1, 1, 1, 1),
-                                torch.arange(p.heads_q, device=dev).view(1, -1, 1, 1),
-                                torch.arange(n_q, device=dev).view(1, 1, -1, 1),
-                                torch.arange(k0, k1, device=dev).view(1, 1, 1, -1))
-            x = x.reshape(B, hkv, g, n_q, n_chunks, length).permute(0, 1, 4, 2, 3, 5)
-            s = x.reshape(B, hkv, n_chunks, r, length)
-        if bias is not None:
-            s = s + bias[..., k0:k1].reshape(B, hkv, r, n_chunks, length).transpose(2, 3)
-        if allowed is not None:
-            al = allowed[..., k0:k1].reshape(*allowed.shape[:2], r, n_chunks, length)
-            s = s.masked_fill(~al.transpose(2, 3), -math.inf)
-        m = s.amax(-1, keepdim=True)                                   # (B, H_kv, C, R, 1)
-        m = torch.where(m == -math.inf, torch.zeros_like(m), m)
-        e = torch.exp(s - m)
-        return m, e.sum(-1, keepdim=True), torch.matmul(e, vc)         # o: (B, H_kv, C, R, D_v)
-
-    if p.softcap is None and p.score_mod is None and p.d_k == p.d_v:
-        out, lse = _fused_chunks(p, q.view(B, hkv, r, p.d_k), k, v, c, allowed, bias)
-        return out.reshape(B, p.heads_q, n_q, p.d_v).to(p.dtype), lse.reshape(B, p.heads_q, n_q)
-    parts = [pieces(0, main, c)]
-    if main < p.n_k:
-        parts.append(pieces(main, p.n_k, 1))
-    m = torch.cat([x[0] for x in parts], 2)                            # (B, H_kv, C', R, 1)
-    lsum = torch.cat([x[1] for x in parts], 2)
-    o = torch.cat([x[2] for x in parts], 2)
-    big_m = m.amax(2, keepdim=True)
-    w = torch.exp(m - big_m)                                           # (B, H_kv, C', R, 1)
-    z = (w * lsum).sum(2)                                              # (B, H_kv, R, 1)
-    out = (w * o).sum(2)                                               # (B, H_kv, R, D_v)
-    nonempty = z > 0
-    z_safe = torch.where(nonempty, z, torch.ones_like(z))
-    out = out / z_safe
-    lse = torch.where(nonempty, big_m.squeeze(2) + torch.log(z_safe),
-                      torch.full_like(z, -math.inf))
+    fused = p.softcap is None and p.score_mod is None and p.d_k == p.d_v
+    if fused and bool(torch.isfinite(q).all()):
+        out, lse = _fused_chunks(q.view(B, hkv, r, p.d_k), k, v, c, allowed, bias)
+    else:
+        parts = [_pieces(p, q, k, v, 0, main, c, allowed, bias)]
+        if main < p.n_k:
+            parts.append(_pieces(p, q, k, v, main, p.n_k, 1, allowed, bias))
+        o = torch.cat([x[0] for x in parts], 2)                       # (B, H_kv, C', R, D_v)
+        lse_c = torch.cat([x[1] for x in parts], 2)                   # (B, H_kv, C', R)
+        out, lse = merge_stacked(o, lse_c, dim=2)                     # (B, H_kv, R, D_v)
     out = out.reshape(B, p.heads_q, n_q, p.d_v).to(p.dtype)
     return out, lse.reshape(B, p.heads_q, n_q)
 
 
-def _fused_chunks(p: Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: int,
+def _pieces(p: Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k0: int, k1: int,
+            n_chunks: int, allowed: torch.Tensor | None, bias: torch.Tensor | None,
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys [k0, k1) cut into ``n_chunks`` equal chunks, each finished on its own:
+    → out ``(B, H_kv, C, R, D_v)``, lse ``(B, H_kv, C, R)`` (batched matmuls)."""
+    B, hkv, g, n_q, dev = p.batch, p.heads_kv, p.group, p.n_q, p.device
+    r = g * n_q
+    length = (k1 - k0) // n_chunks
+    kc = k[:, :, k0:k1].reshape(B, hkv, n_chunks, length, p.d_k)      # view when possible
+    vc = v[:, :, k0:k1].reshape(B, hkv, n_chunks, length, p.d_v)
+    s = torch.matmul(q, kc.transpose(-1, -2))                          # (B, H_kv, C, R, L)
+    if p.softcap is not None or p.score_mod is not None:
+        # to the (B, H_q, N_q, keys) frame score mods are written for, and back
+        x = s.view(B, hkv, n_chunks, g, n_q, length).permute(0, 1, 3, 4, 2, 5)
+        x = x.reshape(B, p.heads_q, n_q, n_chunks * length)            # (B, H_q, N_q, keys)
+        if p.softcap is not None:
+            x = soft_cap(x, p.softcap)
+        if p.score_mod is not None:
+            x = p.score_mod(x, torch.arange(B, device=dev).view(-1, 1, 1, 1),
+                            torch.arange(p.heads_q, device=dev).view(1, -1, 1, 1),
+                            torch.arange(n_q, device=dev).view(1, 1, -1, 1),
+                            torch.arange(k0, k1, device=dev).view(1, 1, 1, -1))
+        x = x.reshape(B, hkv, g, n_q, n_chunks, length).permute(0, 1, 4, 2, 3, 5)
+        s = x.reshape(B, hkv, n_chunks, r, length)                     # (B, H_kv, C, R, L)
+    if bias is not None:
+        s = s + bias[..., k0:k1].reshape(B, hkv, r, n_chunks, length).transpose(2, 3)
+    if allowed is not None:
+        al = allowed[..., k0:k1].reshape(*allowed.shape[:2], r, n_chunks, length)
+        s = torch.where(al.transpose(2, 3), s, torch.full_like(s, -math.inf))
+    m = softmax_shift(s.amax(-1))                                      # (B, H_kv, C, R)
+    e = torch.exp(s - m.unsqueeze(-1))                                 # (B, H_kv, C, R, L)
+    return finish(torch.matmul(e, vc), e.sum(-1), m)                   # out_c, lse_c
+
+
+def _fused_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: int,
                   allowed: torch.Tensor | None, bias: torch.Tensor | None,
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunks as extra heads of torch's fused CPU flash kernel, merged by LSE.
 
-    ``q (B, H_kv, R, D)`` pre-scaled; keys ``[0, C·L)`` are viewed as ``(B, H_kv·C, L, D)``
-    (no copy), the rest is one more call. → out ``(B, H_kv, R, D_v)``, lse ``(B, H_kv, R)``.
+    ``q (B, H_kv, R, D)`` pre-scaled and finite; keys ``[0, C·L)`` are viewed as
+    ``(B, H_kv·C, L, D)`` (no copy), the rest is one more call.
+    → out ``(B, H_kv, R, D_v)``, lse ``(B, H_kv, R)``.
     """
     B, hkv, r, d = q.shape
     n_k = k.shape[2]
@@ -165,25 +170,16 @@ def _fused_chunks(p: Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 has_key = al.reshape(B, hkv, r, n_chunks, length).any(-1)   # (B, H_kv, R, C)
                 has_key = has_key.transpose(2, 3).reshape(B, hkv * n_chunks, r)
             add = (add.reshape(B, hkv, r, n_chunks, length).transpose(2, 3)
-                   .reshape(B, hkv * n_chunks, r, length))
-        o, lse = _flash(qc, kc, vc, attn_mask=add, scale=1.0)
-        lse = lse.to(q.dtype)
+                   .reshape(B, hkv * n_chunks, r, length))               # (B, H_kv·C, R, L)
+        o, lse = _flash(qc, kc, vc, attn_mask=add, scale=1.0)           # (B, H_kv·C, R, D)
+        lse = lse.to(q.dtype)                                           # (B, H_kv·C, R)
         if has_key is not None:
+            # a chunk with no allowed key: output 0, LSE −∞ (the kernel's own values vary)
             lse = torch.where(has_key, lse, torch.full_like(lse, -math.inf))
+            o = torch.where(has_key.unsqueeze(-1), o, torch.zeros_like(o))
         outs.append(o.view(B, hkv, n_chunks, r, d))
         lses.append(lse.view(B, hkv, n_chunks, r))
-    o = torch.cat(outs, 2)                                               # (B, H_kv, C', R, D)
-    lse = torch.cat(lses, 2)                                             # (B, H_kv, C', R)
-    m = lse.amax(2, keepdim=True)
-    m = torch.where(m == -math.inf, torch.zeros_like(m), m)
-    w = torch.exp(lse - m)
-    z = w.sum(2)                                                         # (B, H_kv, R)
-    nonempty = z > 0
-    z_safe = torch.where(nonempty, z, torch.ones_like(z))
-    out = (o * (w / z_safe.unsqueeze(2)).unsqueeze(-1)).sum(2)
-    lse_out = torch.where(nonempty, m.squeeze(2) + torch.log(z_safe),
-                          torch.full_like(z, -math.inf))
-    return out, lse_out
+    return merge_stacked(torch.cat(outs, 2), torch.cat(lses, 2), dim=2)
 
 
 class DecodeBackend(Backend):
@@ -192,22 +188,11 @@ class DecodeBackend(Backend):
     name = "decode"
     description = (f"CPU flash-decoding for <= {MAX_QUERIES} queries: key chunks in one batched "
                    "matmul, merged by log-sum-exp; forward only")
-
-    def not_supported_reasons(self, p: Problem) -> list[str]:
-        reasons = []
-        if p.device.type != "cpu":
-            reasons.append(f"runs on CPU only (inputs are on {p.device})")
-        if p.n_q > MAX_QUERIES:
-            reasons.append(f"made for at most {MAX_QUERIES} queries (decoding), got N_q={p.n_q}: "
-                           "use 'tiled'")
-        if p.requires_grad:
-            reasons.append("forward only (inputs require grad): use 'tiled' for training")
-        if p.dropout_p > 0.0:
-            reasons.append(f"no dropout (decoding is inference), got dropout_p={p.dropout_p}")
-        return reasons
+    capabilities = Capabilities(
+        devices=("cpu",), max_queries=MAX_QUERIES, grad=False, dropout=False,
+        hints=(("max_queries", "decoding is for few queries; use 'tiled'"),
+               ("grad", "use 'tiled' for training"),
+               ("dropout", "decoding is inference; use 'tiled'")))
 
     def forward(self, p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
         return _decode(p)
-
-
-register(DecodeBackend())

@@ -75,17 +75,15 @@ from types import ModuleType
 from typing import Any
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from .. import masks as _masks
-from . import PRIORITY, register
-from .base import Backend, Problem, compute_dtype
+from .base import Backend, Capabilities, Problem, compute_dtype, refuse_double_backward
 
 __all__ = ["TritonBackend", "interpreter_enabled", "triton_available"]
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _MAX_HEAD_DIM = 256
 _MAX_DENSE_MASK = 2**31 - 1          # elements of the materialised general mask
+_SCORE_MOD_HINT = ("score_mod", "use backend='tiled' or 'reference'")
 
 
 def triton_available() -> bool:
@@ -134,34 +132,6 @@ def _kernels(interpret: bool) -> ModuleType:
 
 
 # --------------------------------------------------------------------------- masks
-def _as_band(m: _masks.Mask, n_q: int, n_k: int) -> tuple[float, float] | None:
-    """``(lo, hi)`` with allowed ⇔ ``lo <= q_idx - kv_idx <= hi``, or None if not a band."""
-    spec = m.spec
-    if not isinstance(spec, _masks.Band):
-        return None
-    off = spec.offset(n_q, n_k)
-    return (spec.lo - off, spec.hi - off)
-
-
-def _as_padding(m: _masks.Mask) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """``(kv_lengths (B|1,), q_lengths (B|1,) or None)`` of a padding mask, else None."""
-    spec = m.spec
-    if not isinstance(spec, _masks.Lengths):
-        return None
-    return spec.kv_lengths, spec.q_lengths
-
-
-def _as_document(m: _masks.Mask, n_q: int, n_k: int) -> tuple[torch.Tensor, ...] | None:
-    """``(ids (B|1, N_q), kv_ids (B|1, N_k))`` of a document mask that fits, else None."""
-    spec = m.spec
-    if not isinstance(spec, _masks.Documents):
-        return None
-    qi, ki = spec.ids, spec.kv_ids
-    if qi.dim() != 2 or ki.dim() != 2 or qi.shape[1] != n_q or ki.shape[1] != n_k:
-        return None           # evaluated densely instead, which raises the mask's own error
-    return qi, ki
-
-
 @dataclass
 class _MaskPlan:
     """How the kernels apply a mask: each ``&``-term of it goes to the cheapest mechanism.
@@ -214,15 +184,15 @@ def _split_terms(p: Problem) -> tuple[tuple[int, int] | None, list[_masks.Mask],
     found = False
     kinds: set[str] = set()
     for term in p.mask.conjuncts():
-        band = _as_band(term, p.n_q, p.n_k)
+        band = _masks.band_of(term, p.n_q, p.n_k)
         if band is not None:
             if band != (-math.inf, math.inf):
                 found = True
                 lo, hi = max(lo, band[0]), min(hi, band[1])
-        elif "padding" not in kinds and _as_padding(term) is not None:
+        elif "padding" not in kinds and _masks.lengths_of(term) is not None:
             kinds.add("padding")
             indexed.append(term)
-        elif "document" not in kinds and _as_document(term, p.n_q, p.n_k) is not None:
+        elif "document" not in kinds and _masks.documents_of(term, p.n_q, p.n_k) is not None:
             kinds.add("document")
             indexed.append(term)
         else:
@@ -245,14 +215,14 @@ def _plan_mask(p: Problem) -> _MaskPlan:
     dev = p.device
     summary_terms = list(dense_terms)
     for term in indexed:
-        padding = _as_padding(term)
+        padding = _masks.lengths_of(term)
         if padding is not None:
             lim = max(p.n_q, p.n_k) + 1
             plan.kv_len = padding[0].clamp(max=lim).to(device=dev, dtype=torch.int32)
             if padding[1] is not None:
                 plan.q_len = padding[1].clamp(max=lim).to(device=dev, dtype=torch.int32)
             continue
-        ids = _as_document(term, p.n_q, p.n_k)
+        ids = _masks.documents_of(term, p.n_q, p.n_k)
         assert ids is not None
         plan.q_ids, plan.k_ids = (t.to(device=dev, dtype=torch.int64) for t in ids)
         summary_terms.append(term)
@@ -455,10 +425,10 @@ class _TritonAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    @once_differentiable          # the kernels' gradients are not differentiable again
     def backward(  # type: ignore[override]
         ctx: Any, d_out: torch.Tensor | None, d_lse: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
+        refuse_double_backward("triton")   # the kernels' gradients are not differentiable
         q, k, v, out, lse = ctx.saved_tensors
         if d_out is None:
             d_out = torch.zeros_like(out)
@@ -505,27 +475,27 @@ class TritonBackend(Backend):
         self.block_m = block_m
         self.block_n = block_n
 
-    def not_supported_reasons(self, p: Problem) -> list[str]:
+    @property
+    def capabilities(self) -> Capabilities:  # type: ignore[override]
+        """CUDA tensors, or CPU tensors in Triton's interpreter (``TRITON_INTERPRET=1``, read
+        at each call), which cannot run bfloat16."""
+        if interpreter_enabled():
+            return Capabilities(
+                devices=("cuda", "cpu"), dtypes=(torch.float16, torch.float32, torch.float64),
+                max_head_dim=_MAX_HEAD_DIM, score_mod=False,
+                hints=(("dtypes", "Triton's interpreter multiplies the raw bits of bfloat16 in "
+                                  "tl.dot (triton-lang/triton#11584), so bfloat16 runs only on "
+                                  "a GPU"), _SCORE_MOD_HINT))
+        return Capabilities(
+            devices=("cuda",), max_head_dim=_MAX_HEAD_DIM, score_mod=False,
+            hints=(("devices", "set TRITON_INTERPRET=1 to run the kernels on CPU tensors in "
+                               "Triton's interpreter, for testing"),
+                   _SCORE_MOD_HINT))
+
+    def extra_reasons(self, p: Problem) -> list[str]:
         reasons = []
-        interpret = interpreter_enabled()
-        if p.device.type != "cuda" and not interpret:
-            reasons.append(
-                f"the inputs are on {p.device.type}, and the triton kernels run on CUDA GPUs "
-                "(set TRITON_INTERPRET=1 to run them on CPU tensors in Triton's interpreter, "
-                "for testing)")
-        elif not triton_available():
+        if not triton_available():
             reasons.append("the triton package is not installed (pip install triton)")
-        if p.dtype not in _DTYPES:
-            reasons.append(f"dtype {p.dtype} is not supported (use float16, bfloat16, float32 "
-                           "or float64)")
-        elif p.dtype == torch.bfloat16 and interpret:
-            reasons.append("Triton's interpreter multiplies the raw bits of bfloat16 in tl.dot "
-                           "(triton-lang/triton#11584), so bfloat16 runs only on a GPU")
-        if max(p.d_k, p.d_v) > _MAX_HEAD_DIM:
-            reasons.append(f"head dims D_k={p.d_k}, D_v={p.d_v} exceed {_MAX_HEAD_DIM}")
-        if p.score_mod is not None:
-            reasons.append("score_mod is an arbitrary Python function that the kernels cannot "
-                           "run (use backend='tiled' or 'reference')")
         too_big = [name for name, t in (("q", p.q), ("k", p.k), ("v", p.v))
                    if (t.shape[2] - 1) * abs(t.stride(2)) + (t.shape[3] - 1) * abs(t.stride(3))
                    >= 2**31]
@@ -563,6 +533,3 @@ class TritonBackend(Backend):
         out, lse = _TritonAttention.apply(p.q, p.k, p.v, p.bias, self._launch(p))
         return out, lse
 
-
-# On a GPU this is the fast path: first in line. On CPU it reports why not, and auto moves on.
-register(TritonBackend(), before=PRIORITY[0] if PRIORITY else None)
