@@ -265,6 +265,89 @@ def _case_backend_lse_without_grad(rank: int, world: int) -> None:
         del ak.backends.REGISTRY[_DetachedLse.name]
 
 
+def _same_error_everywhere(fn: Callable[[], object], exc: type[Exception],
+                           *texts: str) -> None:
+    """``fn`` raises ``exc`` on this rank with every one of ``texts`` in the message, and every
+    rank of the world raised the very same message."""
+    try:
+        fn()
+    except exc as e:
+        msg = str(e)
+    else:
+        msg = f"nothing was raised (expected {exc.__name__})"
+    msgs: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(msgs, msg)
+    for t in texts:
+        assert t in msg, f"expected {t!r} in the message, got: {msg}"
+    assert all(m == msg for m in msgs), f"the ranks raised different errors: {msgs}"
+
+
+def _case_options_differ(rank: int, world: int) -> None:
+    """scale, softcap, backend, whether a backward is needed, leading dims: a difference raises
+    the same ValueError on every rank, naming the option and each rank's value."""
+    q, k, v = (torch.randn(1, 2, 4, 4) for _ in range(3))
+    first = rank == 0
+    _same_error_everywhere(lambda: akd.ring_attention(q, k, v, scale=0.5 if first else 0.25),
+                           ValueError, "scale: rank 0: scale=0.5; rank 1: scale=0.25")
+    _same_error_everywhere(lambda: akd.ring_attention(q, k, v, softcap=None if first else 5.0),
+                           ValueError, "softcap: rank 0: softcap=None; rank 1: softcap=5.0")
+    _same_error_everywhere(
+        lambda: akd.ring_attention(q, k, v, backend="reference" if first else "tiled"),
+        ValueError, "backend: rank 0: backend='reference'; rank 1: backend='tiled'")
+    qg = q.clone().requires_grad_(first)    # rank 0 would run a backward its peers never join
+    _same_error_everywhere(lambda: akd.ring_attention(qg, k, v), ValueError,
+                           "needs a backward: rank 0: inputs require grad; rank 1: no input")
+    lead = (2, 3) if first else (3, 2)      # same numel and trailing dims, other leading dims
+    q8, k8, v8 = (torch.randn(*lead, 1, 1, 1, 2, 3, 4) for _ in range(3))
+    _same_error_everywhere(lambda: akd.ring_attention(q8, k8, v8), ValueError,
+                           "same shard shapes", "after leading dims (2, 3)")
+    # the resolved scale is what must agree: None (1/√4) on one rank, 0.5 on the others
+    out = akd.ring_attention(q, k, v, scale=None if first else 0.5)
+    assert out.shape == q.shape
+
+
+def _case_forward_only_backend_refused(rank: int, world: int) -> None:
+    """A forced backend that cannot run the backward (decode, forward only) or the forward
+    (decode with N_q > 16) is refused on every rank before any shard moves."""
+    hops: list[object] = []
+    real = akd._Ring.exchange
+
+    def counting(self: object, *a: object, **kw: object) -> object:
+        hops.append(a)
+        return real(self, *a, **kw)   # type: ignore[arg-type]
+
+    akd._Ring.exchange = counting     # type: ignore[method-assign]
+    try:
+        q, k, v = (torch.randn(1, 2, 4, 8, requires_grad=True) for _ in range(3))
+        _same_error_everywhere(lambda: akd.ring_attention(q, k, v, backend="decode"),
+                               ValueError, "backend 'decode' cannot run", "forward only",
+                               "[backward]", "torch.no_grad()")
+        long = torch.randn(1, 2, 20, 8)
+        _same_error_everywhere(lambda: akd.ring_attention(long, long, long, backend="decode",
+                                                          is_causal=True),
+                               ValueError, "at most 16 queries", "[forward]")
+        assert not hops, f"{len(hops)} shard(s) moved before the refusal"
+    finally:
+        akd._Ring.exchange = real     # type: ignore[method-assign]
+    # without gradients the decode backend still runs the ring, and matches the reference
+    qg, kg, vg, _, _ = _global_inputs(3, (1,), 2, 2, world * 3, world * 3, 8, 8)
+    shards = [_shard(t, rank, world, -2).float() for t in (qg, kg, vg)]
+    with torch.no_grad():
+        out = akd.ring_attention(*shards, backend="decode", is_causal=True)
+    want = ak.attention(qg, kg, vg, is_causal=True, backend="reference")
+    _assert_close(out, _shard(want, rank, world, -2), 1e-5)
+
+
+def _case_timeout_is_checked(rank: int, world: int) -> None:
+    q = torch.randn(1, 2, 4, 4)
+    for bad, exc in ((0, ValueError), (-1.0, ValueError), (float("inf"), ValueError),
+                     ("5", TypeError), (True, TypeError)):
+        _same_error_everywhere(lambda b=bad: akd.ring_attention(q, q, q, timeout=b), exc,
+                               "timeout must be")
+    assert akd.ring_attention(q, q, q, timeout=None).shape == q.shape
+    assert akd.ring_attention(q, q, q, timeout=7.5).shape == q.shape
+
+
 CASES: dict[str, Callable[[int, int], None]] = {
     "plain": lambda r, w: _compare(rank=r, world=w),
     "causal": lambda r, w: _compare(rank=r, world=w, is_causal=True),
@@ -296,6 +379,9 @@ CASES: dict[str, Callable[[int, int], None]] = {
     "local_error_reaches_peers": _case_local_error_reaches_peers,
     "causal_needs_equal_shards": _case_causal_needs_equal_shards,
     "options_must_agree": _case_options_must_agree,
+    "options_differ": _case_options_differ,
+    "forward_only_backend_refused": _case_forward_only_backend_refused,
+    "timeout_is_checked": _case_timeout_is_checked,
 }
 WORLD_ONLY = {"subgroup": 3}     # cases that need a particular world size
 ALL_CASES = {**CASES, "subgroup": _case_subgroup}
@@ -454,3 +540,27 @@ def test_merge_ignores_fully_masked_blocks() -> None:
     assert (m_out[~rows] == 0).all()     # both empty: output 0, LSE −∞
     share = akd._share(lse_b, lse)
     assert (share == 0).all() and not share.isnan().any()
+
+
+def test_timeout_default_is_minutes() -> None:
+    import inspect
+    default = inspect.signature(akd.ring_attention).parameters["timeout"].default
+    assert default == akd.DEFAULT_TIMEOUT_S and 60 <= default <= 600, default
+
+
+@pytest.mark.timeout(30)
+def test_double_backward_is_refused_with_the_attnkit_error() -> None:
+    """create_graph=True through the hand-written backward ring: one attnkit error, at once."""
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/rdv", rank=0,
+                                world_size=1, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        try:
+            q, k, v = (torch.randn(1, 2, 5, 4, dtype=torch.float64, requires_grad=True)
+                       for _ in range(3))
+            out = akd.ring_attention(q, k, v, is_causal=True)
+            with pytest.raises(NotImplementedError, match="first derivatives only"):
+                torch.autograd.grad(out.square().sum(), q, create_graph=True)
+            (g,) = torch.autograd.grad(out.square().sum(), q)    # first order still works
+            assert torch.isfinite(g).all()
+        finally:
+            dist.destroy_process_group()

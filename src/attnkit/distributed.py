@@ -225,8 +225,9 @@ class _Ring:
         rows = self.all_gather([hop if failure is not None else -1],
                                f"the status check after the {phase}")
         if failure is not None:
-            failure.add_note(f"ring_attention: raised on rank {self.rank} in {phase} hop "
-                             f"{hop}; the other ranks raise RingAttentionError naming it")
+            if hasattr(failure, "add_note"):        # Python ≥ 3.11
+                failure.add_note(f"ring_attention: raised on rank {self.rank} in {phase} hop "
+                                 f"{hop}; the other ranks raise RingAttentionError naming it")
             raise failure
         bad = [f"rank {i} in {phase} hop {r[0]}" for i, r in enumerate(rows) if r[0] >= 0]
         if bad:
