@@ -3,6 +3,10 @@ one cache per layer; a failed call leaves the cache as it was."""
 
 from __future__ import annotations
 
+import copy
+import gc
+import pickle
+
 import pytest
 import torch
 from layer_helpers import DT, decode_in_chunks
@@ -103,3 +107,144 @@ def test_cache_size_ordering_mha_gqa_mla():
     r = ak.cost.report(d, H, N, n_kv_heads=2, kv_latent_dim=8, dtype_bytes=4)
     assert sizes == {k: r.kv_bytes[k] for k in sizes}
     assert sizes["MHA"] > sizes["GQA"] > sizes["MLA"]
+
+
+# ---------------------------------------------------------------------------- one cache, one layer
+def _layer_pair(kind):
+    if kind == "MHA":
+        return (ak.MultiHeadAttention(16, 4, n_kv_heads=2).to(DT),
+                ak.MultiHeadAttention(16, 4, n_kv_heads=2).to(DT))
+    return (ak.MultiHeadLatentAttention(16, 4, kv_latent_dim=6).to(DT),
+            ak.MultiHeadLatentAttention(16, 4, kv_latent_dim=6).to(DT))
+
+
+@pytest.mark.parametrize("kind", ["MHA", "MLA"])
+def test_cache_shared_by_two_layers_raises_and_names_them(kind):
+    a, b = _layer_pair(kind)                     # same configuration: shapes cannot tell
+    x = torch.randn(2, 6, 16, dtype=DT)
+    with torch.no_grad():
+        cache = ak.KVCache()
+        a(x[:, :5], cache=cache, is_causal=True)
+        with pytest.raises(ValueError, match="one KVCache per layer") as e:
+            b(x[:, 5:], cache=cache, is_causal=True)
+        msg = str(e.value)
+        assert "belongs to another layer" in msg and "5 tokens" in msg
+        assert f"{id(a):#x}" in msg and f"{id(b):#x}" in msg
+        assert type(a).__name__ in msg
+        assert cache.length == 5 and cache.owner is a          # nothing was appended
+        # the owner goes on decoding, and equals its full forward
+        step = a(x[:, 5:], cache=cache, is_causal=True)
+    torch.testing.assert_close(step, a(x, is_causal=True)[:, 5:])
+
+
+@pytest.mark.parametrize("kind", ["MHA", "MLA"])
+def test_cache_reset_and_reuse_by_the_same_layer(kind):
+    a, b = _layer_pair(kind)
+    x = torch.randn(1, 7, 16, dtype=DT)
+    with torch.no_grad():
+        cache = ak.KVCache()
+        a(x[:, :4], cache=cache, is_causal=True)
+        cache.truncate(2)                        # the owner may roll back and go on
+        got = torch.cat([a(x[:, 2:6], cache=cache, is_causal=True),
+                         a(x[:, 6:], cache=cache, is_causal=True)], 1)
+        torch.testing.assert_close(got, a(x, is_causal=True)[:, 2:])
+        cache.reset()                            # a reset cache is free for a new owner
+        assert cache.owner is None and cache.length == 0
+        b(x, cache=cache, is_causal=True)
+        assert cache.owner is b
+        with pytest.raises(ValueError, match="one KVCache per layer"):
+            a(x[:, :1], cache=cache, is_causal=True)
+        cache.reset()                            # and back to the first layer
+        a(x, cache=cache, is_causal=True)
+        assert cache.owner is a and cache.length == 7
+
+
+def test_cache_owned_by_a_deleted_layer_raises():
+    a, b = _layer_pair("MHA")
+    with torch.no_grad():
+        cache = ak.KVCache()
+        a(torch.randn(1, 3, 16, dtype=DT), cache=cache)
+        del a
+        gc.collect()
+        assert cache.owner is None               # the cache does not keep its layer alive
+        with pytest.raises(ValueError, match="no longer exists.*reset"):
+            b(torch.randn(1, 1, 16, dtype=DT), cache=cache)
+
+
+def test_cache_copy_keeps_owner_and_pickle_drops_it():
+    m, other = _layer_pair("MHA")
+    x = torch.randn(1, 5, 16, dtype=DT)
+    with torch.no_grad():
+        cache = ak.KVCache()
+        m(x[:, :4], cache=cache, is_causal=True)
+        twin = copy.deepcopy(cache)              # e.g. a beam's copy: still m's
+        assert twin.owner is m
+        with pytest.raises(ValueError, match="one KVCache per layer"):
+            other(x[:, 4:], cache=twin, is_causal=True)
+        loaded = pickle.loads(pickle.dumps(cache))
+        assert loaded.owner is None and loaded.length == 4
+        torch.testing.assert_close(loaded.k, cache.k)
+        step = m(x[:, 4:], cache=loaded, is_causal=True)
+    torch.testing.assert_close(step, m(x, is_causal=True)[:, 4:])
+
+
+# ---------------------------------------------------------------------------- failed calls
+@pytest.mark.parametrize("kind", ["MHA", "MLA"])
+def test_a_failed_call_leaves_the_cache_as_it_was(kind):
+    m, other = _layer_pair(kind)
+    x = torch.randn(2, 6, 16, dtype=DT)
+    want = m(x, is_causal=True)
+    with torch.no_grad():
+        cache = ak.KVCache()
+        m(x[:, :5], cache=cache, is_causal=True)
+        bad_mask = torch.ones(2, 1, 1, 1, 3, dtype=torch.bool)       # does not broadcast
+        with pytest.raises(ValueError, match="mask"):
+            m(x[:, 5:], cache=cache, mask=bad_mask)
+        with pytest.raises(ValueError, match="not both"):
+            m(x[:, 5:], cache=cache, mask=ak.masks.causal(), is_causal=True)
+        assert cache.length == 5
+        step = m(x[:, 5:], cache=cache, is_causal=True)  # the corrected call: no stale token
+        torch.testing.assert_close(step, want[:, 5:])
+        # a first call that fails leaves the cache unclaimed
+        fresh = ak.KVCache()
+        with pytest.raises(ValueError, match="mask"):
+            m(x, cache=fresh, mask=bad_mask)
+        assert fresh.length == 0 and fresh.owner is None and fresh.kind is None
+        other(x, cache=fresh, is_causal=True)
+        assert fresh.owner is other
+
+
+@pytest.mark.parametrize("kind", ["MHA", "MLA"])
+def test_cache_argument_must_be_a_kvcache(kind):
+    m, _ = _layer_pair(kind)
+    x = torch.randn(1, 3, 16, dtype=DT)
+    for bad in ({}, [], "cache"):
+        with pytest.raises(TypeError, match=r"cache must be an attnkit\.KVCache, got"):
+            m(x, cache=bad)
+    with pytest.raises(ValueError, match="self-attention"):
+        m(x, torch.randn(1, 2, 16, dtype=DT), cache=ak.KVCache())
+
+
+def test_reorder_checks_its_index():
+    m, _ = _layer_pair("MHA")
+    x = torch.randn(2, 3, 16, dtype=DT)
+    with torch.no_grad():
+        cache = ak.KVCache()
+        m(x, cache=cache, is_causal=True)
+        k = cache.k.clone()
+        cache.reorder([1, 1, 0])                 # a list works; beams may repeat rows
+        torch.testing.assert_close(cache.k, k[[1, 1, 0]])
+        for bad in ([3], [-1], torch.tensor([0.0, 1.0]), torch.tensor([[0, 1]]),
+                    torch.tensor([True, False])):
+            with pytest.raises(ValueError, match=r"reorder needs a 1-D integer index .*\[0, 3\)"):
+                cache.reorder(bad)
+        assert cache.k.shape[0] == 3
+
+
+def test_append_streams_must_agree():
+    cache = ak.KVCache()
+    with pytest.raises(ValueError, match="every stream must be"):
+        cache.append("x", k=torch.zeros(2, 1, 3, 4), v=torch.zeros(3, 1, 3, 4))
+    with pytest.raises(ValueError, match="every stream must be"):
+        cache.append("x", k=torch.zeros(2, 1, 3, 4), v=torch.zeros(2, 1, 3, 4, dtype=DT))
+    assert cache.kind is None and cache.length == 0

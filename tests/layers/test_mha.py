@@ -185,3 +185,21 @@ def test_backprop_every_mha_option(cfg):
         assert p.grad is not None, name
         assert torch.isfinite(p.grad).all(), name
         assert p.grad.abs().sum() > 0, name
+
+
+def test_separate_value_source_and_its_checks():
+    """forward(x, context, value=...): keys from context, values from value (torch's call)."""
+    m = ak.MultiHeadAttention(16, 4, kv_dim=6).to(DT)
+    x, ctx, val = (torch.randn(2, 5, 16, dtype=DT), torch.randn(2, 7, 6, dtype=DT),
+                   torch.randn(2, 7, 6, dtype=DT))
+    q, k, v = m.project_q(x), m.project_k(ctx), m.project_v(val)
+    o = hand_attention(q, k, v, scale=1 / math.sqrt(m.head_dim))
+    want = m.out_proj(o.transpose(1, 2).reshape(2, 5, -1))
+    torch.testing.assert_close(m(x, ctx, value=val), want, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(m(x, ctx, value=ctx), m(x, ctx))
+    with pytest.raises(ValueError, match="pass context"):
+        ak.MultiHeadAttention(16, 4).to(DT)(x, value=x)
+    with pytest.raises(ValueError, match=r"value must have shape \(B, N, 6\)"):
+        m(x, ctx, value=x)
+    with pytest.raises(ValueError, match="same number of tokens"):
+        m(x, ctx, value=val[:, :3])

@@ -21,6 +21,7 @@ Caution
 from __future__ import annotations
 
 import contextlib
+import copy
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -145,6 +146,18 @@ class KVCache:
         state["_owner"] = state["_owner_label"] = None
         return state
 
+    def __copy__(self) -> KVCache:
+        new = KVCache.__new__(KVCache)
+        new.__dict__.update(self.__dict__)      # the copy belongs to the same layer
+        return new
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> KVCache:
+        new = KVCache.__new__(KVCache)          # e.g. a beam's copy: same owner, own tensors
+        memo[id(self)] = new
+        for key, val in self.__dict__.items():
+            new.__dict__[key] = val if key == "_owner" else copy.deepcopy(val, memo)
+        return new
+
     # ------------------------------------------------------------------ editing
     def reset(self) -> None:
         """Forget every token and the owner (storage is released)."""
@@ -163,7 +176,25 @@ class KVCache:
         self._length = length
 
     def reorder(self, index: torch.Tensor) -> None:
-        """Select/reorder batch rows (beam search): row ``i`` becomes old row ``index[i]``."""
+        """Select/reorder batch rows (beam search): row ``i`` becomes old row ``index[i]``.
+
+        ``index``: a 1-D integer tensor (or a list of ints) of rows in ``[0, B)``; it may
+        repeat rows and change the batch size.
+        """
+        if not isinstance(index, torch.Tensor):
+            index = torch.as_tensor(index)
+        batch = next(iter(self._buffers.values())).shape[0] if self._buffers else None
+        bad = index.dim() != 1 or index.dtype.is_floating_point or index.dtype.is_complex \
+            or index.dtype == torch.bool
+        if not bad and batch is not None and index.numel():
+            bad = bool(index.min() < 0) or bool(index.max() >= batch)
+        if bad:
+            raise ValueError(
+                f"reorder needs a 1-D integer index of batch rows in "
+                f"[0, {'B' if batch is None else batch}), got "
+                f"{shape_of(index)} {index.dtype} {index.tolist() if index.numel() <= 8 else ''}"
+                ": row i of the reordered cache is old row index[i]"
+            )
         self._buffers = {n: b.index_select(0, index.to(b.device))
                          for n, b in self._buffers.items()}
 
@@ -196,16 +227,20 @@ class KVCache:
             raise ValueError("append needs at least one stream, e.g. k=..., v=...")
         if owner is not None:
             self.check_owner(owner)
-        n_new = next(iter(streams.values())).shape[2]
+        first = next(iter(streams.values()))
+        n_new = first.shape[2] if first.dim() == 4 else -1
         if self.kind is not None and (self.kind != kind or set(streams) != set(self._buffers)):
             raise ValueError(
                 f"this KVCache holds {self.kind!r} streams {sorted(self._buffers)}, but a "
                 f"{kind!r} layer appended {sorted(streams)}: use one KVCache per layer"
             )
         for name, t in streams.items():
-            if t.dim() != 4 or t.shape[2] != n_new:
-                raise ValueError(f"stream {name!r} must be (B, heads, N_new={n_new}, D), "
-                                 f"got {shape_of(t)}")
+            if t.dim() != 4 or t.shape[2] != n_new or t.shape[0] != first.shape[0] \
+                    or t.dtype != first.dtype or t.device != first.device:
+                got = ", ".join(f"{n} {shape_of(s)} {s.dtype} on {s.device}"
+                                for n, s in streams.items())
+                raise ValueError(f"every stream must be (B, heads, N_new, D) with one B, N_new, "
+                                 f"dtype and device, got {got}")
             old = self._buffers.get(name)
             if old is not None and (old.shape[:2] != t.shape[:2] or old.shape[3] != t.shape[3]
                                     or old.dtype != t.dtype or old.device != t.device):
