@@ -1,0 +1,280 @@
+"""attnkit's native CPU attention kernel (C++), and the Python API the engines call.
+
+One fused forward kernel (``attention.cpp``) runs every call: per (batch, K/V head, query
+block, key split) it computes a key tile's scores for the G query heads of a GQA group at
+once (brgemm, or one dot product per key for a handful of rows), then ONE pass over the tile
+for scale, soft-cap, ALiBi, an additive bias and the mask, an online softmax, and P·V.
+Band, padding and document masks are computed in closed form (tiles they empty are skipped,
+tiles they fill skip the mask); any other mask is a dense bool tensor. Decoding (a few
+queries over a long cache) splits the keys across cores and merges the splits by LSE; K/V
+in float16/bfloat16 are read as such and converted in registers.
+
+Shape legend (the Problem layout of ``backends/base.py``)::
+
+    q (B, H_q, N_q, D_k)   k (B, H_kv, N_k, D_k)   v (B, H_kv, N_k, D_v)    H_q = G · H_kv
+    out (B, H_q, N_q, D_v)  (q's dtype)            lse (B, H_q, N_q)  float32, −∞ = no key
+    alibi_slopes (H_q,)     bias, dense_mask       broadcastable to (B, H_q, N_q, N_k)
+    kv_lengths, q_lengths   (B,) or (1,)           doc_ids (B|1, N_q)  kv_doc_ids (B|1, N_k)
+
+API (what ``tiled`` and ``decode`` call)::
+
+    available() -> bool                  why_unavailable() -> str | None
+    forward(q, k, v, *, scale=None, softcap=None, alibi_slopes=None, alibi_offset=0,
+            bias=None, band=None, kv_lengths=None, q_lengths=None, doc_ids=None,
+            kv_doc_ids=None, dense_mask=None, block_q=None, splits=None) -> (out, lse)
+    decode(q, k, v, **the same options) -> (out, lse)        N_q <= 16, keys split
+    supports(p: Problem) -> list[str]    forward_problem(p: Problem) -> (out, lse)
+
+Score terms, in attnkit's fixed order: ``x = s·scale → softcap·tanh(x/softcap) →
+x − slope_h·|q + alibi_offset − k| → x + bias → mask``. All masks given are ANDed:
+``band=(lo, hi)`` allows ``lo <= q − k <= hi`` (``masks.band_of`` gives it with the alignment
+folded in); ``kv_lengths``/``q_lengths`` allow ``k < kv_len[b]`` and ``q < q_len[b]``;
+``doc_ids``/``kv_doc_ids`` allow equal ids; ``dense_mask`` is True where allowed.
+
+Caution
+-------
+- Forward only: there is no backward yet. A call whose inputs require grad (with grad mode
+  on) is refused by :func:`supports` and raises in :func:`forward`.
+- float32, bfloat16 and float16 on CPU; float64 is refused (accumulation is float32).
+- The first call in a fresh environment compiles the kernel (~10 s, see ``loader``); it is
+  cached afterwards. ``ATTNKIT_NATIVE=0`` turns the kernel off.
+- ALiBi reaches :func:`forward_problem` only as a score_mod that carries a spec: an object
+  ``score_mod.spec`` with ``slopes`` (H_q,) (and optionally ``offset``); a plain Python
+  score_mod is refused by :func:`supports`.
+- Masks without a closed form are evaluated densely, ``(B|1, H|1, N_q, N_k)`` bools; above
+  ``DENSE_MASK_LIMIT`` bytes :func:`supports` refuses them.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from functools import reduce
+
+import torch
+
+from ...masks import Band, Documents, Lengths, Mask, documents_of, lengths_of
+from ..base import Problem
+from . import loader
+
+__all__ = ["available", "why_unavailable", "forward", "decode", "supports", "forward_problem",
+           "DTYPES", "DECODE_MAX_QUERIES", "DENSE_MASK_LIMIT"]
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+DECODE_MAX_QUERIES = 16
+DENSE_MASK_LIMIT = 256 * 2**20      # bytes of a dense mask supports() accepts
+_ROWS_PER_ITEM = 64                 # query rows (G heads × block_q) per work item
+
+
+def available() -> bool:
+    """True when the native kernel is built (or was built and cached) and loaded."""
+    return loader.load() is not None
+
+
+def why_unavailable() -> str | None:
+    """Why :func:`available` is False, with how to fix it (``None`` when it is True)."""
+    return None if available() else loader.reason()
+
+
+def _ops() -> object:
+    ops = loader.load()
+    if ops is None:
+        raise RuntimeError(f"attnkit's native CPU kernel is unavailable: {loader.reason()}")
+    return ops
+
+
+# ------------------------------------------------------------------ argument preparation
+def _as4d(t: torch.Tensor, shape: tuple[int, int, int, int], what: str,
+          dtype: torch.dtype) -> torch.Tensor:
+    """``t`` broadcast to ``shape`` as a strided view (stride 0 on broadcast dims), in
+    ``dtype``, converting only the un-broadcast data."""
+    if t.dim() > 4:
+        raise ValueError(f"{what} must have at most 4 dims, got shape {tuple(t.shape)}")
+    t = t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))
+    try:
+        torch.broadcast_shapes(tuple(t.shape), shape)
+    except RuntimeError:
+        raise ValueError(f"{what} of shape {tuple(t.shape)} does not broadcast to "
+                         f"(B, H_q, N_q, N_k) = {shape}") from None
+    if t.dtype != dtype:
+        small = t[tuple(slice(0, 1) if st == 0 else slice(None) for st in t.stride())]
+        t = small.to(dtype)
+    return t.expand(shape)
+
+
+def _per_batch(x: object, B: int, what: str) -> torch.Tensor:
+    t = torch.as_tensor(x).to(torch.int64).reshape(-1)
+    if t.numel() not in (1, B):
+        raise ValueError(f"{what} must have 1 or B={B} entries, got {t.numel()}")
+    return t.expand(B)
+
+
+def _ids(x: object, B: int, n: int, what: str) -> torch.Tensor:
+    t = torch.as_tensor(x).to(torch.int64)
+    t = t.reshape(1, -1) if t.dim() == 1 else t
+    if t.dim() != 2 or t.shape[0] not in (1, B) or t.shape[1] != n:
+        raise ValueError(f"{what} must have shape ({n},) or (B|1, {n}), got {tuple(t.shape)}")
+    return t.expand(B, n)
+
+
+def _auto_splits(items: int, n_k: int) -> int:
+    """Key splits so that there are a few work items per thread (decode-sized calls)."""
+    threads = max(1, torch.get_num_threads())
+    if items >= 2 * threads:
+        return 1
+    return max(1, min(math.ceil(4 * threads / items), n_k // 256))
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
+            softcap: float | None = None, alibi_slopes: torch.Tensor | None = None,
+            alibi_offset: int = 0, bias: torch.Tensor | None = None,
+            band: tuple[float, float] | None = None, kv_lengths: object | None = None,
+            q_lengths: object | None = None, doc_ids: object | None = None,
+            kv_doc_ids: object | None = None, dense_mask: torch.Tensor | None = None,
+            block_q: int | None = None, splits: int | None = None,
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention on the Problem layout → ``(out, lse)`` (see the module docstring).
+
+    ``block_q`` (queries per work item and head) and ``splits`` (key splits, merged by LSE)
+    are chosen from the sizes and the thread count when not given.
+    """
+    ops = _ops()
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"native.forward: {name} must be a 4-D tensor (B, H, N, D), got "
+                             f"{getattr(t, 'shape', type(t))}")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in DTYPES:
+        raise TypeError(f"native.forward: q, k, v must share one dtype of float32 / bfloat16 / "
+                        f"float16, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.device.type != "cpu" or k.device.type != "cpu" or v.device.type != "cpu":
+        raise ValueError(f"native.forward runs on CPU tensors, got {q.device}, {k.device}, "
+                         f"{v.device}")
+    B, Hq, Nq, Dk = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    if (k.shape[0], k.shape[3]) != (B, Dk) or v.shape[:3] != k.shape[:3] or Hq % Hkv:
+        raise ValueError(f"native.forward: shapes q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)} do not fit the layout (B, H_q, N_q, D_k), "
+                         "(B, H_kv, N_k, D_k), (B, H_kv, N_k, D_v) with H_q a multiple of H_kv")
+    if torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (q, k, v, bias, alibi_slopes)):
+        raise RuntimeError("native.forward has no backward yet: call it under "
+                           "torch.no_grad(), or use the tiled engine for training")
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    shape4 = (B, Hq, Nq, Nk)
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be > 0, got {softcap}")
+    slopes = None
+    if alibi_slopes is not None:
+        slopes = torch.as_tensor(alibi_slopes, dtype=torch.float32).reshape(-1).contiguous()
+        if slopes.numel() != Hq:
+            raise ValueError(f"alibi_slopes must have H_q={Hq} entries, got {slopes.numel()}")
+    lo, hi = (-math.inf, math.inf) if band is None else (float(band[0]), float(band[1]))
+    if (doc_ids is None) != (kv_doc_ids is None) and Nq != Nk:
+        raise ValueError("give kv_doc_ids with doc_ids when N_q != N_k")
+    if doc_ids is not None and kv_doc_ids is None:
+        kv_doc_ids = doc_ids
+    if kv_doc_ids is not None and doc_ids is None:
+        doc_ids = kv_doc_ids
+    if dense_mask is not None and dense_mask.dtype != torch.bool:
+        raise TypeError(f"dense_mask must be bool (True = may attend), got {dense_mask.dtype}")
+    rows = block_q or max(1, _ROWS_PER_ITEM // (Hq // Hkv))
+    n_split = splits or _auto_splits(B * Hkv * math.ceil(Nq / rows), Nk)
+    return ops.attend(
+        q, k, v, float(Dk ** -0.5 if scale is None else scale), float(softcap or 0.0),
+        slopes, float(alibi_offset),
+        None if bias is None else _as4d(bias, shape4, "bias", torch.float32),
+        lo, hi,
+        None if kv_lengths is None else _per_batch(kv_lengths, B, "kv_lengths"),
+        None if q_lengths is None else _per_batch(q_lengths, B, "q_lengths"),
+        None if doc_ids is None else _ids(doc_ids, B, Nq, "doc_ids"),
+        None if kv_doc_ids is None else _ids(kv_doc_ids, B, Nk, "kv_doc_ids"),
+        None if dense_mask is None else _as4d(dense_mask, shape4, "dense_mask", torch.bool),
+        int(n_split), int(rows))
+
+
+def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: object,
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Few queries (N_q <= 16) over a long K/V cache: all queries of a K/V head and all its
+    G query heads form one block, and the keys are split across cores (flash-decoding).
+    Options as in :func:`forward`; float16/bfloat16 caches are read as such."""
+    if q.dim() != 4 or q.shape[2] > DECODE_MAX_QUERIES:
+        raise ValueError(f"native.decode takes at most {DECODE_MAX_QUERIES} queries, got q of "
+                         f"shape {tuple(q.shape)}: use native.forward")
+    options.setdefault("block_q", q.shape[2])
+    return forward(q, k, v, **options)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ Problem → options
+def _alibi_spec(p: Problem) -> object | None:
+    spec = getattr(p.score_mod, "spec", None)
+    return spec if spec is not None and hasattr(spec, "slopes") else None
+
+
+def _mask_options(p: Problem) -> tuple[dict[str, object], Mask | None]:
+    """Closed-form options from ``p.mask``'s conjuncts, and the rest (a Mask, or None)."""
+    opts: dict[str, object] = {}
+    rest: list[Mask] = []
+    if p.mask is None:
+        return opts, None
+    lo, hi = -math.inf, math.inf
+    for m in p.mask.conjuncts():
+        spec = m.spec
+        if isinstance(spec, Band):
+            off = spec.offset(p.n_q, p.n_k)
+            lo, hi = max(lo, spec.lo - off), min(hi, spec.hi - off)
+        elif isinstance(spec, Lengths) and lengths_of(m) is not None:
+            kv, ql = lengths_of(m)
+            old_kv, old_q = opts.get("kv_lengths"), opts.get("q_lengths")
+            opts["kv_lengths"] = kv if old_kv is None else torch.minimum(old_kv, kv)
+            if ql is not None:
+                opts["q_lengths"] = ql if old_q is None else torch.minimum(old_q, ql)
+        elif (isinstance(spec, Documents) and "doc_ids" not in opts
+              and documents_of(m, p.n_q, p.n_k) is not None):
+            opts["doc_ids"], opts["kv_doc_ids"] = documents_of(m, p.n_q, p.n_k)
+        else:
+            rest.append(m)
+    if (lo, hi) != (-math.inf, math.inf):
+        opts["band"] = (lo, hi)
+    return opts, (reduce(operator.and_, rest) if rest else None)
+
+
+def supports(p: Problem) -> list[str]:
+    """Why the native kernel cannot run ``p`` (empty = it can)."""
+    if not available():
+        return [f"native kernel unavailable: {why_unavailable()}"]
+    out = []
+    if p.device.type != "cpu":
+        out.append(f"runs on CPU only (inputs are on {p.device})")
+    if p.dtype not in DTYPES:
+        out.append(f"dtype {p.dtype} is not supported (float32, bfloat16, float16)")
+    if p.requires_grad:
+        out.append("forward only (inputs require grad): no native backward yet")
+    if p.dropout_p > 0.0:
+        out.append(f"no dropout, got dropout_p={p.dropout_p}")
+    if p.score_mod is not None and _alibi_spec(p) is None:
+        out.append("score_mod is an arbitrary Python function (only ALiBi with a spec runs "
+                   "natively)")
+    _, rest = _mask_options(p)
+    if rest is not None:
+        b = p.batch if rest.depends_on_batch else 1
+        h = p.heads_q if rest.depends_on_heads else 1
+        size = b * h * p.n_q * p.n_k
+        if size > DENSE_MASK_LIMIT:
+            out.append(f"mask {rest.name!r} has no closed form and its dense form would take "
+                       f"{size / 2**20:.0f} MB (limit {DENSE_MASK_LIMIT / 2**20:.0f} MB)")
+    return out
+
+
+def forward_problem(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run a :class:`Problem` that :func:`supports` accepts → ``(out, lse)``."""
+    opts, rest = _mask_options(p)
+    if rest is not None:
+        opts["dense_mask"] = rest.evaluate(p.n_q, p.n_k, batch=p.batch, heads=p.heads_q,
+                                           device=p.device)
+    spec = _alibi_spec(p)
+    if spec is not None:
+        opts["alibi_slopes"] = spec.slopes  # type: ignore[attr-defined]
+        opts["alibi_offset"] = int(getattr(spec, "offset", 0))
+    run = decode if p.n_q <= DECODE_MAX_QUERIES else forward
+    return run(p.q, p.k, p.v, scale=p.scale, softcap=p.softcap, bias=p.bias,  # type: ignore[arg-type]
+               **opts)
