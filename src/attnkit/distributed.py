@@ -667,7 +667,7 @@ def ring_attention(
             raise ValueError(f"the NCCL backend needs CUDA tensors, got q on {q.device}: "
                              "move the shards to the GPU or use the gloo backend")
         _refuse_unrunnable(p, backend, bool(is_causal), ring.size, needs_grad)
-    except (TypeError, ValueError) as e:
+    except Exception as e:      # any local failure: the peers must hear of it, not wait
         local_error = e
     p_ = prep.problem if prep is not None else None
     _check_group(ring, _option_row(q, k, v, local_error, is_causal,
