@@ -22,8 +22,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, NoReturn
 
 from .explain.examples import DEFAULT, EXAMPLES
+from .explain.guard import ExplainError
 from .explain.inputs import InputError, finite_number, parse_labels, prepare_inputs
-from .explain.text import LANGS, render_many
+from .explain.strings import LANGS
+from .explain.text import render_many
 
 if TYPE_CHECKING:
     from .explain.trace import Trace
@@ -168,7 +170,7 @@ def _explain(args: argparse.Namespace) -> int:
         raise InputError("plot_ext", path=args.plot)
     try:
         traces = _traces(args)
-    except InputError:
+    except (InputError, ExplainError):
         raise
     except (ValueError, TypeError) as e:      # the API's own checks (shapes, options)
         files = ", ".join(f"--{n} {getattr(args, n)}" for n in ("q", "k", "v", "mask")
@@ -217,7 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _UsageError as e:
         print(" ".join(str(e).split("\n")), file=sys.stderr)
         return 2
-    except InputError as e:
+    except (InputError, ExplainError) as e:
         print("attnkit explain: " + e.message(lang), file=sys.stderr)
         return 2
     except BrokenPipeError:             # `attnkit explain | head`

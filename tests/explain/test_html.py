@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import attnkit as ak
+from attnkit.explain.common import fmt
 from attnkit.explain.examples import EXAMPLES
 from attnkit.explain.html import render_html
-from attnkit.explain.text import fmt
 
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync",

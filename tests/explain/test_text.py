@@ -11,12 +11,12 @@ import torch
 from textparse import parse
 
 import attnkit as ak
+from attnkit.explain.common import fmt
+from attnkit.explain.remarks import remarks
+from attnkit.explain.strings import STRINGS
 from attnkit.explain.text import (
-    STRINGS,
     display_width,
-    fmt,
     format_matrix,
-    remarks,
     render_text,
     step_table,
     use_color,

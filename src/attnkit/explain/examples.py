@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .common import cut_width, shape_str
 from .trace import Trace, explain
 
 
@@ -205,11 +206,9 @@ def two_tokens_numpy() -> list[Trace]:
 # ----------------------------------------------------------------------------- (f) heads
 
 
-def split_heads(x: np.ndarray | torch.Tensor, heads: int) -> torch.Tensor:
+def _heads(x: list[list[float]], heads: int) -> torch.Tensor:
     """(n, h·d) → (h, n, d): cut the feature width into ``heads`` slices."""
-    t = torch.as_tensor(np.asarray(x, dtype=np.float64))
-    n, width = t.shape
-    return t.reshape(n, heads, width // heads).transpose(0, 1).contiguous()
+    return torch.from_numpy(cut_width(np.asarray(x, dtype=np.float64), heads))
 
 
 def multihead() -> list[Trace]:
@@ -217,7 +216,7 @@ def multihead() -> list[Trace]:
     q = [[1, 0, 1, 0, 0, 1, 0, 1], [0, 1, 0, 1, 1, 0, 0, 0], [1, 1, 0, 0, 0, 0, 1, 1]]
     k = [[1, 0, 0, 0, 0, 1, 1, 0], [0, 1, 1, 0, 1, 0, 0, 1], [1, 0, 1, 1, 0, 0, 0, 1]]
     v = [[1, 0, 0, 0, 2, 0, 0, 0], [0, 1, 0, 0, 0, 2, 0, 0], [0, 0, 1, 0, 0, 0, 2, 1]]
-    tr = explain(split_heads(q, 2), split_heads(k, 2), split_heads(v, 2))
+    tr = explain(_heads(q, 2), _heads(k, 2), _heads(v, 2))
     words = ["I", "like", "tea"]
     tr.labelled(words, words)
     return [_text(tr, (
@@ -252,8 +251,7 @@ def shape_walk() -> list[Trace]:
     final = concat @ w_o                                   # (n, d_model)
 
     def s(a: np.ndarray | tuple[int, ...]) -> str:
-        shape = a if isinstance(a, tuple) else a.shape
-        return "(" + ", ".join(str(d) for d in shape) + ")"
+        return shape_str(a if isinstance(a, tuple) else a.shape)
 
     walk = [
         f"X {s(x)}  ·  W_Q {s(w_q[0])}  →  Q {s(q[0])}      (K, V alike)",

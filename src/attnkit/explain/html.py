@@ -1,8 +1,10 @@
-"""A self-contained HTML page for one or more traces (no network: inline CSS, JS and SVG).
+"""The HTML renderer: one self-contained page for one or more traces (inline CSS, JS, SVG).
 
-The page shows the formula, the flow Score → Scale & Mask → Softmax → Weighted sum with
-the shape on every arrow, the five-step table, and every step's matrix as a heatmap (the
-value in the cell when it fits, and on hover). Multi-head traces get one tab per head.
+The page shows the formula, the flow of the five steps (the diagram draws Score → Scale &
+Mask → Softmax → Weighted sum: steps 2 and 3 share a box) with the shape on every arrow,
+the five-step table, and every step's matrix as a heatmap (the value in the cell when it
+fits, and on hover). Multi-head traces get one tab per head. Words come from
+:mod:`.strings`, numbers, labels and budgets from :mod:`.common`.
 
 Shape legend::
 
@@ -11,8 +13,12 @@ Shape legend::
 
 Caution
 -------
-- Every cell is an element: a trace with many heads of large matrices makes a big page
-  (the 8-head base-model example is about 1 MB).
+- Size: a trace of up to 40,000 cells in all (:data:`~attnkit.explain.common.PAGE_CELLS`;
+  the 8-head base-model example is about 29,000, 1 MB) is shown cell by cell. A larger one
+  is drawn in blocks: every heatmap with more than g rows or columns (g from 8 to 48, so the
+  page stays near 2 MB at most) shows one cell per block, coloured by the block's mean, and
+  the page says so. At most 8 heads get a tab (:data:`~attnkit.explain.common.MAX_HEADS`);
+  the page names the rest.
 - Any script error is written into the page (``#js-errors``) so a test can see it.
 """
 
@@ -25,54 +31,28 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .text import (
-    check_lang,
+from .common import (
+    MAX_HEADS,
+    axis_labels,
+    block_labels,
+    cell_formatter,
     fmt,
-    mask_label,
-    remarks,
+    head_label,
+    kv_head_index,
+    n_matrices,
+    page_grid,
+    pool,
+    shape_str,
     split_heads,
-    step_formula,
-    step_name,
-    step_what,
 )
+from .guard import check_decimals
+from .remarks import remarks
+from .strings import STRINGS, check_lang, mask_label, step_formula, step_name, step_what
 
 if TYPE_CHECKING:
     from .trace import Trace
 
-PAGE: dict[str, dict[str, str]] = {
-    "en": {
-        "doc_title": "Attention, step by step",
-        "legend": "Every query scores every key, the scores become weights that sum to 1 "
-                  "over the keys, and the weights mix the values. Hover a cell to see its "
-                  "value.",
-        "flow": "The flow", "table": "The five steps", "inputs": "Inputs",
-        "stage_score": "Score", "stage_scale_mask": "Scale & Mask",
-        "stage_softmax": "Softmax", "stage_sum": "Weighted sum",
-        "f_score": "S = Q Kᵀ", "f_scale_mask": "L = S·scale + M", "f_softmax": "W = softmax(L)",
-        "f_sum": "O = W V", "concat": "Concatenated heads", "blocked": "blocked (−∞)",
-        "hover": "hover a cell", "rows": "rows: queries", "cols": "columns: keys",
-        "notes": "What to notice", "options": "Options",
-        "per_head": "{h} heads: every shape here is per head",
-        "colors": "Colours", "c_weights": "weights", "c_other": "other matrices",
-        "c_masked": "masked (−∞)",
-        "generated": "Made by attnkit — a self-contained page: no network needed.",
-    },
-    "ko": {
-        "doc_title": "어텐션 단계별 풀이",
-        "legend": "모든 쿼리가 모든 키에 점수를 매기고, 점수는 키에 대해 합이 1인 가중치가 되며, "
-                  "가중치가 값을 섞습니다. 셀 위에 마우스를 올리면 값이 보입니다.",
-        "flow": "흐름", "table": "다섯 단계", "inputs": "입력",
-        "stage_score": "점수", "stage_scale_mask": "스케일 & 마스크",
-        "stage_softmax": "소프트맥스", "stage_sum": "가중합",
-        "f_score": "S = Q Kᵀ", "f_scale_mask": "L = S·scale + M", "f_softmax": "W = softmax(L)",
-        "f_sum": "O = W V", "concat": "헤드 이어붙이기", "blocked": "가려짐 (−∞)",
-        "hover": "셀에 마우스를 올리세요", "rows": "행: 쿼리", "cols": "열: 키",
-        "notes": "눈여겨볼 점", "options": "옵션",
-        "per_head": "헤드 {h}개: 여기의 모든 모양은 헤드 하나 기준",
-        "colors": "색", "c_weights": "가중치", "c_other": "다른 행렬", "c_masked": "마스크됨 (−∞)",
-        "generated": "attnkit으로 만든 독립 실행형 페이지: 네트워크가 필요 없습니다.",
-    },
-}
+__all__ = ["render_html", "heatmap", "flow_svg", "cell_color"]
 
 CSS = """
 :root{--ink:#1d2330;--mute:#5b6475;--line:#d9dee8;--card:#fff;--bg:#f4f6fa;--acc:#2463eb}
@@ -209,13 +189,24 @@ def cell_color(v: float, kind: str, vmax: float) -> tuple[str, bool]:
 
 
 def heatmap(m: np.ndarray, rows: Sequence[str], cols: Sequence[str], kind: str, step: str,
-            decimals: int = 3, sums: bool = False) -> str:
-    """One matrix as an HTML table: a coloured cell per value, the value in ``data-v``."""
+            decimals: int = 3, sums: bool = False, grid: int | None = None) -> str:
+    """One matrix as an HTML table: a coloured cell per value, the value in ``data-v``.
+
+    With ``grid``, a matrix of more than ``grid`` rows or columns is drawn in blocks
+    (:func:`~attnkit.explain.common.pool`): one cell per block, its mean as the value, the
+    block's first–last labels as row / column names.
+    """
     m = np.atleast_2d(m)
+    row_sums = m.sum(-1) if sums else None                  # (n_q,) of the full rows
+    if grid is not None:
+        m, fr, fc = pool(m, grid, grid)
+        rows, cols = block_labels(rows, fr), block_labels(cols, fc)
+        if row_sums is not None:
+            row_sums = pool(row_sums[:, None], grid, 1)[0][:, 0]
     fin = m[np.isfinite(m)]
     vmax = float(np.abs(fin).max()) if fin.size else 1.0
     small = m.shape[1] > 12 or m.shape[0] > 24
-    whole = fin.size > 0 and bool(np.all(fin == np.round(fin))) and bool(np.all(np.abs(fin) < 1e6))
+    f = cell_formatter(m, decimals)
     out = [f'<table class="hm{" small" if small else ""}" data-step="{E(step)}">',
            "<thead><tr><th></th>" + "".join(
                f'<th data-l="{E(c)}">{E(c) if not small or j % 8 == 0 else ""}</th>'
@@ -225,37 +216,39 @@ def heatmap(m: np.ndarray, rows: Sequence[str], cols: Sequence[str], kind: str, 
         cells = []
         for j in range(m.shape[1]):
             v = float(m[i, j])
-            s = str(int(v)) if whole and math.isfinite(v) else fmt(v, decimals)
+            s = f(v)
             if math.isinf(v) and v < 0:
                 cells.append(f'<td class="x" data-v="-inf">{"" if small else "−∞"}</td>')
+                continue
+            if math.isnan(v):                                 # a NaN input shows as NaN
+                cells.append(f'<td class="x" data-v="nan">{"" if small else "nan"}</td>')
                 continue
             bg, dark = cell_color(v, kind, vmax)
             color = ";color:#fff" if dark else ""
             cells.append(f'<td style="background:{bg}{color}" data-v="{s}">'
                          f'{"" if small else s}</td>')
-        if sums:
-            cells.append(f'<td class="sum">{fmt(float(m[i].sum()), decimals)}</td>')
+        if row_sums is not None:
+            cells.append(f'<td class="sum">{fmt(float(row_sums[i]), decimals)}</td>')
         out.append(f'<tr><th class="r">{E(rows[i])}</th>{"".join(cells)}</tr>')
     out.append("</tbody></table>")
     return "".join(out)
 
 
-def _shape(s: Sequence[int]) -> str:
-    return "(" + ", ".join(str(int(x)) for x in s) + ")"
-
-
 def flow_svg(trace: Trace, lang: str, anchor: str) -> str:
-    """The flow diagram: Q, K → Score → Scale & Mask → Softmax → Weighted sum (← V) → O."""
-    p = PAGE[lang]
+    """The flow diagram: Q, K → Score → Scale & Mask → Softmax → Weighted sum (← V) → O.
+
+    The five steps in four boxes: Scale (step 2) and Mask (step 3) share one.
+    """
+    t = STRINGS[lang]
     n_q, n_k = trace.scores.shape[-2:]
     d_k, d_v = trace.q.shape[-1], trace.v.shape[-1]
-    h = 1 if trace.scores.ndim == 2 else int(np.prod(trace.scores.shape[:-2]))
+    h = n_matrices(trace.scores)
     pre = ""                                       # shapes are per head
-    qk = _shape((n_q, n_k))
+    qk = shape_str((n_q, n_k))
     stages = [("stage_score", "f_score", 1), ("stage_scale_mask", "f_scale_mask", 2),
               ("stage_softmax", "f_softmax", 4), ("stage_sum", "f_sum", 5)]
     parts = ['<svg class="flow" viewBox="0 0 1104 190" role="img" '
-             f'aria-label="{E(p["flow"])}">',
+             f'aria-label="{E(t["page_flow"])}">',
              '<defs><marker id="ah" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" '
              'markerHeight="7" orient="auto-start-reverse"><path d="M0,0 L10,5 L0,10 z" '
              'fill="#5b6475"/></marker></defs>']
@@ -266,26 +259,26 @@ def flow_svg(trace: Trace, lang: str, anchor: str) -> str:
                      f'{E(name)}</text><text class="shape" x="{x + 48}" y="{y + 36}" '
                      f'text-anchor="middle">{E(shape)}</text>')
 
-    io(8, 22, "Q", pre + _shape((n_q, d_k)))
-    io(8, 104, "K", pre + _shape((n_k, d_k)))
+    io(8, 22, "Q", pre + shape_str((n_q, d_k)))
+    io(8, 104, "K", pre + shape_str((n_k, d_k)))
     xs = [170, 390, 610, 830]
     for (name, formula, step), x in zip(stages, xs, strict=True):
         parts.append(f'<a href="#{anchor}-s{step}"><rect class="box" x="{x}" y="52" '
                      f'width="150" height="64" rx="10"/>'
                      f'<text class="name" x="{x + 75}" y="79" text-anchor="middle">'
-                     f'{E(p[name])}</text><text x="{x + 75}" y="99" text-anchor="middle">'
-                     f'{E(p[formula])}</text></a>')
+                     f'{E(t["page_" + name])}</text><text x="{x + 75}" y="99" '
+                     f'text-anchor="middle">{E(t["page_" + formula])}</text></a>')
     parts.append('<path class="arrow" d="M104,44 C136,44 140,70 166,74"/>'
                  '<path class="arrow" d="M104,126 C136,126 140,100 166,96"/>')
     for a, b in zip(xs[:-1], xs[1:], strict=True):
         parts.append(f'<path class="arrow" d="M{a + 150},84 L{b - 2},84"/>'
                      f'<text class="shape" x="{(a + 150 + b) / 2}" y="76" '
                      f'text-anchor="middle">{E(pre + qk)}</text>')
-    io(857, 142, "V", pre + _shape((n_k, d_v)))
+    io(857, 142, "V", pre + shape_str((n_k, d_v)))
     parts.append('<path class="arrow" d="M905,142 L905,118"/>')
     if h > 1:
-        parts.append(f'<text x="170" y="160">{E(p["per_head"].format(h=h))}</text>')
-    io(1004, 62, "O", pre + _shape((n_q, d_v)))
+        parts.append(f'<text x="170" y="160">{E(t["page_per_head"].format(h=h))}</text>')
+    io(1004, 62, "O", pre + shape_str((n_q, d_v)))
     parts.append('<path class="arrow" d="M980,84 L1002,84"/>')
     parts.append("</svg>")
     return "".join(parts)
@@ -293,24 +286,17 @@ def flow_svg(trace: Trace, lang: str, anchor: str) -> str:
 
 def _color_legend(lang: str) -> str:
     """One line saying what the heatmap colours mean."""
-    p = PAGE[lang]
+    t = STRINGS[lang]
 
     def sw(bg: str, cls: str = "") -> str:
         return f'<span class="sw{cls}" style="background:{bg}"></span>'
 
     w0, w1 = cell_color(0.0, "weights", 1.0)[0], cell_color(1.0, "weights", 1.0)[0]
     neg, pos = cell_color(-1.0, "value", 1.0)[0], cell_color(1.0, "value", 1.0)[0]
-    return (f'<div class="colors">{E(p["colors"])}: {E(p["c_weights"])} 0 {sw(w0)}→{sw(w1)} 1'
-            f'  ·  {E(p["c_other"])} − {sw(neg)}{sw("#ffffff")}{sw(pos)} +'
-            f'  ·  <span class="sw x"></span> {E(p["c_masked"])}</div>')
-
-
-def _kv_index(trace: Trace, h: int) -> int:
-    """The flat K/V head that flat query head ``h`` reads (GQA: H_q / H_kv queries share one)."""
-    if trace.k.ndim == 2 or trace.k.shape[-3] == trace.q.shape[-3]:
-        return h
-    h_q, h_kv = trace.q.shape[-3], trace.k.shape[-3]
-    return (h // h_q) * h_kv + (h % h_q) // (h_q // h_kv)
+    return (f'<div class="colors">{E(t["page_colors"])}: {E(t["page_c_weights"])} 0 '
+            f'{sw(w0)}→{sw(w1)} 1'
+            f'  ·  {E(t["page_c_other"])} − {sw(neg)}{sw("#ffffff")}{sw(pos)} +'
+            f'  ·  <span class="sw x"></span> {E(t["page_c_masked"])}</div>')
 
 
 def _step_table(trace: Trace, lang: str) -> str:
@@ -320,22 +306,29 @@ def _step_table(trace: Trace, lang: str) -> str:
     for i, s in enumerate(trace.steps):
         rows.append(f"<tr><td>{i + 1}. {E(step_name(s, lang))}</td><td>{E(step_what(s, lang))}"
                     f'</td><td class="f">{E(step_formula(s, lang))}</td>'
-                    f'<td class="f">{_shape(s.shape)}</td></tr>')
+                    f'<td class="f">{shape_str(s.shape)}</td></tr>')
     return '<table class="steps">' + "".join(rows) + "</table>"
 
 
-def _labels(given: list[str] | None, n: int, prefix: str) -> list[str]:
-    return list(given) if given else [f"{prefix}{i + 1}" for i in range(n)]
+def _card_head(title: str, shape: tuple[int, ...], t: dict[str, str], grid: int | None) -> str:
+    """A card's title line: the name, the full shape, and the block size when drawn in blocks."""
+    out = f'<h4>{title} <span class="shp">{shape_str(shape)}</span></h4>'
+    if grid is not None and len(shape) == 2 and max(shape) > grid:
+        fr = -(-shape[0] // grid) if shape[0] > grid else 1
+        fc = -(-shape[1] // grid) if shape[1] > grid else 1
+        out += f'<div class="what">{E(t["page_block"].format(br=fr, bc=fc))}</div>'
+    return out
 
 
 def _section(trace: Trace, lang: str, idx: int, decimals: int) -> str:
-    t, p = check_lang(lang), PAGE[lang]
+    t = check_lang(lang)
     anchor = f"t{idx}"
     n_q, n_k = trace.scores.shape[-2:]
-    ql = _labels(trace.q_labels, n_q, "q")
-    kl = _labels(trace.k_labels, n_k, "k")
-    dk = [f"d{j + 1}" for j in range(trace.q.shape[-1])]
-    dv = [f"d{j + 1}" for j in range(trace.v.shape[-1])]
+    ql = axis_labels(trace.q_labels, n_q, "q")
+    kl = axis_labels(trace.k_labels, n_k, "k")
+    dk = axis_labels("d", trace.q.shape[-1], "d")
+    dv = axis_labels("d", trace.v.shape[-1], "d")
+    grid = page_grid(trace)                    # None: every cell; else blocks (Caution)
     out = [f'<section class="trace" id="{anchor}">']
     title = trace.title.get(lang) or trace.title.get("en")
     if title:
@@ -347,35 +340,41 @@ def _section(trace: Trace, lang: str, idx: int, decimals: int) -> str:
             f"{t['mask_is']}: {mask_label(trace.mask_name, lang)}"]
     if trace.softcap is not None:
         opts.append(f"{t['softcap_is']} = {fmt(trace.softcap, decimals)}")
-    out.append(f'<div class="legend">{E(p["options"])}: {E("   ·   ".join(opts))}</div>')
-    out.append(f"<h3>{E(p['flow'])}</h3>" + flow_svg(trace, lang, anchor))
-    out.append(f"<h3>{E(p['table'])}</h3>" + _step_table(trace, lang))
-    heads = split_heads(trace.scores, lang)
-    many = len(heads) > 1
+    out.append(f'<div class="legend">{E(t["page_options"])}: {E("   ·   ".join(opts))}</div>')
+    if grid is not None:
+        out.append(f'<div class="legend pooled">{E(t["page_pooled"].format(g=grid))}</div>')
+    out.append(f"<h3>{E(t['page_flow'])}</h3>" + flow_svg(trace, lang, anchor))
+    out.append(f"<h3>{E(t['page_table'])}</h3>" + _step_table(trace, lang))
+    n_heads = n_matrices(trace.scores)
+    heads = split_heads(trace.scores, lang, limit=MAX_HEADS)
+    many = n_heads > 1
     if many:
         out.append('<div class="tabs" role="tablist">' + "".join(
             f'<button type="button" data-head="{h}"{" class=on" if h == 0 else ""}>'
             f"{E(label)}</button>" for h, (label, _) in enumerate(heads)) + "</div>")
+    if n_heads > len(heads):
+        out.append(f'<div class="legend">'
+                   f'{E(t["page_more_heads"].format(n=n_heads - len(heads), m=len(heads)))}'
+                   "</div>")
 
-    def per_head(a: np.ndarray) -> list[np.ndarray]:
-        return [m for _, m in split_heads(a, lang)]
+    def flat(a: np.ndarray) -> np.ndarray:
+        return a.reshape(n_matrices(a), *a.shape[-2:])          # (heads, rows, cols), a view
 
-    inputs = [per_head(trace.q), per_head(trace.k), per_head(trace.v)]
-    kv_labels = [label for label, _ in split_heads(trace.k, lang, "kv_head")]
-    values = [per_head(s.value) for s in trace.steps]
+    inputs = [flat(trace.q), flat(trace.k), flat(trace.v)]
+    values = [flat(s.value) for s in trace.steps]
     for h in range(len(heads)):
         hidden = " hidden" if h > 0 else ""
         out.append(f'<div class="head" data-head="{h}"{hidden}>')
-        out.append(f"<h3>{E(p['inputs'])}</h3><div class=\"grid\">")
+        out.append(f"<h3>{E(t['inputs'])}</h3><div class=\"grid\">")
         for name, mats, rows in (("Q", inputs[0], ql), ("K", inputs[1], kl),
                                  ("V", inputs[2], kl)):
-            j = _kv_index(trace, h) if name != "Q" else h
+            j = kv_head_index(trace, h) if name != "Q" else h
             m = mats[j]
             cols = dv if name == "V" else dk
-            if name != "Q" and len(mats) != len(heads):        # GQA / MQA: a shared K/V head
-                name = f"{name} · {kv_labels[j]}"
-            out.append(f'<div class="card"><h4>{name} <span class="shp">{_shape(m.shape)}'
-                       f"</span></h4>{heatmap(m, rows, cols, 'input', name, decimals)}</div>")
+            if name != "Q" and len(mats) != n_heads:          # GQA / MQA: a shared K/V head
+                name = f"{name} · {head_label(trace.k.shape[:-2], j, lang, 'kv_head')}"
+            out.append('<div class="card">' + _card_head(name, m.shape, t, grid)
+                       + heatmap(m, rows, cols, 'input', name, decimals, grid=grid) + "</div>")
         out.append("</div><h3>" + E(t["rows_cols"]) + "</h3>" + _color_legend(lang)
                    + '<div class="grid">')
         for i, s in enumerate(trace.steps):
@@ -384,26 +383,26 @@ def _section(trace: Trace, lang: str, idx: int, decimals: int) -> str:
             kind = "weights" if s.key == "weights" else "value"
             out.append(
                 f'<div class="card" id="{anchor}-s{i + 1}" data-key="{s.key}">'
-                f"<h4>{i + 1}. {E(step_name(s, lang))} "
-                f'<span class="shp">{_shape(m.shape)}</span></h4>'
-                f'<div class="what">{E(step_what(s, lang))}</div>'
+                + _card_head(f"{i + 1}. {E(step_name(s, lang))}", m.shape, t, grid)
+                + f'<div class="what">{E(step_what(s, lang))}</div>'
                 f'<div class="f">{E(step_formula(s, lang))}</div>'
                 + heatmap(m, ql, cols, kind, f"{i + 1}. {step_name(s, lang)}", decimals,
-                          sums=s.key == "weights") + "</div>")
+                          sums=s.key == "weights", grid=grid) + "</div>")
         out.append("</div></div>")
     if trace.output.ndim == 3 and trace.output.shape[0] > 1:
         hh, nq, d = trace.output.shape
         cat = trace.output.transpose(1, 0, 2).reshape(nq, hh * d)
-        cols = [f"d{j + 1}" for j in range(hh * d)]
-        out.append(f'<h3>{E(p["concat"])}</h3><div class="card" id="{anchor}-concat">'
-                   f'<h4>{E(step_name("Concat", lang))} <span class="shp">{_shape(cat.shape)}'
-                   f'</span></h4><div class="what">{E(t["Concat"])}</div>'
+        cols = axis_labels("d", hh * d, "d")
+        out.append(f'<h3>{E(t["page_concat"])}</h3><div class="card" id="{anchor}-concat">'
+                   + _card_head(E(step_name("Concat", lang)), cat.shape, t, grid)
+                   + f'<div class="what">{E(t["Concat"])}</div>'
                    '<div class="f">O = [O₁ | … | O_h]</div>'
-                   + heatmap(cat, ql, cols, "value", step_name("Concat", lang), decimals)
+                   + heatmap(cat, ql, cols, "value", step_name("Concat", lang), decimals,
+                             grid=grid)
                    + "</div>")
     notes = remarks(trace, lang, decimals)
     if notes:
-        out.append(f'<h3>{E(p["notes"])}</h3><ul class="notes">'
+        out.append(f'<h3>{E(t["remarks"])}</h3><ul class="notes">'
                    + "".join(f"<li>{E(n.strip())}</li>" for n in notes) + "</ul>")
     out.append("</section>")
     return "".join(out)
@@ -411,20 +410,20 @@ def _section(trace: Trace, lang: str, idx: int, decimals: int) -> str:
 
 def render_html(traces: Trace | Sequence[Trace], lang: str = "en", decimals: int = 3) -> str:
     """The page for one trace or several (an example and its comparisons), as a string."""
-    check_lang(lang)
+    t = check_lang(lang)
+    decimals = check_decimals(decimals)
     if not isinstance(traces, Sequence):
         traces = [traces]
-    p = PAGE[lang]
     first = traces[0].title.get(lang) or traces[0].title.get("en") if traces else None
-    title = f"{p['doc_title']} — {first}" if first else p["doc_title"]
+    title = f"{t['page_doc_title']} — {first}" if first else t["page_doc_title"]
     body = "".join(_section(tr, lang, i, decimals) for i, tr in enumerate(traces))
     return (
         f'<!doctype html><html lang="{lang}"><head><meta charset="utf-8">'
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
         f"<title>{E(title)}</title><style>{CSS}</style><script>{ERROR_HOOK}</script></head>"
-        f"<body><main><header><h1>{E(p['doc_title'])}</h1>"
+        f"<body><main><header><h1>{E(t['page_doc_title'])}</h1>"
         f'<div class="formula">{FORMULA_HTML}</div>'
-        f'<div class="legend">{E(p["legend"])}</div></header>{body}'
-        f'<pre id="js-errors" hidden></pre><footer>{E(p["generated"])}</footer></main>'
+        f'<div class="legend">{E(t["page_legend"])}</div></header>{body}'
+        f'<pre id="js-errors" hidden></pre><footer>{E(t["page_generated"])}</footer></main>'
         f'<div id="tip"></div><script>{JS}</script></body></html>\n'
     )

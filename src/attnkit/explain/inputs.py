@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from .common import cut_width, shape_str
+
 __all__ = ["InputError", "MESSAGES", "UserInputs", "load_array", "load_mask",
            "prepare_inputs", "parse_labels", "finite_number", "shape_str"]
 
@@ -193,10 +195,6 @@ class InputError(ValueError):
         return " ".join(table[self.key].format(**self.params).split("\n"))
 
 
-def shape_str(shape: tuple[int, ...]) -> str:
-    return "(" + ", ".join(str(int(s)) for s in shape) + (",)" if len(shape) == 1 else ")")
-
-
 def _read_csv(path: Path, what: str) -> np.ndarray:
     with path.open(newline="", encoding="utf-8") as f:
         rows = [[c.strip() for c in r] for r in csv.reader(f)]
@@ -333,12 +331,12 @@ class UserInputs:
 
 
 def _split(a: np.ndarray, heads: int, name: str, path: str) -> np.ndarray:
-    n, width = a.shape
+    width = a.shape[1]
     if width % heads:
         divs = [d for d in range(1, width + 1) if width % d == 0]
         raise InputError("heads_divide", h=heads, name=name, path=path,
                          shape=shape_str(a.shape), w=width, divs=", ".join(map(str, divs)))
-    return a.reshape(n, heads, width // heads).transpose(1, 0, 2).copy()   # (h, n, d/h)
+    return cut_width(a, heads)                                            # (h, n, d/h)
 
 
 def prepare_inputs(q_path: str, k_path: str | None = None, v_path: str | None = None, *,

@@ -1,7 +1,9 @@
-"""Heatmaps of a trace as a PNG: the weights per head (and optionally scores / logits).
+"""The plot renderer: heatmaps of a trace as a PNG — the weights per head (and optionally
+scores / scaled / logits), one panel per head.
 
 matplotlib is imported only when a plot is made (``pip install 'attnkit[plot]'``); the Agg
-renderer is used directly, so no display and no pyplot state are involved.
+renderer is used directly, so no display and no pyplot state are involved. Words come from
+:mod:`.strings`, labels, heads and the downsampling from :mod:`.common`.
 
 Shape legend::
 
@@ -9,6 +11,10 @@ Shape legend::
 
 Caution
 -------
+- Size: a panel draws at most 256 × 256 cells (:data:`~attnkit.explain.common.PLOT_GRID`);
+  a larger matrix is downsampled into blocks (each pixel the mean of its block, a block that
+  is all masked stays grey) and the figure says so. At most 8 heads are drawn
+  (:data:`~attnkit.explain.common.MAX_HEADS`); the figure names the rest.
 - Hangul (``lang="ko"`` or Korean word labels) needs a CJK font: Debian's fonts-noto-cjk or
   fonts-nanum. Without one, the titles fall back to English and a warning says why.
 """
@@ -24,22 +30,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .text import check_lang, split_heads
+from .common import MAX_HEADS, PLOT_GRID, axis_labels, n_matrices, pool, split_heads
+from .strings import STRINGS, check_lang
 
 if TYPE_CHECKING:
     from .trace import Trace
 
-MAX_HEADS = 8          # heads drawn per trace (4 a row)
-WHAT = ("scores", "scaled", "logits", "weights")
+__all__ = ["render_plot", "cjk_font", "WHAT", "MAX_HEADS"]
 
-PLOT: dict[str, dict[str, str]] = {
-    "en": {"weights": "weights W = softmax(L)", "scores": "raw scores S = Q Kᵀ",
-           "scaled": "scaled X = S · scale", "logits": "logits L = X + M",
-           "queries": "queries", "keys": "keys", "masked": "grey = masked (−∞)"},
-    "ko": {"weights": "가중치 W = softmax(L)", "scores": "원점수 S = Q Kᵀ",
-           "scaled": "스케일된 점수 X = S · scale", "logits": "로짓 L = X + M",
-           "queries": "쿼리", "keys": "키", "masked": "회색 = 마스크됨 (−∞)"},
-}
+WHAT = ("scores", "scaled", "logits", "weights")
 
 CJK_FAMILIES = ("Noto Sans CJK KR", "NanumGothic", "Noto Sans KR", "Noto Sans CJK JP",
                 "Noto Sans CJK SC", "UnDotum", "Droid Sans Fallback")
@@ -75,20 +74,19 @@ def cjk_font() -> str | None:
     return None
 
 
-def _labels(given: list[str] | None, n: int, prefix: str) -> list[str]:
-    return list(given) if given else [f"{prefix}{i + 1}" for i in range(n)]
-
-
 def _short(v: float) -> str:
-    """A cell annotation: −∞, an integer, ≈0 for a tiny weight, else two decimals."""
+    """A cell annotation: −∞, an integer, ≈0 for a tiny weight, else two decimals (three
+    significant digits from 10⁴ on)."""
     if np.isneginf(v):
         return "−∞"
     if not np.isfinite(v):
-        return "nan"
+        return "nan" if np.isnan(v) else "∞"
     if v == round(v) and abs(v) < 1e4:
         return str(int(v))
     if 0 < abs(v) < 0.005:
         return "≈0"
+    if abs(v) >= 1e4:
+        return f"{v:.2g}"
     return f"{v:.2f}"
 
 
@@ -113,9 +111,10 @@ def render_plot(traces: Trace | Sequence[Trace], path: str | Path,
                       "the heatmap titles fall back to English", stacklevel=2)
         lang = "en"
     family = ["DejaVu Sans", font] if font else ["DejaVu Sans"]
-    p = PLOT[lang]
+    t = STRINGS[lang]
+    notes: list[str] = []
 
-    n_heads = [min(len(split_heads(tr.weights, lang)), MAX_HEADS) for tr in traces]
+    n_heads = [min(n_matrices(tr.weights), MAX_HEADS) for tr in traces]
     n_cols = min(max(n_heads), 4)
     grid = [-(-h // n_cols) for h in n_heads]          # rows of heads per quantity
     shapes = [tr.scores.shape[-2:] for tr in traces]
@@ -136,9 +135,11 @@ def render_plot(traces: Trace | Sequence[Trace], path: str | Path,
                 sf.suptitle(title, fontsize=11, fontweight="bold")
             axes = sf.subplots(len(what) * g, n_cols, squeeze=False)
             n_q, n_k = tr.scores.shape[-2:]
-            ql, kl = _labels(tr.q_labels, n_q, "q"), _labels(tr.k_labels, n_k, "k")
+            ql, kl = axis_labels(tr.q_labels, n_q, "q"), axis_labels(tr.k_labels, n_k, "k")
+            if n_matrices(tr.weights) > MAX_HEADS:
+                notes.append(t["plot_more_heads"].format(m=MAX_HEADS, n=n_matrices(tr.weights)))
             for r, w in enumerate(what):
-                mats = split_heads(getattr(tr, w), lang)[:MAX_HEADS]
+                mats = split_heads(getattr(tr, w), lang, limit=MAX_HEADS)
                 if w == "weights":
                     cmap, norm = colormaps["Blues"], Normalize(0.0, 1.0)
                 else:
@@ -155,18 +156,23 @@ def render_plot(traces: Trace | Sequence[Trace], path: str | Path,
                     label, m = mats[c]
                     if m.size == 0:             # n_q or n_k is 0: nothing to draw
                         ax.set_axis_off()
-                        ax.text(0.5, 0.5, f"{p[w]}\n({n_q}, {n_k})", ha="center",
+                        ax.text(0.5, 0.5, f"{t['plot_' + w]}\n({n_q}, {n_k})", ha="center",
                                 va="center", fontsize=9, transform=ax.transAxes)
                         continue
+                    m, fr, fc = pool(m, PLOT_GRID, PLOT_GRID)     # (≤ 256, ≤ 256) blocks
+                    if fr * fc > 1:
+                        notes.append(t["plot_pooled"].format(br=fr, bc=fc))
                     im = ax.imshow(np.ma.masked_invalid(m), cmap=cmap, norm=norm)
                     step = max(1, -(-max(n_q, n_k) // 12))
-                    ax.set_xticks(range(0, n_k, step), kl[::step], fontsize=8,
+                    ax.set_xticks([(j + 0.5) / fc - 0.5 for j in range(0, n_k, step)],
+                                  kl[::step], fontsize=8,
                                   rotation=45 if max(map(len, kl), default=0) > 3 else 0)
-                    ax.set_yticks(range(0, n_q, step), ql[::step], fontsize=8)
-                    ax.set_xlabel(p["keys"], fontsize=8)
+                    ax.set_yticks([(i + 0.5) / fr - 0.5 for i in range(0, n_q, step)],
+                                  ql[::step], fontsize=8)
+                    ax.set_xlabel(t["keys"], fontsize=8)
                     if c % n_cols == 0:
-                        ax.set_ylabel(p["queries"], fontsize=8)
-                    ax.set_title((f"{label}: " if label else "") + p[w], fontsize=9)
+                        ax.set_ylabel(t["queries"], fontsize=8)
+                    ax.set_title((f"{label}: " if label else "") + t["plot_" + w], fontsize=9)
                     if n_q * n_k <= 64:
                         for i in range(n_q):
                             for j in range(n_k):
@@ -178,8 +184,11 @@ def render_plot(traces: Trace | Sequence[Trace], path: str | Path,
                 if im is not None:
                     sf.colorbar(im, ax=row_axes, shrink=0.8)
         if "logits" in what and any(np.isneginf(tr.logits).any() for tr in traces):
-            fig.text(0.99, 0.002, p["masked"], ha="right", va="bottom", fontsize=7,
+            fig.text(0.99, 0.002, t["plot_masked"], ha="right", va="bottom", fontsize=7,
                      color="#5b6475")
+        if notes:                                       # downsampled / heads left out
+            fig.text(0.01, 0.002, "   ".join(dict.fromkeys(notes)), ha="left", va="bottom",
+                     fontsize=7, color="#5b6475")
         out = Path(path)
         fig.savefig(out, format="png")
     return out

@@ -1,9 +1,18 @@
-"""The Trace: every step of one attention call, as data.
+"""The Trace: every step of one attention call, as data — the five steps of the reference
+(1 score S = Q Kᵀ, 2 scale, 3 mask, 4 softmax, 5 weighted sum O = W V).
 
 Shape legend::
 
     2-D inputs (N, D)            → step values (N_q, N_k) and (N_q, D_v)
     inputs (..., H, N, D)        → step values (..., H, N_q, N_k) and (..., H, N_q, D_v)
+
+Caution
+-------
+- ``explain`` keeps every step as float64: it refuses a call above the limits of
+  :mod:`.guard` (4,194,304 scores, 16,777,216 values per input) before computing, and a
+  call whose finite inputs overflow (Q·Kᵀ, S · scale, W V), naming where — both as
+  :class:`~attnkit.explain.guard.ExplainError`. Renderers summarise large traces
+  (:mod:`.common`'s budgets).
 """
 
 from __future__ import annotations
@@ -16,8 +25,10 @@ from typing import Any
 import numpy as np
 
 from ..api import prepare
+from ..backends import check_name
 from ..reference import reference
 from ..scores import ScoreMod
+from .guard import check_overflow, check_size
 
 
 @dataclass
@@ -139,16 +150,10 @@ def explain(
     ``backend`` and ``return_lse`` are accepted for symmetry with ``attention``: the trace
     always comes from the reference and always holds the LSE. ``dropout_p`` must be 0: a
     walkthrough shows the deterministic computation (dropout would make the printed weights
-    and output disagree).
+    and output disagree). Raises :class:`~attnkit.explain.guard.ExplainError` above the size
+    limits or where finite inputs overflow (see the module's Caution).
     """
-    from .. import backends as _backends
-
-    if backend != "auto" and backend not in _backends.names():
-        raise ValueError(
-            f"unknown backend {backend!r}: choose one of "
-            f"{', '.join(repr(n) for n in ['auto', *_backends.names()])} (the trace always "
-            "comes from the reference)"
-        )
+    check_name(backend)
     if dropout_p:
         raise ValueError(
             f"explain shows the deterministic computation, got dropout_p={dropout_p!r}: "
@@ -158,8 +163,10 @@ def explain(
     prep = prepare(q, k, v, mask=mask, is_causal=is_causal, scale=scale, softcap=softcap,
                    score_mod=score_mod, dropout_p=dropout_p)
     p = prep.problem
+    check_size(p)
     r = reference(p)
     lead = prep.lead
+    check_overflow(p, r, lead if not prep.two_d else ())
 
     def arr(t: Any) -> np.ndarray:
         a = t.detach().to("cpu").double().numpy()

@@ -1,0 +1,266 @@
+"""Every word explain shows, in English and Korean: one table for text, HTML and plots.
+
+``STRINGS[lang][key]`` holds them all. Keys without a prefix are the walkthrough's own
+(step names, what each step does, the teaching remarks ``r_*``) and are shared by every
+renderer; ``page_*`` are the HTML page's, ``plot_*`` the heatmaps', ``err_*`` the messages
+of :class:`~attnkit.explain.guard.ExplainError`. The term helpers below (:func:`step_name`,
+:func:`step_what`, :func:`step_formula`, :func:`mask_label`) are the one place a step or a
+mask gets its display name.
+
+Korean follows the course's wording: the step names keep the English term in brackets
+(``소프트맥스 (Softmax)``), and no particle is written right after a number or a name that
+is filled in (``{x}``), since its final sound is unknown.
+
+Caution
+-------
+- Both languages must hold the same keys with the same ``{placeholders}`` (a test checks).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .trace import Step
+
+__all__ = ["LANGS", "STRINGS", "SYMBOLIC", "check_lang", "step_name", "step_what",
+           "step_formula", "mask_label"]
+
+LANGS = ("en", "ko")
+
+STRINGS: dict[str, dict[str, str]] = {
+    "en": {
+        # ---- the walkthrough (text, page and plot)
+        "title": "Attention, step by step:  O = softmax(Q Kᵀ · scale + M) V",
+        "step": "step", "what": "what it does", "formula": "formula", "shape": "shape",
+        "name_MatMul": "MatMul", "name_Scale": "Scale", "name_Mask": "Mask",
+        "name_Softmax": "Softmax", "name_Concat": "Concat",
+        "MatMul_scores": "score every key for every query (dot product)",
+        "Scale": "scale the scores so their spread does not grow with d_k",
+        "Mask": "block the keys a query may not see (−∞)",
+        "Softmax": "turn each row into weights that sum to 1",
+        "MatMul_output": "mix the values with the weights",
+        "Concat": "put the heads' outputs side by side",
+        "head": "head", "kv_head": "kv head", "heads": "heads", "batch": "batch",
+        "row_sums": "row sums of the weights",
+        "sum": "Σ", "per_head": "per head",
+        "inputs": "Inputs", "scale_is": "scale", "queries": "queries", "keys": "keys",
+        "softcap_is": "soft-cap", "mask_is": "mask", "no_mask": "none",
+        "rows_cols": "rows = queries, columns = keys",
+        "summarised": "{r} × {c}: showing a corner (every value is in the --html page)",
+        "summarised_pooled": "{r} × {c}: showing a corner (the --html page and --plot show "
+                             "it downsampled into blocks)",
+        "more_heads": "… {n} more heads with the same shapes (see --html or --plot)",
+        # ---- teaching remarks
+        "remarks": "What to notice",
+        "r_masked_max": "{q}: key {k} had the largest raw score ({s}) but is masked (−∞), "
+                        "so its weight is 0 — it contributes nothing to the output.",
+        "r_zero_score": "{q}·{k} = 0, yet {k} still gets weight {w}: softmax turns a logit "
+                        "of 0 into e⁰\u00a0=\u00a01 before normalising — a zero score is not "
+                        "a zero weight.",
+        "r_saturated": "{q} is saturated: one key takes {w} of the weight (its logits span "
+                       "{spread}). Softmax of large logits is almost one-hot, and its "
+                       "gradient almost vanishes.",
+        "r_saturated_scale": " Here scale = {scale}; the usual 1/√d_k = {default} would "
+                             "divide the logits by {ratio}.",
+        "r_symmetric": "S is symmetric (S = Sᵀ): {q1}·{k2} = {q2}·{k1}, as when Q and K "
+                       "come from one shared W. The score from i to j equals the score "
+                       "from j to i; the weights still differ, because each row is "
+                       "normalised on its own.",
+        "r_empty_row": "{q} may see no key: its weights are all 0 and its output is 0 "
+                       "(never NaN).",
+        "r_cross": "n_q = {nq} queries but n_k = {nk} keys: the queries and keys come from "
+                   "different sequences, as in cross-attention. The weights are ({nq}, {nk}) "
+                   "and the output has one row per query.",
+        "r_concat": "The {h} heads ran independently on {dk}-wide slices; their ({nq}, {dv}) "
+                    "outputs are concatenated into ({nq}, {hdv}).",
+        "and_more": "(and {n} more like this)",
+        # ---- the HTML page
+        "page_doc_title": "Attention, step by step",
+        "page_legend": "Every query scores every key, the scores become weights that sum to 1 "
+                       "over the keys, and the weights mix the values. Hover a cell to see "
+                       "its value.",
+        "page_flow": "The flow", "page_table": "The five steps",
+        "page_stage_score": "Score", "page_stage_scale_mask": "Scale & Mask",
+        "page_stage_softmax": "Softmax", "page_stage_sum": "Weighted sum",
+        "page_f_score": "S = Q Kᵀ", "page_f_scale_mask": "L = S·scale + M",
+        "page_f_softmax": "W = softmax(L)", "page_f_sum": "O = W V",
+        "page_concat": "Concatenated heads", "page_blocked": "blocked (−∞)",
+        "page_hover": "hover a cell", "page_rows": "rows: queries", "page_cols": "columns: keys",
+        "page_options": "Options",
+        "page_per_head": "{h} heads: every shape here is per head",
+        "page_colors": "Colours", "page_c_weights": "weights", "page_c_other": "other matrices",
+        "page_c_masked": "masked (−∞)",
+        "page_generated": "Made by attnkit — a self-contained page: no network needed.",
+        "page_pooled": "Too large to show cell by cell: a heatmap with more than {g} rows or "
+                       "columns shows one cell per block of rows and columns, coloured by the "
+                       "block's mean (hover a cell for its block). The text output prints "
+                       "exact values of the corners.",
+        "page_block": "each cell: the mean of a block of {br} × {bc}",
+        "page_more_heads": "… {n} more heads are not shown: the page shows the first {m}",
+        # ---- the heatmaps (PNG)
+        "plot_weights": "weights W = softmax(L)", "plot_scores": "raw scores S = Q Kᵀ",
+        "plot_scaled": "scaled X = S · scale", "plot_logits": "logits L = X + M",
+        "plot_masked": "grey = masked (−∞)",
+        "plot_pooled": "downsampled: each pixel is the mean of a block of {br} × {bc}",
+        "plot_more_heads": "the first {m} of {n} heads are drawn",
+        # ---- errors (ExplainError)
+        "err_too_large": "explain keeps every step as a float64 matrix, and this call has "
+                         "{cells} scores (batch·heads·n_q·n_k = {expr}), more than the limit "
+                         "of {limit}: explain a slice with fewer queries, keys or heads (e.g. "
+                         "the first {fit} queries and keys), or run ak.attention for the "
+                         "full size",
+        "err_input_large": "explain keeps every input as a float64 matrix, and {name} {shape} "
+                           "has {n} values, more than the limit of {limit}: explain a slice "
+                           "with fewer rows, columns or heads",
+        "err_overflow_s": "Q·Kᵀ overflows {dtype} at query q{i}, key k{j}{where}: a dot "
+                          "product must stay within ±{max}, but the largest |values| of Q "
+                          "and K are {qmax} and {kmax} — rescale Q and K",
+        "err_overflow_x": "S · scale overflows {dtype} at query q{i}, key k{j}{where}: S = {s} "
+                          "and scale = {scale}, so the product is beyond ±{max} — use a "
+                          "smaller scale (or smaller Q, K)",
+        "err_overflow_mod": "the scaled logit X at query q{i}, key k{j}{where} is {val} "
+                            "although S · scale there is finite ({s}): the {what} produced "
+                            "it — make it return finite numbers (−∞ only to block a key)",
+        "err_overflow_o": "O = W V overflows {dtype} at query q{i}{where}: the largest |value| "
+                          "of V is {vmax} — rescale V",
+        "err_decimals": "decimals must be a whole number from 0 to 12, got {d}",
+    },
+    "ko": {
+        # ---- the walkthrough (text, page and plot)
+        "title": "어텐션 단계별 풀이:  O = softmax(Q Kᵀ · scale + M) V",
+        "step": "단계", "what": "하는 일", "formula": "수식", "shape": "모양",
+        "name_MatMul": "행렬곱 (MatMul)", "name_Scale": "스케일 (Scale)",
+        "name_Mask": "마스크 (Mask)", "name_Softmax": "소프트맥스 (Softmax)",
+        "name_Concat": "이어붙이기 (Concat)",
+        "MatMul_scores": "모든 쿼리와 모든 키의 점수 계산 (내적)",
+        "Scale": "d_k가 커져도 점수의 퍼짐이 커지지 않도록 스케일링",
+        "Mask": "쿼리가 볼 수 없는 키를 가림 (−∞)",
+        "Softmax": "각 행을 합이 1인 가중치로 변환",
+        "MatMul_output": "가중치로 값(V)을 섞음",
+        "Concat": "헤드들의 출력을 옆으로 이어 붙임",
+        "head": "헤드", "kv_head": "KV 헤드", "heads": "헤드", "batch": "배치",
+        "row_sums": "가중치 행의 합",
+        "sum": "합", "per_head": "헤드마다",
+        "inputs": "입력", "scale_is": "스케일", "queries": "쿼리", "keys": "키",
+        "softcap_is": "소프트캡", "mask_is": "마스크", "no_mask": "없음",
+        "rows_cols": "행 = 쿼리, 열 = 키",
+        "summarised": "{r} × {c}: 일부만 표시 (모든 값은 --html 페이지에 있습니다)",
+        "summarised_pooled": "{r} × {c}: 일부만 표시 (--html 페이지와 --plot에서는 블록으로 "
+                             "묶어 줄여서 보여 줍니다)",
+        "more_heads": "… 같은 모양의 헤드 {n}개 더 (--html 또는 --plot 참고)",
+        # ---- teaching remarks
+        "remarks": "눈여겨볼 점",
+        "r_masked_max": "{q}: 키 {k}의 원점수({s})가 가장 컸지만 마스크(−∞)로 가려져 "
+                        "가중치가 0입니다 — 출력에 전혀 기여하지 않습니다.",
+        "r_zero_score": "{q}·{k} = 0이어도 키 {k}의 가중치는 {w}입니다: 소프트맥스는 정규화 "
+                        "전에 로짓 0을 e⁰\u00a0=\u00a01로 바꾸므로 점수 0이 가중치 0은 아닙니다.",
+        "r_saturated": "쿼리 {q}: 포화 상태입니다 — 가중치 중 {w}만큼을 키 하나가 가져갑니다 "
+                       "(로짓 범위 {spread}). 로짓이 크면 소프트맥스는 거의 원-핫이 되고 "
+                       "기울기가 거의 사라집니다.",
+        "r_saturated_scale": " 여기서는 scale = {scale}; 보통의 값(1/√d_k = {default})을 쓰면 "
+                             "로짓이 {ratio}분의 1로 줄어듭니다.",
+        "r_symmetric": "S가 대칭입니다 (S = Sᵀ): {q1}·{k2} = {q2}·{k1}. Q와 K가 같은 W에서 "
+                       "나오면 이렇게 됩니다. i에서 j로의 점수와 j에서 i로의 점수가 같고, "
+                       "가중치는 행마다 따로 정규화되므로 여전히 다릅니다.",
+        "r_empty_row": "쿼리 {q}: 볼 수 있는 키가 없습니다. 가중치는 모두 0, 출력도 0입니다 "
+                       "(NaN이 아님).",
+        "r_cross": "쿼리 n_q = {nq}개, 키 n_k = {nk}개: 쿼리와 키가 서로 다른 시퀀스에서 "
+                   "옵니다 (크로스 어텐션). 가중치는 ({nq}, {nk}), 출력은 쿼리마다 "
+                   "한 행입니다.",
+        "r_concat": "{h}개의 헤드가 {dk}차원 조각에서 각각 따로 계산했고, ({nq}, {dv}) 출력들을 "
+                    "이어 붙여 ({nq}, {hdv})가 됩니다.",
+        "and_more": "(같은 경우 {n}개 더)",
+        # ---- the HTML page
+        "page_doc_title": "어텐션 단계별 풀이",
+        "page_legend": "모든 쿼리가 모든 키에 점수를 매기고, 점수는 키에 대해 합이 1인 가중치가 "
+                       "되며, 가중치가 값을 섞습니다. 셀 위에 마우스를 올리면 값이 보입니다.",
+        "page_flow": "흐름", "page_table": "다섯 단계",
+        "page_stage_score": "점수", "page_stage_scale_mask": "스케일 & 마스크",
+        "page_stage_softmax": "소프트맥스", "page_stage_sum": "가중합",
+        "page_f_score": "S = Q Kᵀ", "page_f_scale_mask": "L = S·scale + M",
+        "page_f_softmax": "W = softmax(L)", "page_f_sum": "O = W V",
+        "page_concat": "헤드 이어붙이기", "page_blocked": "가려짐 (−∞)",
+        "page_hover": "셀에 마우스를 올리세요", "page_rows": "행: 쿼리", "page_cols": "열: 키",
+        "page_options": "옵션",
+        "page_per_head": "헤드 {h}개: 여기의 모든 모양은 헤드 하나 기준",
+        "page_colors": "색", "page_c_weights": "가중치", "page_c_other": "다른 행렬",
+        "page_c_masked": "마스크됨 (−∞)",
+        "page_generated": "attnkit으로 만든 독립 실행형 페이지: 네트워크가 필요 없습니다.",
+        "page_pooled": "셀 하나하나 보여 주기에는 너무 큽니다: 행이나 열이 {g}개보다 많은 "
+                       "히트맵은 행과 열을 블록으로 묶어 블록마다 셀 하나로, 블록의 평균 색으로 "
+                       "보여 줍니다 (셀 위에 마우스를 올리면 블록이 보입니다). 모서리 부분의 "
+                       "정확한 값은 텍스트 출력에 있습니다.",
+        "page_block": "셀 하나 = {br} × {bc} 블록의 평균",
+        "page_more_heads": "… 헤드 {n}개 더 있음: 이 페이지에는 처음 {m}개만 보여 줍니다",
+        # ---- the heatmaps (PNG)
+        "plot_weights": "가중치 W = softmax(L)", "plot_scores": "원점수 S = Q Kᵀ",
+        "plot_scaled": "스케일된 점수 X = S · scale", "plot_logits": "로짓 L = X + M",
+        "plot_masked": "회색 = 마스크됨 (−∞)",
+        "plot_pooled": "축소됨: 한 칸은 {br} × {bc} 블록의 평균",
+        "plot_more_heads": "헤드 {n}개 중 처음 {m}개만 그림",
+        # ---- errors (ExplainError)
+        "err_too_large": "explain은 모든 단계를 float64 행렬로 보관하는데, 이 호출의 점수는 "
+                         "{cells}개(batch·heads·n_q·n_k = {expr})로 한도 {limit}개를 넘습니다: "
+                         "쿼리, 키, 헤드를 줄인 일부만 explain 하거나(예: 처음 {fit}개의 "
+                         "쿼리와 키) 전체 크기는 ak.attention으로 계산하세요",
+        "err_input_large": "explain은 모든 입력을 float64 행렬로 보관하는데, {name} {shape}의 "
+                           "값은 {n}개로 한도 {limit}개를 넘습니다: 행, 열, 헤드를 줄인 일부만 "
+                           "explain 하세요",
+        "err_overflow_s": "Q·Kᵀ가 {dtype} 범위를 넘칩니다 (쿼리 q{i}, 키 k{j}{where}): 내적은 "
+                          "±{max} 안에 있어야 하는데 Q와 K의 가장 큰 |값|은 각각 {qmax}, "
+                          "{kmax}입니다 — Q와 K의 크기를 줄이세요",
+        "err_overflow_x": "S · scale이 {dtype} 범위를 넘칩니다 (쿼리 q{i}, 키 k{j}{where}): "
+                          "S = {s}, scale = {scale}: 곱이 ±{max} 범위를 벗어납니다 — "
+                          "더 작은 scale을 쓰세요 (또는 Q와 K의 크기를 줄이세요)",
+        "err_overflow_mod": "쿼리 q{i}, 키 k{j}{where} 위치의 스케일된 로짓 X 값이 {val}입니다 "
+                            "(S · scale 값은 유한: {s}): {what}에서 생긴 값입니다 — 유한한 수를 "
+                            "돌려주게 하세요 (키를 가릴 때만 −∞)",
+        "err_overflow_o": "O = W V가 {dtype} 범위를 넘칩니다 (쿼리 q{i}{where}): V의 가장 큰 "
+                          "|값|은 {vmax}입니다 — V의 크기를 줄이세요",
+        "err_decimals": "decimals는 0에서 12 사이의 정수여야 합니다, 받은 값: {d}",
+    },
+}
+
+# Symbolic shape of each step, for the step table.
+SYMBOLIC = {"scores": "(n_q, n_k)", "scaled": "(n_q, n_k)", "logits": "(n_q, n_k)",
+            "weights": "(n_q, n_k)", "output": "(n_q, d_v)"}
+
+_MASK_KO = (("causal", "인과(causal)"), ("bool mask", "참/거짓 마스크"),
+            ("float mask", "실수 마스크"), ("sliding_window", "슬라이딩 윈도우"),
+            ("padding", "패딩"), ("document", "문서"), ("prefix", "프리픽스"))
+
+
+def check_lang(lang: str) -> dict[str, str]:
+    """The string table for ``lang``; a clear error for an unknown language."""
+    if lang not in STRINGS:
+        raise ValueError(f"lang must be one of {', '.join(LANGS)}, got {lang!r}")
+    return STRINGS[lang]
+
+
+def step_name(step: Step | str, lang: str) -> str:
+    """The step's display name in ``lang`` (Korean keeps the English term in brackets)."""
+    name = step if isinstance(step, str) else step.name
+    return STRINGS[lang].get(f"name_{name}", name)
+
+
+def step_what(step: Step, lang: str) -> str:
+    """One line on what the step does."""
+    t = STRINGS[lang]
+    return t.get(f"{step.name}_{step.key}", t.get(step.name, step.name))
+
+
+def step_formula(step: Step, lang: str) -> str:
+    """The step's formula (the one word in it, "or", in ``lang``)."""
+    return step.formula.replace(" or ", " 또는 ") if lang == "ko" else step.formula
+
+
+def mask_label(name: str | None, lang: str) -> str:
+    """The mask's name for display (``none`` when there is no mask)."""
+    t = STRINGS[lang]
+    if not name:
+        return t["no_mask"]
+    if lang == "ko":
+        for en, ko in _MASK_KO:
+            name = name.replace(en, ko)
+    return name
