@@ -33,6 +33,7 @@ import torch
 
 from . import backends as _backends
 from . import masks as _masks
+from . import scores as _scores
 from .backends.base import Problem
 from .backends.base import compute_dtype as _compute_dtype
 from .scores import ScoreMod
@@ -124,7 +125,13 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
                 f"(H_kv={k.shape[-3]}) and v {_shape(v)} (H_kv={v.shape[-3]})"
             )
         h_q, h_kv = q.shape[-3], k.shape[-3]
-        if h_kv == 0 or h_q % h_kv != 0:
+        if h_kv == 0 and h_q > 0:
+            raise ValueError(
+                f"k and v have no heads (H_kv=0) but q has H_q={h_q} query heads (q "
+                f"{_shape(q)}, k {_shape(k)}): every query head needs a key/value head; give "
+                f"k and v 1 head (MQA), H_q heads (MHA) or a number that divides H_q"
+            )
+        if h_kv > 0 and h_q % h_kv != 0:
             raise ValueError(
                 f"the number of query heads H_q={h_q} must be a multiple of the number of "
                 f"key/value heads H_kv={h_kv} (q {_shape(q)}, k {_shape(k)}): use H_kv that "
@@ -137,6 +144,22 @@ def _check_number(x: Any, name: str) -> float:
             or not math.isfinite(x):
         raise ValueError(f"{name} must be a finite number, got {x!r}")
     return float(x)
+
+
+def _check_in_range(x: float, name: str, dtype: torch.dtype) -> float:
+    """``x`` (already finite) must stay finite and non-zero-by-underflow in the compute dtype
+    of ``dtype`` inputs; kernels multiply by small constants (log2 e, 2), hence the margin."""
+    cd = _compute_dtype(dtype)
+    fi = torch.finfo(cd)
+    hi = fi.max / 4
+    if abs(x) > hi or (x != 0 and abs(x) < fi.tiny):
+        raise ValueError(
+            f"{name}={x!r} is out of range for {dtype} inputs, which are computed in "
+            f"{str(cd).replace('torch.', '')}: |{name}| must lie in [{fi.tiny:.3g}, {hi:.3g}]"
+            f"{' (or be 0)' if name == 'scale' else ''} — outside it the logits overflow to "
+            f"±inf/NaN or collapse to 0. Rescale q (or k) instead, or use float64 inputs"
+        )
+    return x
 
 
 def _normalise_mask(
@@ -165,8 +188,9 @@ def _normalise_mask(
     if mask.device != device:
         raise ValueError(f"mask is on {mask.device} but q is on {device}: move it with .to()")
     try:
-        torch.broadcast_shapes(mask.shape, full_shape)
-        ok = mask.dim() <= len(full_shape)
+        # the mask broadcasts *to* the logits: it may not enlarge them (B=1 vs a mask of 2)
+        ok = mask.dim() <= len(full_shape) and \
+            torch.broadcast_shapes(mask.shape, full_shape) == torch.Size(full_shape)
     except RuntimeError:
         ok = False
     if not ok:
@@ -234,13 +258,14 @@ def prepare(
     if scale is None:
         scale_f = 1.0 / math.sqrt(d_k) if d_k > 0 else 1.0
     else:
-        scale_f = _check_number(scale, "scale")
+        scale_f = _check_in_range(_check_number(scale, "scale"), "scale", q.dtype)
     if softcap is not None:
         softcap = _check_number(softcap, "softcap")
         if softcap <= 0:
             raise ValueError(
                 f"softcap must be > 0 (logits are mapped to c·tanh(x/c)), got {softcap}"
             )
+        softcap = _check_in_range(softcap, "softcap", q.dtype)
     if score_mod is not None and not callable(score_mod):
         raise TypeError(
             "score_mod must be a function score_mod(score, b, h, q_idx, kv_idx) -> score, "
@@ -251,6 +276,12 @@ def prepare(
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     p = Problem(q4, k4, v4, mask=structured, bias=bias, scale=scale_f, softcap=softcap,
                 score_mod=score_mod, dropout_p=dropout_p)
+    if score_mod is not None and not _is_empty(p):
+        # FlexAttention's per-score semantics, result cast back to the score dtype and
+        # checked: every backend calls this wrapper unchanged (see attnkit.scores)
+        p.score_mod = _scores.checked_score_mod(
+            score_mod, batch=p.batch, heads=p.heads_q, n_q=p.n_q, n_k=p.n_k,
+            dtype=_compute_dtype(p.dtype), device=p.device)
     if structured is not None:
         nb, nh = structured.batch_size, structured.heads_size
         if nb is not None and nb > 1 and nb != p.batch:
@@ -267,13 +298,22 @@ def prepare(
     return Prepared(p, lead, two_d, q_np)
 
 
+def _is_empty(p: Problem) -> bool:
+    """No score to compute: zero batch, query heads, queries or keys (never sent to a
+    backend — zero-size kernels launch with a zero grid or divide by zero)."""
+    return p.batch == 0 or p.heads_q == 0 or p.n_q == 0 or p.n_k == 0
+
+
 def _empty_result(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
-    """N_q = 0 → empty output; N_k = 0 → zeros (nothing to attend to), LSE −∞."""
+    """Zero B, H_q or N_q → empty output; N_k = 0 → zeros (nothing to attend to), LSE −∞."""
     out = p.q.new_zeros(p.batch, p.heads_q, p.n_q, p.d_v)
     lse = torch.full((p.batch, p.heads_q, p.n_q), -torch.inf, device=p.device,
-                     dtype=torch.float64 if p.dtype == torch.float64 else torch.float32)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (p.q, p.k, p.v)):
-        out = out + 0.0 * (p.q.sum() + p.k.sum() + p.v.sum())   # keeps the graph: zero grads
+                     dtype=_compute_dtype(p.dtype))
+    if p.requires_grad:               # keep the graph: zero gradients (NaN inputs included)
+        no = torch.zeros((), dtype=torch.bool, device=p.device)
+        zero = sum(torch.where(no, t.sum(), 0.0) for t in (p.q, p.k, p.v, p.bias)
+                   if t is not None and t.requires_grad)
+        out, lse = out + zero.to(out.dtype), lse + zero.to(lse.dtype)
     return out, lse
 
 
@@ -283,8 +323,18 @@ def _bad_kv_rows(p: Problem) -> torch.Tensor:
 
 
 def _run(p: Problem, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    if p.n_q == 0 or p.n_k == 0:
+    if _is_empty(p):
         return _empty_result(p)
+    if p.d_k == 0 or p.d_v == 0:
+        # a zero-width head: widen it by one zero column (the scores and the mix stay the
+        # same), so that no kernel sees a zero-size dim, and cut the output back
+        def widen(t: torch.Tensor, d: int) -> torch.Tensor:
+            return t if d else torch.cat([t, t.new_zeros(*t.shape[:-1], 1)], dim=-1)
+
+        wide = Problem(**{**p.__dict__, "q": widen(p.q, p.d_k), "k": widen(p.k, p.d_k),
+                          "v": widen(p.v, p.d_v)})
+        out, lse = _run(wide, backend)
+        return out[..., :p.d_v], lse
     chosen = _backends.select(p, backend)
     # Non-finite K/V rows must not leak through zero weights (0·NaN = NaN). Checking up front
     # costs one read of K and V; without autograd we only check when the output shows it.
