@@ -38,9 +38,9 @@ Caution
 - float32, bfloat16 and float16 on CPU; float64 is refused (accumulation is float32).
 - The first call in a fresh environment compiles the kernel (~10 s, see ``loader``); it is
   cached afterwards. ``ATTNKIT_NATIVE=0`` turns the kernel off.
-- ALiBi reaches :func:`forward_problem` only as a score_mod that carries a spec: an object
-  ``score_mod.spec`` with ``slopes`` (H_q,) (and optionally ``offset``); a plain Python
-  score_mod is refused by :func:`supports`.
+- ALiBi reaches :func:`forward_problem` as ``scores.alibi(H_q)`` or as any score_mod that
+  carries ``score_mod.spec`` with ``slopes`` (H_q,) (and optionally ``offset``); any other
+  Python score_mod is refused by :func:`supports`.
 - Masks without a closed form are evaluated densely, ``(B|1, H|1, N_q, N_k)`` bools; above
   ``DENSE_MASK_LIMIT`` bytes :func:`supports` refuses them.
 """
@@ -54,6 +54,7 @@ from functools import reduce
 import torch
 
 from ...masks import Band, Documents, Lengths, Mask, documents_of, lengths_of
+from ...scores import ScoreTerm, alibi_slopes
 from ..base import Problem
 from . import loader
 
@@ -205,9 +206,16 @@ def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: object,
 
 
 # ------------------------------------------------------------------ Problem → options
-def _alibi_spec(p: Problem) -> object | None:
-    spec = getattr(p.score_mod, "spec", None)
-    return spec if spec is not None and hasattr(spec, "slopes") else None
+def _alibi_of(p: Problem) -> tuple[torch.Tensor, int] | None:
+    """``(slopes (H_q,), offset)`` when ``p.score_mod`` is ALiBi, else None: a score mod that
+    carries ``spec.slopes`` (and optionally ``spec.offset``), or ``scores.alibi(H_q)``."""
+    fn = getattr(p.score_mod, "__wrapped__", p.score_mod)    # api wraps it in a checker
+    spec = getattr(fn, "spec", None)
+    if spec is not None and hasattr(spec, "slopes"):
+        return torch.as_tensor(spec.slopes), int(getattr(spec, "offset", 0))
+    if isinstance(fn, ScoreTerm) and fn.name == f"alibi({fn.heads})" and fn.heads == p.heads_q:
+        return alibi_slopes(fn.heads), 0
+    return None
 
 
 def _mask_options(p: Problem) -> tuple[dict[str, object], Mask | None]:
@@ -251,7 +259,7 @@ def supports(p: Problem) -> list[str]:
         out.append("forward only (inputs require grad): no native backward yet")
     if p.dropout_p > 0.0:
         out.append(f"no dropout, got dropout_p={p.dropout_p}")
-    if p.score_mod is not None and _alibi_spec(p) is None:
+    if p.score_mod is not None and _alibi_of(p) is None:
         out.append("score_mod is an arbitrary Python function (only ALiBi with a spec runs "
                    "natively)")
     _, rest = _mask_options(p)
@@ -271,10 +279,9 @@ def forward_problem(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     if rest is not None:
         opts["dense_mask"] = rest.evaluate(p.n_q, p.n_k, batch=p.batch, heads=p.heads_q,
                                            device=p.device)
-    spec = _alibi_spec(p)
-    if spec is not None:
-        opts["alibi_slopes"] = spec.slopes  # type: ignore[attr-defined]
-        opts["alibi_offset"] = int(getattr(spec, "offset", 0))
+    ali = _alibi_of(p)
+    if ali is not None:
+        opts["alibi_slopes"], opts["alibi_offset"] = ali
     run = decode if p.n_q <= DECODE_MAX_QUERIES else forward
     return run(p.q, p.k, p.v, scale=p.scale, softcap=p.softcap, bias=p.bias,  # type: ignore[arg-type]
                **opts)

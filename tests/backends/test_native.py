@@ -1,0 +1,325 @@
+"""The native CPU kernel against the float64 oracle (DESIGN's testing rules), and its fallback.
+
+Shape legend: q (B, H_q, N_q, D_k), k (B, H_kv, N_k, D_k), v (B, H_kv, N_k, D_v).
+Every comparison follows DESIGN: the kernel's error against the float64 oracle is within 2×
+the error of the same math done naively in the kernel's input precision (float32 included).
+The first run builds the kernel (~10–20 s of one core); later runs load the cached build.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+import attnkit as ak
+from attnkit.api import prepare
+from attnkit.backends import native
+from attnkit.backends.native import loader
+from attnkit.scores import alibi, alibi_slopes
+from conftest import assert_low_precision_close, naive_low_precision, oracle
+
+NATIVE = native.available()
+needs_native = pytest.mark.skipif(not NATIVE, reason=f"native kernel unavailable: "
+                                                     f"{native.why_unavailable()}")
+
+
+def qkv(B: int, hq: int, hkv: int, nq: int, nk: int, d: int, dv: int | None = None,
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (torch.randn(B, hq, nq, d, dtype=torch.float64),
+            torch.randn(B, hkv, nk, d, dtype=torch.float64),
+            torch.randn(B, hkv, nk, dv or d, dtype=torch.float64))
+
+
+def check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype = torch.float32,
+          *, allowed: torch.Tensor | None = None, oracle_opts: dict | None = None,
+          **native_opts: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run native.forward in ``dtype``; assert out and LSE against the float64 oracle."""
+    oo = oracle_opts or {}
+    ref, lse_ref, _ = oracle(q, k, v, allowed=allowed, **oo)
+    lowp = naive_low_precision(q.to(dtype), k.to(dtype), v.to(dtype), allowed=allowed, **oo)
+    with torch.no_grad():
+        out, lse = native.forward(q.to(dtype), k.to(dtype), v.to(dtype), **native_opts)
+    assert out.dtype == dtype and out.shape == ref.shape and lse.shape == lse_ref.shape
+    assert_low_precision_close(out, lowp, ref)
+    empty = lse_ref == -math.inf
+    assert torch.equal(lse == -math.inf, empty), "rows without keys must have LSE -inf"
+    assert (out[empty] == 0).all(), "rows without keys must give 0"
+    tol = 64 * torch.finfo(dtype).eps * (1 + lse_ref[~empty].abs())
+    assert ((lse.double()[~empty] - lse_ref[~empty]).abs() <= tol).all()
+    return out, lse
+
+
+# ---------------------------------------------------------------------------- sizes
+@needs_native
+@pytest.mark.parametrize("B,hq,hkv,nq,nk,d,dv", [
+    (1, 1, 1, 1, 1, 8, 8),
+    (2, 2, 1, 97, 113, 59, 59),
+    (1, 4, 2, 113, 97, 111, 64),
+    (1, 2, 2, 1025, 97, 8, 16),
+    (1, 2, 2, 97, 1025, 64, 64),
+    (1, 8, 2, 113, 1025, 64, 64),        # GQA, queries < keys
+    (1, 6, 1, 300, 129, 32, 32),         # MQA
+])
+def test_sizes_match_reference(B: int, hq: int, hkv: int, nq: int, nk: int, d: int,
+                               dv: int) -> None:
+    check(*qkv(B, hq, hkv, nq, nk, d, dv))
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("nq,nk", [(97, 113), (1, 1025), (300, 300)])
+def test_low_precision_within_twice_naive(dtype: torch.dtype, nq: int, nk: int) -> None:
+    q, k, v = qkv(1, 4, 2, nq, nk, 64)
+    check(q, k, v, dtype)
+    allowed = torch.ones(nq, nk, dtype=torch.bool).tril(nk - nq)
+    check(q, k, v, dtype, allowed=allowed, band=(-(nk - nq), math.inf))
+
+
+@needs_native
+def test_non_contiguous_inputs() -> None:
+    q, k, v = (t.transpose(1, 2) for t in (torch.randn(1, 97, 4, 64, dtype=torch.float64),
+                                           torch.randn(1, 113, 2, 64, dtype=torch.float64),
+                                           torch.randn(1, 113, 2, 64, dtype=torch.float64)))
+    check(q, k, v)
+    kk = torch.randn(1, 2, 113, 128, dtype=torch.float64)[..., ::2]   # last dim strided
+    check(q, kk, v, scale=64 ** -0.5)
+
+
+# ---------------------------------------------------------------------------- masks
+def _masks(nq: int, nk: int) -> dict[str, ak.masks.Mask]:
+    ids = torch.arange(nq) // 37
+    gen = torch.Generator().manual_seed(1)
+    rows_off = torch.rand(nq, nk, generator=gen) > 0.3
+    rows_off[::7] = False                                  # fully masked rows
+    return {
+        "causal": ak.masks.causal(),
+        "causal_bottom_right": ak.masks.causal("bottom_right"),
+        "window7": ak.masks.sliding_window(7),
+        "window5_two_sided": ak.masks.sliding_window(5, causal=False),
+        "window_br": ak.masks.sliding_window(9, align="bottom_right"),
+        "padding": ak.masks.padding([max(nk - 30, 0), 5], q_lengths=[nq, max(nq - 11, 0)]),
+        "padding_causal": ak.masks.padding([nk // 2, nk]) & ak.masks.causal("bottom_right"),
+        "document_causal": (ak.masks.document(ids, torch.arange(nk) // 37) & ak.masks.causal()
+                            if nq == nk else ak.masks.document(ids, torch.arange(nk) // 29)),
+        "prefix_lm": ak.masks.prefix_lm(13),
+        "from_fn": ak.masks.from_fn(lambda b, h, q, k: (q + k + h) % 3 != 0),
+        "tensor_empty_rows": ak.masks.from_tensor(rows_off),
+    }
+
+
+@needs_native
+@pytest.mark.parametrize("nq,nk", [(113, 113), (97, 300), (300, 97), (1, 257), (16, 1025)])
+@pytest.mark.parametrize("name", list(_masks(40, 40)))
+def test_every_mask_kind(name: str, nq: int, nk: int) -> None:
+    mask = _masks(nq, nk)[name]
+    q, k, v = qkv(2, 4, 2, nq, nk, 32)
+    p = prepare(q.float(), k.float(), v.float(), mask=mask).problem
+    assert native.supports(p) == []
+    allowed = mask.to_dense(nq, nk, batch=2, heads=4)
+    ref, lse_ref, _ = oracle(q, k, v, allowed=allowed)
+    lowp = naive_low_precision(q.float(), k.float(), v.float(), allowed=allowed)
+    with torch.no_grad():
+        out, lse = native.forward_problem(p)
+    assert_low_precision_close(out, lowp, ref)
+    assert torch.equal(lse == -math.inf, lse_ref == -math.inf)
+
+
+@needs_native
+def test_closed_form_masks_skip_nothing_they_need() -> None:
+    """Band, lengths and documents given directly (not via Problem) match the dense mask."""
+    q, k, v = qkv(2, 2, 1, 300, 500, 16)
+    d = torch.arange(300)[:, None] - torch.arange(500)[None, :]
+    kvl, ql = torch.tensor([400, 130]), torch.tensor([300, 250])
+    qd, kd = torch.arange(300) // 50, torch.arange(500) // 80
+    allowed = ((d >= -20) & (d <= 100) & (torch.arange(500) < kvl.view(2, 1, 1, 1))
+               & (torch.arange(300)[:, None] < ql.view(2, 1, 1, 1)) & (qd[:, None] == kd))
+    check(q, k, v, allowed=allowed, band=(-20, 100), kv_lengths=kvl, q_lengths=ql,
+          doc_ids=qd, kv_doc_ids=kd)
+
+
+# ---------------------------------------------------------------------------- score terms
+@needs_native
+@pytest.mark.parametrize("cap", [1.0, 30.0, 1e4, 1e8])
+def test_softcap_precise_at_every_cap(cap: float) -> None:
+    q, k, v = qkv(1, 2, 2, 97, 300, 64)
+    q = q * 4                                               # logits of a few units
+    check(q, k, v, oracle_opts={"softcap": cap}, softcap=cap)
+    check(q, k, v, torch.bfloat16, oracle_opts={"softcap": cap}, softcap=cap)
+
+
+@needs_native
+@pytest.mark.parametrize("nq,nk", [(113, 113), (97, 300), (4, 1025)])
+def test_alibi_matches_score_mod(nq: int, nk: int) -> None:
+    q, k, v = qkv(1, 8, 2, nq, nk, 32)
+    slopes = alibi_slopes(8)
+    allowed = torch.ones(nq, nk, dtype=torch.bool).tril(nk - nq)
+    check(q, k, v, allowed=allowed, oracle_opts={"score_mod": alibi(8)},
+          alibi_slopes=slopes, band=(-(nk - nq), math.inf))
+    check(q, k, v, oracle_opts={"score_mod": alibi(8), "softcap": 5.0},
+          alibi_slopes=slopes, softcap=5.0)
+
+
+@needs_native
+@pytest.mark.parametrize("shape", [(1, 8, 97, 113), (97, 113), (8, 1, 113), (1, 1, 97, 1)])
+def test_additive_bias_broadcasts(shape: tuple[int, ...]) -> None:
+    q, k, v = qkv(1, 8, 4, 97, 113, 16)
+    bias = torch.randn(*shape, dtype=torch.float64)
+    check(q, k, v, oracle_opts={"bias": bias}, bias=bias)
+
+
+@needs_native
+@pytest.mark.parametrize("with_spec", [False, True])
+def test_alibi_through_a_problem(with_spec: bool) -> None:
+    sm = alibi(4)
+    if with_spec:
+        def sm(s, b, h, i, j):  # noqa: ANN001, ANN202 — a user's ALiBi that says what it is
+            return alibi(4)(s, b, h, i, j)
+
+        sm.spec = type("Spec", (), {"slopes": alibi_slopes(4), "offset": 0})()
+    q, k, v = qkv(1, 4, 4, 97, 97, 32)
+    p = prepare(q.float(), k.float(), v.float(), score_mod=sm, is_causal=True).problem
+    assert native.supports(p) == []
+    ref, _, _ = oracle(q, k, v, score_mod=alibi(4),
+                       allowed=torch.ones(97, 97, dtype=torch.bool).tril())
+    with torch.no_grad():
+        out, _ = native.forward_problem(p)
+    assert (out.double() - ref).abs().max() < 1e-5
+
+
+# ---------------------------------------------------------------------------- non-finite
+@needs_native
+def test_nan_in_masked_kv_rows_stays_out() -> None:
+    q, k, v = qkv(2, 4, 2, 97, 300, 32)
+    kvl = torch.tensor([200, 37])
+    allowed = torch.arange(300) < kvl.view(2, 1, 1, 1)
+    allowed = allowed & (torch.arange(300) != 5)            # key 5 masked for every query
+    dense = allowed.expand(2, 4, 97, 300)
+    k2, v2 = k.clone(), v.clone()
+    for b, n in enumerate(kvl.tolist()):
+        k2[b, :, n:], v2[b, :, n:] = math.nan, math.inf
+    k2[:, :, 5], v2[:, :, 5] = math.inf, math.nan
+    ref, _, _ = oracle(q, k, v, allowed=allowed)
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows in (4, 64):                                # dot-product and brgemm paths
+            with torch.no_grad():
+                out, lse = native.forward(q.to(dtype), k2.to(dtype), v2.to(dtype),
+                                          kv_lengths=kvl, dense_mask=dense, block_q=rows)
+            assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+            assert (out.double() - ref).abs().max() < (1e-5 if dtype == torch.float32 else 0.05)
+
+
+@needs_native
+def test_nan_in_q_propagates_and_empty_rows_are_zero() -> None:
+    q, k, v = qkv(1, 2, 2, 50, 60, 16)
+    q[0, 0, 3] = math.nan
+    ql = torch.tensor([40])
+    with torch.no_grad():
+        out, lse = native.forward(q.float(), k.float(), v.float(), q_lengths=ql)
+    assert torch.isnan(out[0, 0, 3]).all() and torch.isnan(lse[0, 0, 3])
+    assert torch.isfinite(out[0, 1]).all() and torch.isfinite(out[0, 0, :3]).all()
+    assert (out[:, :, 40:] == 0).all() and (lse[:, :, 40:] == -math.inf).all()
+
+
+# ---------------------------------------------------------------------------- decode
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("nq,nk,hq,hkv", [(1, 1, 1, 1), (1, 2049, 8, 2), (4, 1025, 2, 2),
+                                          (16, 2049, 2, 1), (3, 97, 32, 8)])
+def test_decode_split_keys(dtype: torch.dtype, nq: int, nk: int, hq: int, hkv: int) -> None:
+    q, k, v = qkv(2, hq, hkv, nq, nk, 64)
+    lens = torch.tensor([nk, max(1, nk // 3)])
+    allowed = ((torch.arange(nk) < lens.view(2, 1, 1, 1))
+               & torch.ones(nq, nk, dtype=torch.bool).tril(nk - nq))
+    for splits in (None, 7):
+        check(q, k, v, dtype, allowed=allowed, kv_lengths=lens, band=(-(nk - nq), math.inf),
+              splits=splits, block_q=nq)
+    out_d, _ = native.decode(q.to(dtype), k.to(dtype), v.to(dtype), kv_lengths=lens,
+                             band=(-(nk - nq), math.inf))
+    out_f, _ = native.forward(q.to(dtype), k.to(dtype), v.to(dtype), kv_lengths=lens,
+                              band=(-(nk - nq), math.inf), splits=1)
+    assert (out_d.double() - out_f.double()).abs().max() < 0.02
+
+
+@needs_native
+def test_decode_refuses_many_queries() -> None:
+    q, k, v = qkv(1, 1, 1, 17, 20, 8)
+    with pytest.raises(ValueError, match="at most 16"):
+        native.decode(q.float(), k.float(), v.float())
+
+
+# ---------------------------------------------------------------------------- refusals
+@needs_native
+def test_supports_says_why() -> None:
+    q, k, v = qkv(1, 2, 2, 8, 8, 8)
+    assert "dtype" in " ".join(native.supports(prepare(q, k, v).problem))
+    qf = q.float().requires_grad_()
+    assert "forward only" in " ".join(native.supports(prepare(qf, k.float(), v.float()).problem))
+    p = prepare(q.float(), k.float(), v.float(), score_mod=lambda s, b, h, i, j: s * 2).problem
+    assert "score_mod" in " ".join(native.supports(p))
+    p = prepare(q.float(), k.float(), v.float(), dropout_p=0.5).problem
+    assert "dropout" in " ".join(native.supports(p))
+    with pytest.raises(RuntimeError, match="no backward"):
+        native.forward(qf, k.float(), v.float())
+    with pytest.raises(ValueError, match="does not broadcast"), torch.no_grad():
+        native.forward(q.float(), k.float(), v.float(), bias=torch.zeros(3, 8))
+
+
+# ---------------------------------------------------------------------------- the fallback
+def test_disabled_by_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ATTNKIT_NATIVE", "0")
+    assert not native.available()
+    assert "ATTNKIT_NATIVE=0" in native.why_unavailable()
+    q, k, v = qkv(1, 1, 1, 4, 4, 8)
+    assert "ATTNKIT_NATIVE=0" in native.supports(prepare(q.float(), k.float(),
+                                                         v.float()).problem)[0]
+    with pytest.raises(RuntimeError, match="unavailable"):
+        native.forward(q.float(), k.float(), v.float())
+
+
+@pytest.fixture
+def fresh_loader(monkeypatch: pytest.MonkeyPatch, tmp_path):  # noqa: ANN201
+    monkeypatch.setenv("ATTNKIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("ATTNKIT_NATIVE", raising=False)
+    loader.reset(forget_loaded=True)
+    yield tmp_path
+    monkeypatch.undo()
+    loader.reset(forget_loaded=True)
+
+
+def test_failed_build_warns_once_and_says_why(fresh_loader, monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture) -> None:
+    broken = fresh_loader / "attention.cpp"
+    broken.write_text("this is not C++;\n")                # fails at once
+    monkeypatch.setattr(loader, "SOURCES", [broken])
+    if loader._compiler() is None:  # noqa: SLF001 — the test needs a compiler to fail a build
+        pytest.skip("no C++ compiler here")
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        assert not native.available()
+        assert not native.available()
+    assert "failed to build" in native.why_unavailable()
+    assert len([x for x in w if issubclass(x.category, loader.NativeUnavailableWarning)]) == 1
+    assert "ATTNKIT_NATIVE=0" in str(w[0].message)
+    assert "compiling the native CPU kernel" in capsys.readouterr().err
+
+
+def test_no_compiler(fresh_loader, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        assert not native.available()
+    assert "no C++ compiler" in native.why_unavailable()
+    assert len(w) == 1 and "CXX" in str(w[0].message)
+
+
+def test_build_key_follows_torch_source_and_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    level, flags = loader.cpu_flags()
+    assert level in ("avx512", "avx2", "portable")
+    key = loader.build_key(flags, "g++")
+    assert loader.build_key(flags + ["-DX"], "g++") != key
+    monkeypatch.setattr(torch, "__version__", "0.0.0-test")
+    assert loader.build_key(flags, "g++") != key
+    assert str(loader.cache_dir())
