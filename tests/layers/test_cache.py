@@ -75,12 +75,15 @@ def test_kv_cache_under_autograd_gives_full_forward_gradients():
 def test_kv_cache_with_padding_mask_and_reorder():
     m = ak.MultiHeadAttention(8, 2).to(DT)
     x = torch.randn(2, 6, 8, dtype=DT)
-    pad = ak.masks.padding([6, 4]) & ak.masks.causal(align="bottom_right")
     want = m(x, mask=ak.masks.padding([6, 4]) & ak.masks.causal())
+
+    def pad(lengths):        # valid keys among the N_k a call sees (cached ones included)
+        return ak.masks.padding(lengths) & ak.masks.causal(align="bottom_right")
+
     with torch.no_grad():
         cache = ak.KVCache()
-        a = m(x[:, :4], cache=cache, mask=pad)
-        b = m(x[:, 4:], cache=cache, mask=pad)
+        a = m(x[:, :4], cache=cache, mask=pad([4, 4]))     # N_k = 4
+        b = m(x[:, 4:], cache=cache, mask=pad([6, 4]))     # N_k = 6
     torch.testing.assert_close(torch.cat([a, b], 1), want)
     with torch.no_grad():
         cache = ak.KVCache()

@@ -136,7 +136,7 @@ class KVCache:
             )
         raise ValueError(
             f"this KVCache belongs to another layer: it holds {held}, and "
-            f"{layer_label(layer)} was called with it — that layer would attend to the "
+            f"{layer_label(layer)} was called with it — it would attend to the "
             "other layer's keys. Use one KVCache per layer (e.g. caches = [ak.KVCache() for "
             "_ in range(n_layers)]), or call cache.reset() before giving it to another layer"
         )
