@@ -287,15 +287,16 @@ def flex_semantics(fn: Callable[..., Any], *, with_score: bool, batch: int, head
         return per_element(fn, with_score=with_score) if vmapped else fn
     sig = "(score, b, h, q_idx, kv_idx)" if with_score else "(b, h, q_idx, kv_idx)"
     want = "one floating-point score" if with_score else "one bool (True = may attend)"
-    told = "; ".join(f"called {way}, it "
-                     + (f"raised {type(r).__name__}: {r}" if isinstance(r, Exception) else r)
-                     for way, r in results.items())
-    exc = TypeError if all(isinstance(r, str) and "shape" not in r
-                           for r in results.values()) else ValueError
+    said = {w: f"raised {type(r).__name__}: {r}" if isinstance(r, Exception) else r
+            for w, r in results.items()}
+    first = results["broadcast"]
+    exc = TypeError if isinstance(first, str) and "shape" not in first else ValueError
     err = exc(
-        f"{what} {name} cannot be evaluated on a probe tile of {shape} scores ({dtype}): "
-        f"{told}. A {what}{sig} must return {want} per score, as FlexAttention defines it "
-        f"(e.g. score + (q_idx - kv_idx)), with the same shape as its input or broadcastable"
+        f"{what} {name} cannot be evaluated on a probe tile of {shape} scores "
+        f"({str(dtype).replace('torch.', '')}): called with broadcast index tensors, it "
+        f"{said['broadcast']}; called per score (torch.vmap, as FlexAttention does), it "
+        f"{said['per score']}. A {what}{sig} must return {want} per input score, of the "
+        f"input's shape or broadcastable to it (e.g. score + (q_idx - kv_idx))"
     )
     cause = next((r for r in results.values() if isinstance(r, Exception)), None)
     raise err from cause
@@ -336,7 +337,7 @@ def checked_score_mod(fn: ScoreMod, *, batch: int, heads: int, n_q: int, n_k: in
             raise (ValueError if "shape" in problem else TypeError)(
                 f"score_mod {name} {problem} (scores {tuple(score.shape)} {score.dtype}): "
                 "a score_mod(score, b, h, q_idx, kv_idx) must return one floating-point "
-                "score per input score, e.g. score + (q_idx - kv_idx)"
+                "score per input score (e.g. score + (q_idx - kv_idx))"
             )
         return y.to(score.dtype).expand(score.shape).contiguous()   # cast back / materialise
 
