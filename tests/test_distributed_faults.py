@@ -137,8 +137,10 @@ def _peer_dies_mid_ring(rank: int, world: int) -> None:
 
         akd._Ring.exchange = dying          # type: ignore[method-assign]
     q, k, v = _shards()
+    # hop 1, or hop 0 when the death overtakes that hop's last completion notice
     took = _raises(lambda: akd.ring_attention(q, k, v, timeout=20), akd.RingAttentionError,
-                   f"ring_attention on rank {rank} (of 3), forward hop 1", "rank 1",
+                   f"ring_attention on rank {rank} (of 3), forward hop ",
+                   f"the K/V shard {'to' if rank == 0 else 'from'} rank 1 failed",
                    "connection was lost", "crashed")
     assert took < 15, took
 
@@ -152,6 +154,17 @@ def _rank_never_calls(rank: int, world: int) -> None:
     took = _raises(lambda: akd.ring_attention(q, k, v, timeout=SHORT_S), akd.RingAttentionError,
                    "rank 0 (of 2), the option check", "timeout=2 s")
     assert SHORT_S - 0.5 < took < SHORT_S + 8, took
+
+
+def _no_ring_timeout(rank: int, world: int) -> None:
+    """timeout=None: the process group's own timeout (2 s in this world) ends the wait, with
+    the same clear error."""
+    if rank == 1:
+        time.sleep(SHORT_S + 3)
+        return
+    q, k, v = _shards()
+    _raises(lambda: akd.ring_attention(q, k, v, timeout=None), akd.RingAttentionError,
+            "rank 0 (of 2), the option check", "within the process group's timeout")
 
 
 class _BrokenCheck(Backend):
@@ -190,7 +203,9 @@ SCENARIOS: dict[str, tuple[int, Callable[[int, int], None], dict[int, int]]] = {
     "peer_dies_mid_ring": (3, _peer_dies_mid_ring, {1: 17}),
     "rank_never_calls": (2, _rank_never_calls, {}),
     "local_check_crashes_on_one_rank": (2, _local_check_crashes_on_one_rank, {}),
+    "no_ring_timeout": (2, _no_ring_timeout, {}),
 }
+GROUP_TIMEOUT_OF = {"no_ring_timeout": SHORT_S}     # worlds with a short group timeout
 
 
 def _worker(name: str, rank: int, world: int, tmp: str) -> None:
@@ -198,12 +213,22 @@ def _worker(name: str, rank: int, world: int, tmp: str) -> None:
     report: dict[str, object] = {"error": None}
     try:
         dist.init_process_group("gloo", init_method=f"file://{tmp}/rdv-{name}", rank=rank,
-                                world_size=world, timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+                                world_size=world,
+                                timeout=timedelta(seconds=GROUP_TIMEOUT_OF.get(name,
+                                                                               GROUP_TIMEOUT_S)))
         SCENARIOS[name][1](rank, world)
     except BaseException:
         report["error"] = traceback.format_exc()
-    with open(os.path.join(tmp, f"report-{name}-{rank}.json"), "w") as f:
+    path = os.path.join(tmp, f"report-{name}-{rank}.json")
+    with open(path + ".part", "w") as f:
         json.dump(report, f)
+    os.replace(path + ".part", path)
+    # stay until the world's other reports are in: an exit would be one more fault for them
+    others = [os.path.join(tmp, f"report-{name}-{r}.json") for r in range(world)
+              if r not in SCENARIOS[name][2]]
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    while not all(map(os.path.exists, others)) and time.monotonic() < deadline:
+        time.sleep(0.05)
     os._exit(0)     # no destroy_process_group: after a fault the group may be broken
 
 

@@ -209,8 +209,10 @@ class _Ring:
         raw = re.sub(r"^\[[^\]]*\]\s*", "", str(e).strip()).split(". ")[0][:200]
         where = f"ring_attention on rank {self.rank} (of {self.size}), {step}: {doing}"
         if "timed out" in raw.lower() or "timeout" in raw.lower():
+            limit = ("the process group's timeout" if self.timeout is None
+                     else f"timeout={self.timeout:g} s")
             return RingAttentionError(
-                f"{where} did not complete within timeout={self.timeout:g} s. The rank it "
+                f"{where} did not complete within {limit}. The rank it "
                 "waits for failed, crashed, did not make the same call (ring_attention, or "
                 "the backward of its result), or is that much slower: see that rank's log, "
                 "or pass a larger `timeout` if the ranks are legitimately that far apart. "
