@@ -301,6 +301,10 @@ def _case_options_differ(rank: int, world: int) -> None:
     q8, k8, v8 = (torch.randn(*lead, 1, 1, 1, 2, 3, 4) for _ in range(3))
     _same_error_everywhere(lambda: akd.ring_attention(q8, k8, v8), ValueError,
                            "same shard shapes", "after leading dims (2, 3)")
+    # a shard on another device type (here "meta", standing in for a forgotten .cuda())
+    qm, km, vm = (torch.randn(1, 2, 4, 4, device="meta" if first else "cpu") for _ in range(3))
+    _same_error_everywhere(lambda: akd.ring_attention(qm, km, vm, timeout=5), ValueError,
+                           "device type: rank 0: 'meta'; rank 1: 'cpu'")
     # the resolved scale is what must agree: None (1/√4) on one rank, 0.5 on the others
     out = akd.ring_attention(q, k, v, scale=None if first else 0.5)
     assert out.shape == q.shape

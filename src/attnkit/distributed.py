@@ -168,7 +168,11 @@ class _Ring:
         recv = torch.empty_like(send)
         ops = [dist.P2POp(dist.isend, send, self.next, self.group),
                dist.P2POp(dist.irecv, recv, self.prev, self.group)]
-        reqs = dist.batch_isend_irecv(ops)
+        try:
+            reqs = dist.batch_isend_irecv(ops)
+        except RuntimeError as e:
+            raise self._lost(e, step, f"starting to exchange {what} with ranks "
+                                      f"{self.next_r} and {self.prev_r}") from e
         roles = [(f"sending {what} to", self.next_r), (f"receiving {what} from", self.prev_r)]
         if len(reqs) != len(roles):     # a coalesced backend returns one request for both
             roles = [(f"exchanging {what} with", self.next_r)] * len(reqs)
@@ -489,6 +493,7 @@ _field("is_causal", 1, lambda r: f"is_causal={bool(r[0])}")
 _field("scale", 2, lambda r: f"scale={_float(r[1])!r}" if r[0] else "scale=?")
 _field("softcap", 2, lambda r: f"softcap={_float(r[1])!r}" if r[0] else "softcap=None")
 _field("backend", 1 + _NAME_SLOTS, lambda r: f"backend={_name(r)}")
+_field("device type", 1 + _NAME_SLOTS, lambda r: _name(r))
 _field("needs a backward", 1, lambda r: (
     "inputs require grad" if r[0] else "no input requires grad (or torch.no_grad)"))
 
@@ -501,7 +506,8 @@ def _option_row(q: Any, k: Any, v: Any, local_error: Exception | None, is_causal
     row += [_DTYPES.index(dtype) if dtype in _DTYPES else -1, int(bool(is_causal))]
     row += [0, 0] if scale is None else [1, _bits(scale)]
     row += [1, _bits(softcap)] if isinstance(softcap, float) else [0, 0]
-    return row + _name_row(backend) + [int(needs_grad)]
+    device = q.device.type if isinstance(q, torch.Tensor) else None
+    return row + _name_row(backend) + _name_row(device) + [int(needs_grad)]
 
 
 def _check_group(ring: _Ring, row: list[int], local_error: Exception | None) -> None:
