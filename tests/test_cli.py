@@ -171,6 +171,16 @@ def bad_cases(tmp: Path) -> list[tuple[list[str], list[str]]]:
     (tmp / "m01.json").write_text("[[0, 1], [1, 1]]")
     (tmp / "empty.json").write_text("[[]]")
     m3 = write(tmp / "m3.json", np.ones((3, 3), dtype=bool))
+    (tmp / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    (tmp / "deep9.json").write_text("[" * 9 + "1" + "]" * 9)
+    (tmp / "bigint.json").write_text("[[1" + "0" * 400 + ", 1]]")
+    (tmp / "hugeint.json").write_text("[[1" + "0" * 5000 + ", 1]]")
+    (tmp / "latin1.csv").write_bytes(b"1,\xe9\n")
+    (tmp / "folder").mkdir()
+    (tmp / "folder.npy").mkdir()
+    (tmp / "e308.json").write_text("[[1e308, 1e308], [1, 2]]")
+    fives = write(tmp / "fives.npy", np.full((2, 4), 5.0))
+    tall = write(tmp / "tall.npy", np.zeros((2049, 1)))
     return [
         (["--example", "nope"], ["unknown example 'nope'", "causal", "attnkit examples"]),
         (["--q", str(tmp / "missing.npy")], ["missing.npy", "no such file"]),
@@ -197,6 +207,19 @@ def bad_cases(tmp: Path) -> list[tuple[list[str], list[str]]]:
         (["--plot", str(tmp / "x.png"), "--plot-steps", "attention"],
          ["--plot-steps 'attention'", "scores, scaled, logits, weights"]),
         (["--q", str(q), "--html", str(tmp / "no" / "dir" / "p.html")], ["cannot write --html"]),
+        (["--q", str(tmp / "deep.json")], ["deep.json", "100,000 deep", "at most 4 levels"]),
+        (["--q", str(tmp / "deep9.json")], ["deep9.json", "9 deep"]),
+        (["--q", str(tmp / "bigint.json")], ["bigint.json", "too large for float64"]),
+        (["--q", str(tmp / "hugeint.json")], ["hugeint.json", "too large for float64"]),
+        (["--q", str(tmp / "latin1.csv")], ["latin1.csv", "not UTF-8"]),
+        (["--q", str(tmp / "folder")], ["folder", "it is a folder"]),
+        (["--q", str(tmp / "folder.npy")], ["folder.npy", "it is a folder"]),
+        (["--q", str(q), "--mask", str(tmp / "folder")], ["mask file", "it is a folder"]),
+        (["--q", str(tmp / "e308.json")], ["overflows float64 at query q1, key k1",
+                                            "1.000e+308"]),
+        (["--q", str(fives), "--scale", "1e307"], ["S · scale overflows float64",
+                                                   "S = 100.000"]),
+        (["--q", str(tall)], ["4,198,401 scores", "limit of 4,194,304"]),
     ]
 
 
@@ -222,6 +245,37 @@ def test_bad_input_messages_in_korean(tmp_path, capsys):
         for w in words:                   # file names and shapes are the same in Korean
             if re.search(r"\.(npy|json|csv|txt)$|^\(", w):
                 assert w in line, (w, line)
+
+
+def test_no_message_is_a_huge_number(tmp_path, capsys):
+    for argv, _ in bad_cases(tmp_path):
+        _, _, err = run(capsys, *argv)
+        assert not re.search(r"\d{25}", err), err             # 1e308 was 309 digits
+
+
+def test_csv_with_a_byte_order_mark(tmp_path, capsys):
+    (tmp_path / "bom.csv").write_text("1,0,1,0\n0,1,0,1\n", encoding="utf-8-sig")   # Excel
+    rc, out, err = run(capsys, "--q", str(tmp_path / "bom.csv"))
+    assert rc == 0, err
+    assert parse(out)[0].values("1") == (Q @ Q.T).tolist()
+
+
+def test_huge_and_tiny_values_print_in_scientific_notation(tmp_path, capsys):
+    q = write(tmp_path / "q.json", np.array([[1e200, 0], [0, 1]]))
+    k = write(tmp_path / "k.json", np.array([[1e-200, 0], [0, 1]]))
+    rc, out, err = run(capsys, "--q", str(q), "--k", str(k))
+    assert rc == 0, err
+    assert "1.000e+200" in out and "1.0e-200" in out
+    assert not re.search(r"\d{25}", out)                     # was a 201-digit integer
+
+
+def test_large_input_page_is_small(tmp_path, capsys):
+    x = write(tmp_path / "x.npy", np.random.default_rng(0).standard_normal((1000, 8)))
+    page = tmp_path / "p.html"
+    rc, out, err = run(capsys, "--q", str(x), "--causal", "--html", str(page))
+    assert rc == 0, err
+    assert page.stat().st_size < 2_000_000                   # was 208 MB
+    assert "showing a corner (the --html page shows it in blocks of means)" in out
 
 
 def test_every_message_exists_in_both_languages():

@@ -6,7 +6,7 @@ and Korean (``err.message("ko")``); the command line prints it as its one line.
 Shape legend::
 
     q (B, H_q, N_q, D_k)   k, v (B, H_kv, N_k, D_·)
-    S, X, W (B, H_q, N_q, N_k)   O (B, H_q, N_q, D_v)
+    S, X (B, H_q, N_q, N_k)
 
 Caution
 -------
@@ -14,8 +14,9 @@ Caution
   :data:`MAX_SCORES` scores (B·H_q·N_q·N_k, 4,194,304 = one 2048 × 2048 head) or an input
   of more than :data:`MAX_VALUES` values (16,777,216), before computing anything.
 - Overflow is reported where it first happens (Q·Kᵀ, then S · scale, then the soft-cap /
-  score_mod / bias, then W V) and only where the inputs there were finite: a NaN or ±∞
-  that the caller put in shows as such in the trace.
+  score_mod / bias) and only where the inputs there were finite: a NaN or ±∞ that the
+  caller put in shows as such in the trace. W V cannot overflow: each output is a convex
+  mix of finite values.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from .common import fmt, head_label
+from .common import fmt, head_label, shape_str
 from .strings import STRINGS
 
 if TYPE_CHECKING:
@@ -64,11 +65,12 @@ def check_decimals(decimals: object) -> int:
     return int(decimals)
 
 
-def check_size(p: Problem) -> None:
-    """Refuse a problem whose trace would not fit the limits (nothing is computed yet)."""
+def check_size(p: Problem, shapes: dict[str, tuple[int, ...]] | None = None) -> None:
+    """Refuse a problem whose trace would not fit the limits (nothing is computed yet);
+    ``shapes`` are the caller's input shapes, for the message."""
     for name, t in (("q", p.q), ("k", p.k), ("v", p.v)):
         if t.numel() > MAX_VALUES:
-            shape = "(" + ", ".join(str(s) for s in t.shape) + ")"
+            shape = shape_str((shapes or {}).get(name) or tuple(t.shape))
             raise ExplainError("input_large", name=name, shape=shape, n=f"{t.numel():,}",
                                limit=f"{MAX_VALUES:,}")
     cells = p.batch * p.heads_q * p.n_q * p.n_k
@@ -105,7 +107,6 @@ def check_overflow(p: Problem, r: Intermediates, lead: tuple[int, ...] = ()) -> 
     top = fmt(torch.finfo(acc).max)
     fq = torch.isfinite(p.q).all(-1)                                   # (B, H_q, N_q)
     fk = torch.isfinite(p.k).all(-1).repeat_interleave(p.group, 1)     # (B, H_q, N_k)
-    fv = torch.isfinite(p.v).all(-1).all(-1).repeat_interleave(p.group, 1)   # (B, H_q)
     s = r.scores                                                       # (B, H_q, N_q, N_k)
     at = _first(~torch.isfinite(s) & fq[..., :, None] & fk[..., None, :])
     if at is not None:
@@ -130,9 +131,3 @@ def check_overflow(p: Problem, r: Intermediates, lead: tuple[int, ...] = ()) -> 
         raise ExplainError("overflow_mod", i=i + 1, j=j + 1, val=fmt(float(x[at])),
                            s=fmt(float(x0[at])), what=" / ".join(what) or "score",
                            head=_head(p, lead, b, h))
-    o, w = r.output, r.weights
-    at = _first(~torch.isfinite(o).all(-1) & torch.isfinite(w).all(-1) & fv[..., None])
-    if at is not None:
-        b, h, i = at
-        raise ExplainError("overflow_o", dtype=str(acc).removeprefix("torch."), i=i + 1,
-                           vmax=_absmax(p.v), head=_head(p, lead, b, h))

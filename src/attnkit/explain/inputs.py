@@ -18,6 +18,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,8 +46,13 @@ MESSAGES: dict[str, dict[str, str]] = {
         "json_ragged": "{what} file {path}: the nested lists have rows of different lengths; "
                        "every row needs the same number of values",
         "json_nonnum": "{what} file {path}: expected nested lists of numbers, found {bad!r}",
+        "json_deep": "{what} file {path} nests its lists {depth} deep: give (n, d), (h, n, d) "
+                     "or (b, h, n, d), at most 4 levels of [ ]",
+        "json_huge": "{what} file {path} holds an integer too large for float64 (beyond "
+                     "±1.8e308): rescale the values, or write them as floats such as 1e300",
         "ext": "cannot read {what} file {path}: unknown extension {ext!r}; use {formats}",
         "missing": "cannot read {what} file {path}: no such file",
+        "is_dir": "cannot read {what} file {path}: it is a folder; give a file ({formats})",
         "npy_bad": "cannot read {what} file {path} as .npy ({err}): save it with "
                    "numpy.save(path, array) from a numeric array",
         "npy_dtype": "{what} file {path} holds dtype {dtype}, not numbers: save a numeric (or "
@@ -116,9 +122,15 @@ MESSAGES: dict[str, dict[str, str]] = {
                        "값 개수가 같아야 합니다",
         "json_nonnum": "{what} 파일 {path}: 숫자로 된 중첩 리스트가 필요한데 {bad!r}이(가) "
                        "있습니다",
+        "json_deep": "{what} 파일 {path}: 리스트가 {depth}단계로 중첩되어 있습니다: (n, d), "
+                     "(h, n, d) 또는 (b, h, n, d)처럼 [ ]를 4단계까지만 쓰세요",
+        "json_huge": "{what} 파일 {path}에 float64로 나타낼 수 없는 큰 정수가 있습니다 "
+                     "(±1.8e308 밖): 값의 크기를 줄이거나 1e300 같은 실수로 쓰세요",
         "ext": "{what} 파일 {path}을(를) 읽을 수 없습니다: 알 수 없는 확장자 {ext!r}; "
                "{formats} 중 하나를 쓰세요",
         "missing": "{what} 파일 {path}을(를) 읽을 수 없습니다: 파일이 없습니다",
+        "is_dir": "{what} 파일 {path}을(를) 읽을 수 없습니다: 폴더입니다. 파일({formats})을 "
+                  "주세요",
         "npy_bad": "{what} 파일 {path}을(를) .npy로 읽을 수 없습니다 ({err}): 숫자 배열을 "
                    "numpy.save(path, array)로 저장하세요",
         "npy_dtype": "{what} 파일 {path}의 dtype {dtype}은(는) 숫자가 아닙니다: 숫자(또는 bool) "
@@ -196,7 +208,7 @@ class InputError(ValueError):
 
 
 def _read_csv(path: Path, what: str) -> np.ndarray:
-    with path.open(newline="", encoding="utf-8") as f:
+    with path.open(newline="", encoding="utf-8-sig") as f:      # -sig: a BOM (Excel) is fine
         rows = [[c.strip() for c in r] for r in csv.reader(f)]
     rows = [r for r in rows if any(r)]
     if not rows:
@@ -217,12 +229,35 @@ def _read_csv(path: Path, what: str) -> np.ndarray:
     return out
 
 
+MAX_DEPTH = 4          # (b, h, n, d)
+
+
+def _depth(data: object) -> int:
+    """How deep the first elements nest: ``[[1, 2]]`` → 2 (no recursion: any depth is safe)."""
+    d = 0
+    while isinstance(data, list):
+        d += 1
+        if not data:
+            break
+        data = data[0]
+    return d
+
+
 def _read_json(path: Path, what: str) -> np.ndarray:
+    text = path.read_text(encoding="utf-8-sig")        # -sig: a byte-order mark is fine
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(text)
     except json.JSONDecodeError as e:
         raise InputError("json_bad", what=what, path=path, msg=e.msg, line=e.lineno,
                          col=e.colno) from None
+    except RecursionError:                             # e.g. 100,000 nested [
+        lead = re.match(r"[\s\[]*", text)
+        depth = lead.group(0).count("[") if lead else 0
+        raise InputError("json_deep", what=what, path=path, depth=f"{depth:,}") from None
+    except ValueError:                                 # an integer of more than 4300 digits
+        raise InputError("json_huge", what=what, path=path) from None
+    if _depth(data) > MAX_DEPTH:
+        raise InputError("json_deep", what=what, path=path, depth=f"{_depth(data):,}")
     try:
         a = np.array(data)
     except ValueError:
@@ -231,6 +266,8 @@ def _read_json(path: Path, what: str) -> np.ndarray:
         return a
     try:
         return a.astype(np.float64)        # "-inf" strings are fine
+    except OverflowError:                  # a Python int beyond float64
+        raise InputError("json_huge", what=what, path=path) from None
     except (ValueError, TypeError):
         raise InputError("json_nonnum", what=what, path=path, bad=_first_bad(data)) from None
 
@@ -255,6 +292,8 @@ def load_array(path: str | Path, what: str = "input") -> np.ndarray:
     """Read a ``.npy``, ``.json`` or ``.csv`` file into a NumPy array (bool kept for masks)."""
     p = Path(path)
     ext = p.suffix.lower()
+    if p.is_dir():
+        raise InputError("is_dir", what=what, path=p, formats=", ".join(FORMATS))
     if ext not in FORMATS:
         raise InputError("ext", what=what, path=p, ext=ext or "(none)",
                          formats=", ".join(FORMATS))

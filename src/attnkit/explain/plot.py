@@ -186,9 +186,9 @@ def render_plot(traces: Trace | Sequence[Trace], path: str | Path,
         if "logits" in what and any(np.isneginf(tr.logits).any() for tr in traces):
             fig.text(0.99, 0.002, t["plot_masked"], ha="right", va="bottom", fontsize=7,
                      color="#5b6475")
-        if notes:                                       # downsampled / heads left out
-            fig.text(0.01, 0.002, "   ".join(dict.fromkeys(notes)), ha="left", va="bottom",
-                     fontsize=7, color="#5b6475")
+        if notes:                       # downsampled / heads left out (the layout makes room)
+            fig.supxlabel("   ".join(dict.fromkeys(notes)), x=0.01, ha="left", fontsize=7,
+                          color="#5b6475")
         out = Path(path)
         fig.savefig(out, format="png")
     return out

@@ -48,8 +48,8 @@ STRINGS: dict[str, dict[str, str]] = {
         "softcap_is": "soft-cap", "mask_is": "mask", "no_mask": "none",
         "rows_cols": "rows = queries, columns = keys",
         "summarised": "{r} × {c}: showing a corner (every value is in the --html page)",
-        "summarised_pooled": "{r} × {c}: showing a corner (the --html page and --plot show "
-                             "it downsampled into blocks)",
+        "summarised_pooled": "{r} × {c}: showing a corner (the --html page shows it in "
+                             "blocks of means)",
         "more_heads": "… {n} more heads with the same shapes (see --html or --plot)",
         # ---- teaching remarks
         "remarks": "What to notice",
@@ -93,9 +93,9 @@ STRINGS: dict[str, dict[str, str]] = {
         "page_c_masked": "masked (−∞)",
         "page_generated": "Made by attnkit — a self-contained page: no network needed.",
         "page_pooled": "Too large to show cell by cell: a heatmap with more than {g} rows or "
-                       "columns shows one cell per block of rows and columns, coloured by the "
+                       "columns groups them into blocks, one cell per block coloured by the "
                        "block's mean (hover a cell for its block). The text output prints "
-                       "exact values of the corners.",
+                       "the exact values of the corners.",
         "page_block": "each cell: the mean of a block of {br} × {bc}",
         "page_more_heads": "… {n} more heads are not shown: the page shows the first {m}",
         # ---- the heatmaps (PNG)
@@ -122,8 +122,6 @@ STRINGS: dict[str, dict[str, str]] = {
         "err_overflow_mod": "the scaled logit X at query q{i}, key k{j}{where} is {val} "
                             "although S · scale there is finite ({s}): the {what} produced "
                             "it — make it return finite numbers (−∞ only to block a key)",
-        "err_overflow_o": "O = W V overflows {dtype} at query q{i}{where}: the largest |value| "
-                          "of V is {vmax} — rescale V",
         "err_decimals": "decimals must be a whole number from 0 to 12, got {d}",
     },
     "ko": {
@@ -146,8 +144,8 @@ STRINGS: dict[str, dict[str, str]] = {
         "softcap_is": "소프트캡", "mask_is": "마스크", "no_mask": "없음",
         "rows_cols": "행 = 쿼리, 열 = 키",
         "summarised": "{r} × {c}: 일부만 표시 (모든 값은 --html 페이지에 있습니다)",
-        "summarised_pooled": "{r} × {c}: 일부만 표시 (--html 페이지와 --plot에서는 블록으로 "
-                             "묶어 줄여서 보여 줍니다)",
+        "summarised_pooled": "{r} × {c}: 일부만 표시 (--html 페이지에는 블록 평균으로 줄여서 "
+                             "보여 줍니다)",
         "more_heads": "… 같은 모양의 헤드 {n}개 더 (--html 또는 --plot 참고)",
         # ---- teaching remarks
         "remarks": "눈여겨볼 점",
@@ -188,8 +186,8 @@ STRINGS: dict[str, dict[str, str]] = {
         "page_c_masked": "마스크됨 (−∞)",
         "page_generated": "attnkit으로 만든 독립 실행형 페이지: 네트워크가 필요 없습니다.",
         "page_pooled": "셀 하나하나 보여 주기에는 너무 큽니다: 행이나 열이 {g}개보다 많은 "
-                       "히트맵은 행과 열을 블록으로 묶어 블록마다 셀 하나로, 블록의 평균 색으로 "
-                       "보여 줍니다 (셀 위에 마우스를 올리면 블록이 보입니다). 모서리 부분의 "
+                       "히트맵은 여러 행과 열을 한 블록으로 묶어, 블록마다 셀 하나에 평균값의 "
+                       "색을 칠합니다 (셀 위에 마우스를 올리면 블록이 보입니다). 모서리 부분의 "
                        "정확한 값은 텍스트 출력에 있습니다.",
         "page_block": "셀 하나 = {br} × {bc} 블록의 평균",
         "page_more_heads": "… 헤드 {n}개 더 있음: 이 페이지에는 처음 {m}개만 보여 줍니다",
@@ -216,8 +214,6 @@ STRINGS: dict[str, dict[str, str]] = {
         "err_overflow_mod": "쿼리 q{i}, 키 k{j}{where} 위치의 스케일된 로짓 X 값이 {val}입니다 "
                             "(S · scale 값은 유한: {s}): {what}에서 생긴 값입니다 — 유한한 수를 "
                             "돌려주게 하세요 (키를 가릴 때만 −∞)",
-        "err_overflow_o": "O = W V가 {dtype} 범위를 넘칩니다 (쿼리 q{i}{where}): V의 가장 큰 "
-                          "|값|은 {vmax}입니다 — V의 크기를 줄이세요",
         "err_decimals": "decimals는 0에서 12 사이의 정수여야 합니다, 받은 값: {d}",
     },
 }

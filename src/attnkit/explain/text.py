@@ -216,12 +216,11 @@ def step_table(trace: Trace, lang: str = "en") -> str:
 def _matrices(
     a: np.ndarray, lang: str, decimals: int, rows: Sequence[str] | str | None,
     cols: Sequence[str] | str | None, style: Style, max_heads: int, *, sums: bool = False,
-    emph_max: bool = False, word: str = "head", pooled: bool = False,
+    emph_max: bool = False, word: str = "head", grid: int | None = None,
 ) -> list[str]:
     t = STRINGS[lang]
     parts: list[str] = []
     total = n_matrices(a)
-    note = t["summarised_pooled" if pooled else "summarised"]
     for label, m in split_heads(a, lang, word, limit=max_heads):
         if label:
             parts.append(f"  {style.bold(label)}")
@@ -231,6 +230,8 @@ def _matrices(
         parts.append(format_matrix(m, decimals, rows, cols, style=style, emph=emph,
                                    sums=m.sum(-1) if sums else None, sum_label=t["sum"]))
         if m.shape[0] > TEXT_ROWS or m.shape[1] > TEXT_COLS:
+            blocks = grid is not None and max(m.shape) > grid       # the page shows blocks
+            note = t["summarised_pooled" if blocks else "summarised"]
             parts.append("  " + style.dim(note.format(r=m.shape[0], c=m.shape[1])))
     if total > max_heads:
         parts.append("  " + style.dim(t["more_heads"].format(n=total - max_heads)))
@@ -249,7 +250,7 @@ def render_text(trace: Trace, lang: str = "en", decimals: int = 3, color: bool |
     if max_heads is None:
         max_heads = int(trace.options.get("max_heads", 4))
     st = Style(use_color(color))
-    pooled = page_grid(trace) is not None
+    grid = page_grid(trace)
     parts: list[str] = []
     title = trace.title.get(lang) or trace.title.get("en")
     if title:
@@ -269,21 +270,21 @@ def render_text(trace: Trace, lang: str = "en", decimals: int = 3, color: bool |
         parts.append(f"  {name} {shape_str(arr.shape)}")
         shared = name != "Q" and arr.ndim > 2 and arr.shape[-3] != trace.q.shape[-3]
         parts += _matrices(arr, lang, decimals, rows, "d", st, max_heads,
-                           word="kv_head" if shared else "head", pooled=pooled)
+                           word="kv_head" if shared else "head", grid=grid)
     parts.append("")
     for i, s in enumerate(trace.steps):
         parts.append(st.head(f"[{i + 1}] {step_name(s, lang)}: {step_formula(s, lang)}") + "   "
                      + shape_str(s.value.shape))
         cols = "d" if s.key == "output" else krows
         parts += _matrices(s.value, lang, decimals, qrows, cols, st, max_heads,
-                           sums=s.key == "weights", emph_max=s.key == "weights", pooled=pooled)
+                           sums=s.key == "weights", emph_max=s.key == "weights", grid=grid)
         parts.append("")
     if trace.output.ndim == 3 and trace.output.shape[0] > 1:
         h, n_q, dv = trace.output.shape
         cat = trace.output.transpose(1, 0, 2).reshape(n_q, h * dv)
         parts.append(st.head(f"[{len(trace.steps) + 1}] {step_name('Concat', lang)}: "
                              "O = [O₁ | … | O_h]") + "   " + shape_str(cat.shape))
-        parts += _matrices(cat, lang, decimals, qrows, "d", st, max_heads, pooled=pooled)
+        parts += _matrices(cat, lang, decimals, qrows, "d", st, max_heads, grid=grid)
         parts.append("")
     notes = remarks(trace, lang, decimals)
     if notes:

@@ -10,7 +10,7 @@ Caution
 -------
 - ``explain`` keeps every step as float64: it refuses a call above the limits of
   :mod:`.guard` (4,194,304 scores, 16,777,216 values per input) before computing, and a
-  call whose finite inputs overflow (Q·Kᵀ, S · scale, W V), naming where — both as
+  call whose finite inputs overflow (Q·Kᵀ, S · scale, a score_mod), naming where — both as
   :class:`~attnkit.explain.guard.ExplainError`. Renderers summarise large traces
   (:mod:`.common`'s budgets).
 """
@@ -163,7 +163,8 @@ def explain(
     prep = prepare(q, k, v, mask=mask, is_causal=is_causal, scale=scale, softcap=softcap,
                    score_mod=score_mod, dropout_p=dropout_p)
     p = prep.problem
-    check_size(p)
+    check_size(p, {n: tuple(getattr(x, "shape", ())) for n, x in zip("qkv", (q, k, v),
+                                                                      strict=True)})
     r = reference(p)
     lead = prep.lead
     check_overflow(p, r, lead if not prep.two_d else ())
