@@ -221,9 +221,11 @@ class _Ring:
                 "the backward of its result), or is that much slower: see that rank's log, "
                 "or pass a larger `timeout` if the ranks are legitimately that far apart. "
                 "The process group cannot be used after this.")
-        return RingAttentionError(
-            f"{where} failed: the connection was lost ({raw}). The peer most likely crashed "
-            "or exited: see its log. The process group cannot be used after this.")
+        if re.search(r"connection|closed|reset|broken pipe|read error|write error", raw.lower()):
+            return RingAttentionError(
+                f"{where} failed: the connection was lost ({raw}). The peer most likely "
+                "crashed or exited: see its log. The process group cannot be used after this.")
+        return RingAttentionError(f"{where} failed: {raw}")
 
     def settle(self, failure: Exception | None, hop: int, phase: str) -> None:
         """After a ring: every rank learns whether any rank's computation failed (one small
