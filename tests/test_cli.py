@@ -181,6 +181,13 @@ def bad_cases(tmp: Path) -> list[tuple[list[str], list[str]]]:
     (tmp / "e308.json").write_text("[[1e308, 1e308], [1, 2]]")
     fives = write(tmp / "fives.npy", np.full((2, 4), 5.0))
     tall = write(tmp / "tall.npy", np.zeros((2049, 1)))
+    from numpy.lib import format as npy
+
+    with (tmp / "header.npy").open("wb") as f:          # a header promising 25M values
+        npy.write_array_header_1_0(f, {"descr": "<f8", "fortran_order": False,
+                                       "shape": (5000, 5000)})
+    with (tmp / "huge.csv").open("wb") as f:
+        f.truncate(300 * 2 ** 20)                         # sparse: 300 MB, nothing written
     return [
         (["--example", "nope"], ["unknown example 'nope'", "causal", "attnkit examples"]),
         (["--q", str(tmp / "missing.npy")], ["missing.npy", "no such file"]),
@@ -220,6 +227,8 @@ def bad_cases(tmp: Path) -> list[tuple[list[str], list[str]]]:
         (["--q", str(fives), "--scale", "1e307"], ["S · scale overflows float64",
                                                    "S = 100.000"]),
         (["--q", str(tall)], ["4,198,401 scores", "limit of 4,194,304"]),
+        (["--q", str(tmp / "header.npy")], ["header.npy", "(5000, 5000)", "16,777,216"]),
+        (["--q", str(tmp / "huge.csv")], ["huge.csv", "300 MB", "save the array as .npy (numpy.save)"]),
     ]
 
 
@@ -251,6 +260,17 @@ def test_no_message_is_a_huge_number(tmp_path, capsys):
     for argv, _ in bad_cases(tmp_path):
         _, _, err = run(capsys, *argv)
         assert not re.search(r"\d{25}", err), err             # 1e308 was 309 digits
+
+
+def test_plot_warnings_are_one_line_notes(tmp_path, capsys, monkeypatch):
+    from attnkit.explain import plot as plot_mod
+
+    monkeypatch.setattr(plot_mod, "cjk_font", lambda: None)     # no Hangul font
+    rc, _, err = run(capsys, "--lang", "ko", "--plot", str(tmp_path / "k.png"))
+    assert rc == 0
+    lines = err.strip().splitlines()
+    assert lines[0].startswith("attnkit explain: note: no font with Hangul found"), err
+    assert len(lines) == 2 and "wrote" in lines[1]
 
 
 def test_csv_with_a_byte_order_mark(tmp_path, capsys):

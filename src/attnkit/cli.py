@@ -18,6 +18,7 @@ import argparse
 import importlib
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NoReturn
 
@@ -193,7 +194,12 @@ def _explain(args: argparse.Namespace) -> int:
         try:
             from .explain.plot import render_plot
 
-            render_plot(traces, args.plot, what=plot_what, lang=args.lang)
+            with warnings.catch_warnings(record=True) as caught:   # e.g. no Hangul font
+                warnings.simplefilter("always")
+                render_plot(traces, args.plot, what=plot_what, lang=args.lang)
+            for w in caught:
+                print(f"attnkit explain: note: {' '.join(str(w.message).split())}",
+                      file=sys.stderr)
         except ImportError as e:
             raise InputError("needs_mpl", err=e) from None
         except OSError as e:

@@ -100,6 +100,13 @@ def test_many_heads_are_capped_and_named(tmp_path):
     assert tr.plot(tmp_path / "h.png").stat().st_size > 0
 
 
+def test_no_batch_renders_everywhere(tmp_path):
+    x = torch.ones(0, 2, 3, 4, dtype=torch.float64)
+    tr = ak.explain(x, x, x)
+    assert tr.to_text() and tr.to_html()
+    assert tr.plot(tmp_path / "none.png").stat().st_size > 0   # was ZeroDivisionError
+
+
 # ---------------------------------------------------------------------------- refused
 
 

@@ -11,6 +11,13 @@ Shape legend::
 
 Every problem raises :class:`InputError`: one line naming the file, the shape seen and what
 would fit, in English or Korean (``err.message("ko")``).
+
+Caution
+-------
+- Size: a ``.npy`` whose header holds more than 16,777,216 values (explain's limit per
+  input) is refused before its data is read; a ``.json`` / ``.csv`` file over 256 MB is
+  refused unread (save large arrays as ``.npy``). JSON nests at most 4 levels of lists.
+- Text files are UTF-8; a byte-order mark (as Excel writes) is accepted.
 """
 
 from __future__ import annotations
@@ -26,11 +33,13 @@ from typing import Any
 import numpy as np
 
 from .common import cut_width, shape_str
+from .guard import MAX_VALUES
 
 __all__ = ["InputError", "MESSAGES", "UserInputs", "load_array", "load_mask",
            "prepare_inputs", "parse_labels", "finite_number", "shape_str"]
 
 FORMATS = (".npy", ".json", ".csv")
+MAX_TEXT_MB = 256            # a .json / .csv file larger than this is refused unread
 _TRUE = {"true", "True", "TRUE"}
 _FALSE = {"false", "False", "FALSE"}
 
@@ -52,6 +61,10 @@ MESSAGES: dict[str, dict[str, str]] = {
                      "±1.8e308): rescale the values, or write them as floats such as 1e300",
         "ext": "cannot read {what} file {path}: unknown extension {ext!r}; use {formats}",
         "missing": "cannot read {what} file {path}: no such file",
+        "file_values": "{what} file {path} holds {n} values {shape}, more than explain's limit "
+                       "of {limit} per input: give a slice with fewer rows, columns or heads",
+        "file_text": "{what} file {path} is {mb} MB of text, more than {limit} MB: save the "
+                     "array as .npy (numpy.save) or give a smaller slice",
         "is_dir": "cannot read {what} file {path}: it is a folder; give a file ({formats})",
         "npy_bad": "cannot read {what} file {path} as .npy ({err}): save it with "
                    "numpy.save(path, array) from a numeric array",
@@ -129,6 +142,10 @@ MESSAGES: dict[str, dict[str, str]] = {
         "ext": "{what} 파일 {path}을(를) 읽을 수 없습니다: 알 수 없는 확장자 {ext!r}; "
                "{formats} 중 하나를 쓰세요",
         "missing": "{what} 파일 {path}을(를) 읽을 수 없습니다: 파일이 없습니다",
+        "file_values": "{what} 파일 {path} {shape}의 값은 {n}개로, 입력 하나에 대한 explain의 "
+                       "한도 {limit}개를 넘습니다: 행, 열, 헤드를 줄인 일부만 주세요",
+        "file_text": "{what} 파일 {path}: 텍스트 크기가 {mb} MB로 {limit} MB를 넘습니다: 배열을 "
+                     ".npy로 저장하거나(numpy.save) 더 작은 일부만 주세요",
         "is_dir": "{what} 파일 {path}을(를) 읽을 수 없습니다: 폴더입니다. 파일({formats})을 "
                   "주세요",
         "npy_bad": "{what} 파일 {path}을(를) .npy로 읽을 수 없습니다 ({err}): 숫자 배열을 "
@@ -288,6 +305,19 @@ def _first_bad(data: object) -> object:
         return data
 
 
+def _npy_shape(p: Path) -> tuple[int, ...] | None:
+    """The shape in a .npy header, without reading the data (None if unreadable)."""
+    from numpy.lib import format as npy
+
+    try:
+        with p.open("rb") as f:
+            major, _ = npy.read_magic(f)
+            read = {1: npy.read_array_header_1_0, 2: npy.read_array_header_2_0}.get(major)
+            return tuple(int(s) for s in read(f)[0]) if read else None
+    except (ValueError, OSError, EOFError, TypeError):
+        return None                                     # np.load gives the precise error
+
+
 def load_array(path: str | Path, what: str = "input") -> np.ndarray:
     """Read a ``.npy``, ``.json`` or ``.csv`` file into a NumPy array (bool kept for masks)."""
     p = Path(path)
@@ -301,6 +331,10 @@ def load_array(path: str | Path, what: str = "input") -> np.ndarray:
         raise InputError("missing", what=what, path=p)
     try:
         if ext == ".npy":
+            shape = _npy_shape(p)
+            if shape is not None and math.prod(shape) > MAX_VALUES:   # refuse before reading
+                raise InputError("file_values", what=what, path=p, shape=shape_str(shape),
+                                 n=f"{math.prod(shape):,}", limit=f"{MAX_VALUES:,}")
             try:
                 a = np.load(p, allow_pickle=False)
             except ValueError as e:
@@ -309,6 +343,10 @@ def load_array(path: str | Path, what: str = "input") -> np.ndarray:
                 raise InputError("npy_dtype", what=what, path=p,
                                  dtype=getattr(a, "dtype", "?"))
             return a if a.dtype == bool else a.astype(np.float64)
+        size = p.stat().st_size
+        if size > MAX_TEXT_MB * 2 ** 20:
+            raise InputError("file_text", what=what, path=p, mb=f"{size / 2 ** 20:,.0f}",
+                             limit=MAX_TEXT_MB)
         if ext == ".json":
             return _read_json(p, what)
         return _read_csv(p, what)

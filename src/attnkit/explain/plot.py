@@ -30,7 +30,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .common import MAX_HEADS, PLOT_GRID, axis_labels, n_matrices, pool, split_heads
+from .common import (
+    MAX_HEADS,
+    PLOT_GRID,
+    axis_labels,
+    n_matrices,
+    pool,
+    shape_str,
+    split_heads,
+)
 from .strings import STRINGS, check_lang
 
 if TYPE_CHECKING:
@@ -114,7 +122,7 @@ def render_plot(traces: Trace | Sequence[Trace], path: str | Path,
     t = STRINGS[lang]
     notes: list[str] = []
 
-    n_heads = [min(n_matrices(tr.weights), MAX_HEADS) for tr in traces]
+    n_heads = [max(min(n_matrices(tr.weights), MAX_HEADS), 1) for tr in traces]  # 0 heads: 1
     n_cols = min(max(n_heads), 4)
     grid = [-(-h // n_cols) for h in n_heads]          # rows of heads per quantity
     shapes = [tr.scores.shape[-2:] for tr in traces]
@@ -152,6 +160,10 @@ def render_plot(traces: Trace | Sequence[Trace], path: str | Path,
                 for c, ax in enumerate(row_axes):
                     if c >= len(mats):
                         ax.axis("off")
+                        if not mats:            # no heads (or no batch): say so, draw nothing
+                            ax.text(0.5, 0.5, f"{t['plot_' + w]}\n"
+                                    f"{shape_str(getattr(tr, w).shape)}", ha="center",
+                                    va="center", fontsize=9, transform=ax.transAxes)
                         continue
                     label, m = mats[c]
                     if m.size == 0:             # n_q or n_k is 0: nothing to draw
