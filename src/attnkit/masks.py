@@ -17,21 +17,27 @@ Shape legend::
     b, h, q_idx, kv_idx           integer index tensors that broadcast against each other
 
 Builders: :func:`causal`, :func:`sliding_window`, :func:`padding`, :func:`document`,
-:func:`prefix_lm`, :func:`from_fn`, :func:`from_tensor`, :func:`full`.
+:func:`prefix_lm`, :func:`from_fn`, :func:`from_tensor`, :func:`full` (they live in
+``mask_builders.py`` and are imported from here). Sparsity and drawing live in
+``mask_summary.py``; :func:`vmap_indices` (FlexAttention's scalar semantics for a function
+of ``(…, b, h, q_idx, kv_idx)``) is here, for masks and score mods alike.
 
 Caution
 -------
-- Block summaries of ``&`` and ``|`` are conservative: a block may be reported PARTIAL where
-  it is in fact EMPTY or FULL. That costs speed, never correctness; exact summaries come from
-  :meth:`Mask.block_map` with ``exact=True``.
-- ``from_fn`` masks and ``from_tensor`` masks are summarised by evaluating them densely, one
-  block row at a time (O(N_k · block_q) memory).
+- Block summaries of ``&``, ``|`` and document masks are conservative: a block may be
+  reported PARTIAL where it is in fact EMPTY or FULL. That costs speed, never correctness;
+  :meth:`Mask.block_map` with ``exact=True`` evaluates those PARTIAL blocks (band, padding
+  and prefix rules are exact already).
+- ``from_fn`` masks and ``from_tensor`` masks have no rules: they are summarised by
+  evaluating them, one block row at a time (O(N_k · block_q) memory). ``from_fn`` runs its
+  function through ``torch.vmap`` (scalar semantics, as FlexAttention does), which costs a
+  fraction of a millisecond of overhead per evaluation.
+- A mask must return bool: a number is refused, never rounded into allowed/blocked.
 """
 
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -46,6 +52,7 @@ __all__ = [
     "Lengths",
     "Documents",
     "band_of",
+    "block_sizes",
     "lengths_of",
     "documents_of",
     "causal",
@@ -54,6 +61,7 @@ __all__ = [
     "document",
     "prefix_lm",
     "from_fn",
+    "vmap_indices",
     "from_tensor",
     "full",
 ]
@@ -170,7 +178,8 @@ class Mask:
     with B' ∈ {1, B}, H' ∈ {1, H} (1 where the mask does not depend on it).
     """
 
-    __slots__ = ("_fn", "_blocks", "name", "_sizes", "_device", "_natural", "spec", "_terms")
+    __slots__ = ("_fn", "_blocks", "name", "_sizes", "_device", "_natural", "spec", "_terms",
+                 "_checks", "_exact")
 
     def __init__(
         self,
@@ -182,6 +191,10 @@ class Mask:
         heads: int | None = None,
         device: torch.device | None = None,
         spec: MaskSpec | None = None,
+        natural: tuple[int | None, int | None] = (None, None),
+        checks: tuple[Callable[[int, int], None], ...] = (),
+        any_bh: bool = False,
+        exact_rules: bool = False,
     ) -> None:
         self._fn = fn
         # What a builder made, for engines that compute it in closed form (None = opaque).
@@ -190,10 +203,16 @@ class Mask:
         self._terms: tuple[Mask, ...] | None = None
         self._blocks = blocks
         self.name = name
-        self._sizes = _Sizes(batch, heads)
+        # any_bh: the function may read b/h at any size (from_fn): evaluated on the full
+        # (batch, heads) grid instead of on index 0 only
+        self._sizes = _Sizes(batch, heads, any_bh)
         self._device = device
         # (N_q, N_k) the mask was built for (tensor and document masks), else None
-        self._natural: tuple[int | None, int | None] = (None, None)
+        self._natural = natural
+        # size checks check(n_q, n_k) of the builders inside (see :meth:`check`)
+        self._checks = checks
+        # True when the block rules are exact (band, padding, prefix): no refinement needed
+        self._exact = exact_rules and blocks is not None
 
     # ------------------------------------------------------------------ evaluation
     def __call__(
@@ -207,9 +226,17 @@ class Mask:
     ) -> torch.Tensor:
         """Evaluate on broadcastable index tensors; returns a bool tensor."""
         out = self._fn(b, h, q_idx, kv_idx, n_q, n_k)
-        if not isinstance(out, torch.Tensor):
-            out = torch.as_tensor(out)
-        return out.to(torch.bool)
+        if isinstance(out, bool):
+            out = torch.tensor(out, device=q_idx.device)
+        if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
+            what = (f"a {out.dtype} tensor" if isinstance(out, torch.Tensor)
+                    else f"a {type(out).__name__}")
+            raise TypeError(
+                f"mask {self.name} returned {what}, not a bool tensor (True = may attend): "
+                "return a comparison such as kv_idx <= q_idx (or .bool() it yourself) — "
+                "attnkit does not guess how a number becomes allowed/blocked"
+            )
+        return out
 
     def conjuncts(self) -> list[Mask]:
         """``a & (b & c)`` → ``[a, b, c]``; any other mask is its own single term."""
@@ -238,6 +265,25 @@ class Mask:
         dense evaluations and block maps have size H or 1 in dim 1)."""
         return self._sizes.any_bh or (self._sizes.heads is not None and self._sizes.heads > 1)
 
+    @property
+    def natural_size(self) -> tuple[int | None, int | None]:
+        """``(N_q, N_k)`` the mask was built for (tensor and document masks), else None."""
+        return self._natural
+
+    @property
+    def summarised_by_rules(self) -> bool:
+        """True when :meth:`block_map` comes from interval rules (O(blocks), no evaluation):
+        the builders' masks and their algebra; False for ``from_fn`` and tensor masks."""
+        return self._blocks is not None
+
+    def check(self, n_q: int, n_k: int) -> None:
+        """Raise a clear error if the mask cannot apply to an ``n_q × n_k`` call (a padding
+        length above N_k / N_q, document ids of another length, a tensor of another shape).
+        Every evaluation checks this too; ``Problem`` checks it once per call, so that engines
+        reading :attr:`spec` directly refuse the same calls."""
+        for c in self._checks:
+            c(n_q, n_k)
+
     def evaluate(
         self,
         n_q: int,
@@ -254,31 +300,42 @@ class Mask:
         Returns bool ``(B|1, H|1, q1 - q0, k1 - k0)`` (True = may attend): the batch and head
         dims are 1 where the mask does not depend on them (broadcast it, don't copy it).
         ``q_range`` / ``k_range`` default to every query / key. This is how engines evaluate
-        a mask on one tile or one block row; :meth:`to_dense` is the full-size copy.
+        a mask on one tile or one block row; :meth:`to_dense` is the full-size copy. A large
+        range is evaluated a few rows at a time (index arithmetic stays small).
         """
         dev = torch.device(device) if device is not None else self._device
         q0, q1 = q_range if q_range is not None else (0, n_q)
         k0, k1 = k_range if k_range is not None else (0, n_k)
-        b = torch.arange(batch if self.depends_on_batch else 1, device=dev).view(-1, 1, 1, 1)
-        h = torch.arange(heads if self.depends_on_heads else 1, device=dev).view(1, -1, 1, 1)
+        nb = batch if self.depends_on_batch else 1
+        nh = heads if self.depends_on_heads else 1
+        per_row = nb * nh * (k1 - k0)
+        if (q1 - q0) * per_row <= _BIG:
+            return self._tile(n_q, n_k, q0, q1, k0, k1, nb, nh, dev)
+        return _by_rows(q1 - q0, k1 - k0, per_row, torch.bool, lambda r0, r1: self._tile(
+            n_q, n_k, q0 + r0, q0 + r1, k0, k1, nb, nh, dev))
+
+    def _tile(self, n_q: int, n_k: int, q0: int, q1: int, k0: int, k1: int, nb: int, nh: int,
+              dev: torch.device | None) -> torch.Tensor:
+        b = torch.arange(nb, device=dev).view(-1, 1, 1, 1)
+        h = torch.arange(nh, device=dev).view(1, -1, 1, 1)
         q = torch.arange(q0, q1, device=dev).view(1, 1, -1, 1)
         k = torch.arange(k0, k1, device=dev).view(1, 1, 1, -1)
         out = self(b, h, q, k, n_q, n_k)
-        shape = (b.shape[0], h.shape[1], q1 - q0, k1 - k0)
+        shape = (nb, nh, q1 - q0, k1 - k0)
         while out.dim() < 4:
             out = out.unsqueeze(0)
         try:
             torch.broadcast_shapes(out.shape, shape)
             if out.dim() > 4:
                 raise RuntimeError
-            # minimal: dims the mask does not depend on stay 1 (a from_fn mask that ignores b/h)
-            return out.expand(torch.broadcast_shapes(out.shape, (1, 1) + shape[2:]))
         except RuntimeError:
             raise ValueError(
                 f"mask {self.name} evaluated to shape {tuple(out.shape)}, which does not "
-                f"broadcast to (B, H, N_q, N_k) = {shape}: a mask function must combine the "
-                "index tensors elementwise"
+                f"broadcast to (B, H, N_q, N_k) = {shape}: a mask function must return one "
+                "bool per (b, h, q_idx, kv_idx)"
             ) from None
+        # minimal: dims the mask does not depend on stay 1 (a from_fn mask that ignores b/h)
+        return out.expand(torch.broadcast_shapes(out.shape, (1, 1) + shape[2:]))
 
     def to_dense(
         self,
@@ -292,13 +349,19 @@ class Mask:
         """The mask as a bool tensor of shape ``(B, H, N_q, N_k)`` (True = may attend).
 
         ``batch`` and ``heads`` default to the sizes the mask was built for (1 if none).
+        Filled a few rows at a time: the peak memory is the result plus a small slice.
         """
         _check_sizes(n_q, n_k)
         batch = self._default_batch(batch)
         heads = self._default_heads(heads)
-        dev = torch.device(device) if device is not None else None
-        return self.evaluate(n_q, n_k, batch=batch, heads=heads, device=dev).expand(
-            batch, heads, n_q, n_k).clone()
+        dev = torch.device(device) if device is not None else self._device
+        out = torch.empty(batch, heads, n_q, n_k, dtype=torch.bool, device=dev)
+        step = max(1, _PIECE // max(1, batch * heads * n_k))
+        for r0 in range(0, n_q, step):
+            r1 = min(r0 + step, n_q)
+            out[:, :, r0:r1] = self.evaluate(n_q, n_k, q_range=(r0, r1), batch=batch,
+                                             heads=heads, device=dev)
+        return out
 
     def _default_batch(self, batch: int | None) -> int:
         if batch is None:
@@ -321,47 +384,41 @@ class Mask:
         return heads
 
     # ------------------------------------------------------------------ blocks
-    def _block_bounds(
-        self, n: int, block: int, device: torch.device | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        starts = torch.arange(0, n, block, device=device)
-        ends = torch.clamp(starts + block, max=n)
-        return starts, ends
+    def _rule_codes(self, n_q: int, n_k: int, block_q: int, block_k: int, i0: int, i1: int,
+                    dev: torch.device | None) -> torch.Tensor:
+        """Block rows ``[i0, i1)`` from the builders' interval rules → int8 codes."""
+        qs = torch.arange(i0 * block_q, min(i1 * block_q, n_q), block_q, device=dev)
+        ks = torch.arange(0, n_k, block_k, device=dev)
+        qe, ke = (qs + block_q).clamp(max=n_q), (ks + block_k).clamp(max=n_k)
+        assert self._blocks is not None
+        any_, all_ = self._blocks(qs.view(-1, 1), qe.view(-1, 1), ks.view(1, -1),
+                                  ke.view(1, -1), n_q, n_k)
+        return _codes(_as4d(any_), _as4d(all_))
 
-    def _blocks_any_all(
-        self, n_q: int, n_k: int, block_q: int, block_k: int, batch: int, heads: int,
-        device: torch.device | None, exact: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._blocks is not None and not exact:
-            dev = device if device is not None else self._device
-            qs, qe = self._block_bounds(n_q, block_q, dev)
-            ks, ke = self._block_bounds(n_k, block_k, dev)
-            any_, all_ = self._blocks(qs.view(-1, 1), qe.view(-1, 1), ks.view(1, -1),
-                                      ke.view(1, -1), n_q, n_k)
-            return _as4d(any_), _as4d(all_)
-        return self._dense_blocks(n_q, n_k, block_q, block_k, batch, heads, device)
-
-    def _dense_blocks(
-        self, n_q: int, n_k: int, block_q: int, block_k: int, batch: int, heads: int,
-        device: torch.device | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        nbq, nbk = math.ceil(n_q / block_q), math.ceil(n_k / block_k)
-        anys, alls = [], []
-        pad_k = nbk * block_k - n_k
-        for i in range(nbq):
-            q0, q1 = i * block_q, min((i + 1) * block_q, n_q)
-            d = self.evaluate(n_q, n_k, q_range=(q0, q1), batch=batch, heads=heads, device=device)
-            d = d.expand(d.shape[0], d.shape[1], q1 - q0, n_k)
-            if pad_k:
-                # padding columns: neutral for "any" (False) and for "all" (True)
-                d_any = torch.nn.functional.pad(d, (0, pad_k), value=False)
-                d_all = torch.nn.functional.pad(d, (0, pad_k), value=True)
-            else:
-                d_any = d_all = d
-            shp = (d.shape[0], d.shape[1], q1 - q0, nbk, block_k)
-            anys.append(d_any.reshape(shp).any(-1).any(2))
-            alls.append(d_all.reshape(shp).all(-1).all(2))
-        return torch.stack(anys, 2), torch.stack(alls, 2)
+    def block_counts(
+        self, n_q: int, n_k: int, block_q: int = 64, block_k: int = 64, *,
+        block_rows: tuple[int, int] | None = None, block_cols: tuple[int, int] | None = None,
+        batch: int | None = None, heads: int | None = None,
+        device: torch.device | str | None = None,
+    ) -> torch.Tensor:
+        """Allowed (query, key) pairs in each block, by evaluation: int64
+        ``(B', H', i1 - i0, j1 - j0)`` for block rows ``[i0, i1)`` × block columns
+        ``[j0, j1)`` (default: all) of the ``block_q × block_k`` grid."""
+        batch = self._default_batch(batch)
+        heads = self._default_heads(heads)
+        dev = torch.device(device) if device is not None else self._device
+        i0, i1 = block_rows if block_rows is not None else (0, math.ceil(n_q / block_q))
+        j0, j1 = block_cols if block_cols is not None else (0, math.ceil(n_k / block_k))
+        q0, q1 = i0 * block_q, min(i1 * block_q, n_q)
+        k0, k1 = j0 * block_k, min(j1 * block_k, n_k)
+        d = self.evaluate(n_q, n_k, q_range=(q0, q1), k_range=(k0, k1), batch=batch,
+                          heads=heads, device=dev)
+        d = d.expand(d.shape[0], d.shape[1], q1 - q0, k1 - k0)
+        # pad to whole blocks with False: padding pairs are not allowed pairs
+        d = torch.nn.functional.pad(d, (0, (j1 - j0) * block_k - (k1 - k0),
+                                        0, (i1 - i0) * block_q - (q1 - q0)), value=False)
+        d = d.reshape(d.shape[0], d.shape[1], i1 - i0, block_q, j1 - j0, block_k)
+        return d.sum(5, dtype=torch.int32).sum(3)
 
     def block_map(
         self,
@@ -378,58 +435,85 @@ class Mask:
         """Summarise the mask into tiles: int8 ``(B', H', ⌈N_q/block_q⌉, ⌈N_k/block_k⌉)``.
 
         Values are ``EMPTY`` (0), ``PARTIAL`` (1) or ``FULL`` (2). ``B'`` and ``H'`` are 1
-        where the mask does not depend on batch or head. ``exact=True`` evaluates the mask
-        densely (one block row at a time) instead of using the builders' interval rules.
+        where the mask does not depend on batch or head. Builders' masks (and their algebra)
+        are summarised by interval rules, a few block rows at a time; ``exact=True`` then
+        evaluates the PARTIAL blocks only (the rules' FULL and EMPTY are always right). Masks
+        without rules (``from_fn``, tensors) are evaluated densely, one block row at a time.
         """
         _check_sizes(n_q, n_k)
         if block_q < 1 or block_k < 1:
             raise ValueError(f"block sizes must be >= 1, got block_q={block_q}, block_k={block_k}")
         batch = self._default_batch(batch)
         heads = self._default_heads(heads)
-        dev = torch.device(device) if device is not None else None
-        if n_q == 0 or n_k == 0:
-            return torch.zeros(1, 1, math.ceil(n_q / block_q), math.ceil(n_k / block_k),
-                               dtype=torch.int8, device=dev)
-        any_, all_ = self._blocks_any_all(n_q, n_k, block_q, block_k, batch, heads, dev, exact)
-        any_, all_ = torch.broadcast_tensors(any_, all_)
-        out = torch.where(all_, FULL, torch.where(any_, PARTIAL, EMPTY)).to(torch.int8)
+        dev = torch.device(device) if device is not None else self._device
         nbq, nbk = math.ceil(n_q / block_q), math.ceil(n_k / block_k)
-        return out.expand(out.shape[0], out.shape[1], nbq, nbk)
+        if n_q == 0 or n_k == 0:
+            return torch.zeros(1, 1, nbq, nbk, dtype=torch.int8, device=dev)
+        self.check(n_q, n_k)
+        nb = batch if self.depends_on_batch else 1
+        nh = heads if self.depends_on_heads else 1
+        rq = (n_q - torch.arange(0, n_q, block_q)).clamp(max=block_q)    # rows per block row
+        rk = (n_k - torch.arange(0, n_k, block_k)).clamp(max=block_k)    # keys per block col
+
+        def counted(i0: int, i1: int, j0: int = 0, j1: int = nbk) -> torch.Tensor:
+            c = self.block_counts(n_q, n_k, block_q, block_k, block_rows=(i0, i1),
+                                  block_cols=(j0, j1), batch=batch, heads=heads, device=dev)
+            full = (rq[i0:i1].view(-1, 1) * rk[j0:j1].view(1, -1)).to(c.device)
+            return torch.where(c == full, FULL, torch.where(c > 0, PARTIAL, EMPTY)).to(
+                torch.int8)
+
+        if self._blocks is None:
+            return _by_rows(nbq, nbk, nb * nh * block_q * n_k, torch.int8, counted)
+        out = _by_rows(nbq, nbk, nb * nh * nbk, torch.int8, lambda i0, i1: self._rule_codes(
+            n_q, n_k, block_q, block_k, i0, i1, dev))
+        out = out.expand(out.shape[0], out.shape[1], nbq, nbk)
+        if exact and not self._exact:
+            # the rules' FULL and EMPTY are always right: evaluate the PARTIAL blocks only,
+            # each block row over the span of its PARTIAL columns
+            rows = (out == PARTIAL).flatten(0, 1).any(0)                 # (nbq, nbk)
+            cols = torch.arange(nbk, device=rows.device)
+            first = torch.where(rows, cols, nbk).amin(1).tolist()
+            last = torch.where(rows, cols, -1).amax(1).tolist()
+            out = out.clone()
+            for i in rows.any(1).nonzero().flatten().tolist():
+                j0, j1 = first[i], last[i] + 1
+                c = counted(i, i + 1, j0, j1)
+                if c.shape[0] > out.shape[0] or c.shape[1] > out.shape[1]:
+                    out = out.expand(max(c.shape[0], out.shape[0]),
+                                     max(c.shape[1], out.shape[1]), nbq, nbk).clone()
+                sl = out[:, :, i:i + 1, j0:j1]
+                sl.copy_(torch.where(sl == PARTIAL, c, sl))
+        return out
 
     def sparsity(
         self, n_q: int, n_k: int, *, batch: int | None = None, heads: int | None = None
     ) -> float:
-        """Fraction of (query, key) pairs that are blocked (0.0 = dense, 1.0 = nothing allowed)."""
+        """Fraction of (query, key) pairs that are blocked (0.0 = dense, 1.0 = nothing allowed).
+
+        Band, padding and document masks answer in closed form; other builders' masks from
+        their block map (only PARTIAL blocks are evaluated); ``from_fn`` and tensor masks by
+        evaluation, a few rows at a time.
+        """
+        from .mask_summary import sparsity
+
         _check_sizes(n_q, n_k)
-        batch = self._default_batch(batch)
-        heads = self._default_heads(heads)
-        if n_q == 0 or n_k == 0:
-            return 0.0
-        allowed = 0
-        rows = max(1, 2**22 // max(n_k, 1))
-        for q0 in range(0, n_q, rows):
-            d = self.evaluate(n_q, n_k, q_range=(q0, min(q0 + rows, n_q)), batch=batch, heads=heads)
-            full_shape = (batch, heads, d.shape[2], n_k)
-            allowed += int(d.sum()) * (math.prod(full_shape) // d.numel())
-        return 1.0 - allowed / (batch * heads * n_q * n_k)
+        return sparsity(self, n_q, n_k, self._default_batch(batch), self._default_heads(heads))
 
     # ------------------------------------------------------------------ drawing
     def to_string(
-        self, n_q: int | None = None, n_k: int | None = None, *, b: int = 0, h: int = 0
+        self, n_q: int | None = None, n_k: int | None = None, *, b: int = 0, h: int = 0,
+        grid: int = 64,
     ) -> str:
-        """Draw the mask for batch ``b``, head ``h``: █ = may attend, ░ = blocked.
+        """Draw the mask for batch element ``b``, head ``h``: █ = may attend, ░ = blocked.
 
         Sizes default to the ones the mask was built for (tensor and document masks), else 8.
+        A mask larger than ``grid`` on a side is drawn as at most ``grid × grid`` blocks
+        (like FlexAttention's ``to_string(grid_size=...)``): █ every pair of the block may
+        attend, ▒ some may, ░ none may — the text stays small at any size.
         """
-        nat_q, nat_k = self._natural
-        n_q = n_q if n_q is not None else (nat_q or nat_k or 8)
-        n_k = n_k if n_k is not None else (nat_k or n_q)
-        batch = self._sizes.batch or 1
-        d = self.evaluate(n_q, n_k, batch=max(batch, b + 1), heads=h + 1)
-        d = d[min(b, d.shape[0] - 1), min(h, d.shape[1] - 1)].expand(n_q, n_k)
-        lines = [f"{self.name}  ({n_q}×{n_k}, █ = may attend, ░ = blocked)"]
-        lines += ["".join("█" if x else "░" for x in row.tolist()) for row in d]
-        return "\n".join(lines)
+        from .mask_summary import draw
+
+        return draw(self, n_q, n_k, b=b, h=h, grid=grid)
 
     def __str__(self) -> str:
         return self.to_string()
@@ -490,13 +574,15 @@ class Mask:
                 any1, all1 = a._blocks(qs, qe, ks, ke, n_q, n_k)
                 return ~all1, ~any1
 
-        m = Mask(fn, name=f"~{a.name}", blocks=blocks)
+        m = Mask(fn, name=f"~{a.name}", blocks=blocks, exact_rules=a._exact)
         m._sizes, m._device, m._natural = a._sizes, a._device, a._natural
+        m._checks = a._checks
         return m
 
 
 def _combined(fn: IndexFn, name: str, blocks: BlockFn | None, a: Mask, b: Mask) -> Mask:
     m = Mask(fn, name=name, blocks=blocks)
+    m._checks = a._checks + b._checks
     m._sizes = a._sizes.merge(b._sizes)
     m._device = a._device if a._device is not None else b._device
     m._natural = (a._natural[0] or b._natural[0], a._natural[1] or b._natural[1])
@@ -526,282 +612,89 @@ def _check_sizes(n_q: int, n_k: int) -> None:
         raise ValueError(f"n_q and n_k must be non-negative integers, got n_q={n_q!r}, n_k={n_k!r}")
 
 
-# ---------------------------------------------------------------------- building blocks
-def _band(lo: float, hi: float, align: str, name: str) -> Mask:
-    """Allowed where ``lo <= (q_idx + offset) - kv_idx <= hi``.
+# Elements per piece when a large result is built a few rows at a time (index arithmetic in
+# int64 is 8 bytes an element: a piece costs ~8 MB), and the size above which evaluate() does.
+_PIECE = 2**18
+_BIG = 2**22
 
-    ``offset`` is 0 for top-left alignment and ``N_k - N_q`` for bottom-right alignment
-    (the last query lines up with the last key, as in KV-cache decoding).
+
+def block_sizes(n_q: int, n_k: int, block_q: int, block_k: int) -> torch.Tensor:
+    """(query, key) pairs in each block of the ``block_q × block_k`` grid: int64
+    ``(⌈N_q/block_q⌉, ⌈N_k/block_k⌉)`` (edge blocks are smaller)."""
+    rq = (n_q - torch.arange(0, n_q, block_q)).clamp(max=block_q)
+    rk = (n_k - torch.arange(0, n_k, block_k)).clamp(max=block_k)
+    return rq.view(-1, 1) * rk.view(1, -1)
+
+
+def _codes(any_: torch.Tensor, all_: torch.Tensor) -> torch.Tensor:
+    """(any allowed, all allowed) → EMPTY 0 / PARTIAL 1 / FULL 2, computed in int8."""
+    any_, all_ = torch.broadcast_tensors(any_, all_)
+    return (any_ | all_).to(torch.int8) + all_.to(torch.int8)
+
+
+def _by_rows(n_rows: int, n_cols: int, per_row: int, dtype: torch.dtype,
+             piece: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
+    """``piece(r0, r1)`` — ``(B'|1, H'|1, r1 - r0 | 1, n_cols | 1)`` — over row ranges of about
+    ``_PIECE`` elements, written into one ``(B', H', n_rows, n_cols)`` tensor: the peak memory
+    is the result plus one piece's work."""
+    step = max(1, _PIECE // max(1, per_row))
+    out: torch.Tensor | None = None
+    for r0 in range(0, n_rows, step):
+        r1 = min(r0 + step, n_rows)
+        t = _as4d(piece(r0, r1))
+        if out is None:
+            out = torch.empty(t.shape[0], t.shape[1], n_rows, n_cols, dtype=dtype,
+                              device=t.device)
+        elif t.shape[0] > out.shape[0] or t.shape[1] > out.shape[1]:
+            out = out.expand(max(t.shape[0], out.shape[0]), max(t.shape[1], out.shape[1]),
+                             n_rows, n_cols).clone()
+        out[:, :, r0:r1] = t
+    assert out is not None
+    return out
+
+
+def vmap_indices(fn: Callable[..., torch.Tensor], *args: torch.Tensor) -> torch.Tensor:
+    """``fn(*args)`` with FlexAttention's scalar semantics, through nested ``torch.vmap``.
+
+    ``args`` are tensors of rank ≤ 4 that broadcast to a grid ``(B, H, N_q, N_k)`` (index
+    tensors ``(B,1,1,1)``, ``(1,H,1,1)``, ``(1,1,N_q,1)``, ``(1,1,1,N_k)``, a score tile, …).
+    ``fn`` runs as if once per grid point on 0-d tensors, as FlexAttention runs a
+    ``mask_mod`` / ``score_mod`` (its ``_vmap_for_bhqkv``): one vmap level per grid dim,
+    each arg batched only at the levels where its size is not 1. → ``fn``'s result with the
+    grid's rank, size 1 on every dim it does not depend on (plus any trailing dims ``fn``
+    returned per point, which callers refuse).
     """
-    if align not in ("top_left", "bottom_right"):
-        raise ValueError(f"align must be 'top_left' or 'bottom_right', got {align!r}")
-    br = align == "bottom_right"
-
-    def fn(b, h, q, k, n_q, n_k):  # noqa: ANN001, ANN202
-        d = q - k + ((n_k - n_q) if br else 0)
-        return (d >= lo) & (d <= hi)
-
-    def blocks(qs, qe, ks, ke, n_q, n_k):  # noqa: ANN001, ANN202
-        off = (n_k - n_q) if br else 0
-        d_min = qs - (ke - 1) + off
-        d_max = (qe - 1) - ks + off
-        return (d_max >= lo) & (d_min <= hi), (d_min >= lo) & (d_max <= hi)
-
-    return Mask(fn, name=name, blocks=blocks, spec=Band(lo, hi, br))
-
-
-def full() -> Mask:
-    """Every query may attend to every key (the neutral element of ``&``)."""
-
-    def fn(b, h, q, k, n_q, n_k):  # noqa: ANN001, ANN202
-        return torch.ones((), dtype=torch.bool, device=q.device).expand(
-            torch.broadcast_shapes(q.shape, k.shape))
-
-    def blocks(qs, qe, ks, ke, n_q, n_k):  # noqa: ANN001, ANN202
-        t = torch.ones(torch.broadcast_shapes(qs.shape, ks.shape), dtype=torch.bool,
-                       device=qs.device)
-        return t, t
-
-    return Mask(fn, name="full", blocks=blocks, spec=Band(-math.inf, math.inf))
+    args4 = [a.reshape((1,) * (4 - a.dim()) + tuple(a.shape)) for a in args]
+    grid = tuple(torch.broadcast_shapes(*(a.shape for a in args4)))
+    zero = [d for d in range(4) if grid[d] == 0]
+    if zero:         # vmap cannot map a size-0 dim: run on index 0 there, keep none of it
+        filled = [a if all(a.shape[d] for d in zero)
+                  else a.new_zeros(tuple(1 if n == 0 else n for n in a.shape)) for a in args4]
+        out = vmap_indices(fn, *filled)
+        for d in zero:
+            out = out.narrow(d, 0, 0)
+        return out
+    levels = [d for d in range(4) if grid[d] > 1]
+    points = [a[tuple(slice(None) if a.shape[d] > 1 else 0 for d in range(4))] for a in args4]
+    f = fn
+    for d in reversed(levels):                                 # innermost level wrapped first
+        f = torch.vmap(f, in_dims=tuple(0 if a.shape[d] > 1 else None for a in args4))
+    out = f(*points)                                           # (*grid[levels], *per_point)
+    extra = tuple(out.shape[len(levels):])
+    out = out.reshape(tuple(grid[d] if d in levels else 1 for d in range(4)) + extra)
+    # vmap broadcasts a result that does not depend on a level (stride 0): keep that dim 1
+    return out[tuple(slice(0, 1) if (st == 0 and n > 1) else slice(None)
+                     for st, n in zip(out.stride(), out.shape, strict=True))]
 
 
-def causal(align: str = "top_left") -> Mask:
-    """Each query sees itself and earlier keys.
-
-    ``align="top_left"`` (torch's ``is_causal``): query i sees keys ``0..i``.
-    ``align="bottom_right"``: the last query lines up with the last key, so query i sees keys
-    ``0..i + (N_k - N_q)`` — the rule for decoding with a KV cache.
-    """
-    return _band(0, math.inf, align, f"causal({align})" if align != "top_left" else "causal")
-
-
-def sliding_window(size: int, causal: bool = True, align: str = "top_left") -> Mask:
-    """Local attention over a window of ``size`` keys.
-
-    ``causal=True``: query i sees keys ``i-size+1 .. i`` (itself and ``size-1`` before it).
-    ``causal=False``: query i sees keys with ``|i - j| < size`` (``size-1`` on each side).
-    ``align`` as in :func:`causal`.
-    """
-    if not isinstance(size, numbers.Integral) or isinstance(size, bool) or size < 1:
-        raise ValueError(f"sliding_window size must be a positive integer, got {size!r}")
-    size = int(size)
-    lo = -(size - 1) if not causal else 0
-    kind = "causal" if causal else "two-sided"
-    where = ", bottom_right" if align == "bottom_right" else ""
-    return _band(lo, size - 1, align, f"sliding_window({size}, {kind}{where})")
-
-
-def _lengths(x: object, what: str) -> torch.Tensor:
-    t = torch.as_tensor(x)
-    if t.dim() != 1 or t.dtype.is_floating_point or t.dtype == torch.bool:
-        raise ValueError(
-            f"{what} must be a 1-D integer sequence (one length per batch element), "
-            f"got dtype {t.dtype} and shape {tuple(t.shape)}"
-        )
-    if (t < 0).any():
-        raise ValueError(f"{what} must be >= 0, got {t.tolist()}")
-    return t.to(torch.long)
-
-
-def _pick(t: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Per-batch value ``t[b]`` shaped to broadcast with index tensors."""
-    t = t.to(b.device)
-    return t[b] if t.shape[0] > 1 else t[0]
-
-
-def padding(kv_lengths: object, q_lengths: object | None = None) -> Mask:
-    """Per-batch valid lengths: batch element b sees keys ``0..kv_lengths[b]-1``.
-
-    With ``q_lengths``, queries at or past ``q_lengths[b]`` see nothing (their output is 0).
-    Shapes: ``kv_lengths`` (B,), ``q_lengths`` (B,).
-    """
-    kv_len = _lengths(kv_lengths, "kv_lengths")
-    q_len = _lengths(q_lengths, "q_lengths") if q_lengths is not None else None
-    if q_len is not None and q_len.shape != kv_len.shape:
-        raise ValueError(
-            f"q_lengths {tuple(q_len.shape)} and kv_lengths {tuple(kv_len.shape)} must have "
-            "one entry per batch element each"
-        )
-    nb = kv_len.shape[0]
-
-    def fn(b, h, q, k, n_q, n_k):  # noqa: ANN001, ANN202
-        ok = k < _pick(kv_len, b)
-        if q_len is not None:
-            ok = ok & (q < _pick(q_len, b))
-        return ok
-
-    def blocks(qs, qe, ks, ke, n_q, n_k):  # noqa: ANN001, ANN202
-        L = kv_len.to(qs.device).view(-1, 1, 1, 1)
-        any_, all_ = ks < L, ke <= L
-        if q_len is not None:
-            Lq = q_len.to(qs.device).view(-1, 1, 1, 1)
-            any_, all_ = any_ & (qs < Lq), all_ & (qe <= Lq)
-        return any_, all_
-
-    name = f"padding(kv_lengths={kv_len.tolist()}" + (
-        f", q_lengths={q_len.tolist()})" if q_len is not None else ")")
-    return Mask(fn, name=name, blocks=blocks, batch=nb, spec=Lengths(kv_len, q_len))
-
-
-def _ids(x: object, what: str) -> torch.Tensor:
-    t = torch.as_tensor(x)
-    if t.dim() not in (1, 2) or t.dtype.is_floating_point:
-        raise ValueError(
-            f"{what} must be integer document ids of shape (N,) or (B, N), "
-            f"got dtype {t.dtype} and shape {tuple(t.shape)}"
-        )
-    return t.to(torch.long).reshape(-1, t.shape[-1])
-
-
-def _block_min_max(ids: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor):  # noqa: ANN202
-    """Per-block min and max of ids (B, N) for blocks [starts, ends) → (B, n_blocks)."""
-    n = ids.shape[-1]
-    nblocks = starts.numel()
-    block = int((ends.view(-1)[0] - starts.view(-1)[0]).item()) if nblocks else 1
-    pad = nblocks * block - n
-    # (F.pad takes its fill value as a double: iinfo(long).max would wrap to min)
-    def padded(fill: int) -> torch.Tensor:
-        return torch.cat([ids, ids.new_full((ids.shape[0], pad), fill)], dim=1)
-
-    lo, hi = padded(torch.iinfo(torch.long).max), padded(torch.iinfo(torch.long).min)
-    return (lo.view(ids.shape[0], nblocks, block).amin(-1),
-            hi.view(ids.shape[0], nblocks, block).amax(-1))
-
-
-def document(ids: object, kv_ids: object | None = None) -> Mask:
-    """Packed sequences: a query sees only keys of its own document.
-
-    ``ids`` gives each query position's document id, shape (N_q,) or (B, N_q); ``kv_ids``
-    the keys' ids (defaults to ``ids``, i.e. self-attention). Combine with ``causal()`` for
-    packed causal training: ``document(ids) & causal()``.
-    """
-    q_ids = _ids(ids, "ids")
-    k_ids = _ids(kv_ids, "kv_ids") if kv_ids is not None else q_ids
-    if q_ids.shape[0] != k_ids.shape[0] and 1 not in (q_ids.shape[0], k_ids.shape[0]):
-        raise ValueError(
-            f"ids batch {q_ids.shape[0]} and kv_ids batch {k_ids.shape[0]} differ: "
-            "give both with the same batch size"
-        )
-    nb = max(q_ids.shape[0], k_ids.shape[0])
-
-    def _check(n_q: int, n_k: int) -> None:
-        if q_ids.shape[1] != n_q or k_ids.shape[1] != n_k:
-            raise ValueError(
-                f"document mask built for {q_ids.shape[1]} queries × {k_ids.shape[1]} keys, "
-                f"used with N_q={n_q}, N_k={n_k}: give ids of length N_q (and kv_ids of "
-                "length N_k)"
-            )
-
-    def fn(b, h, q, k, n_q, n_k):  # noqa: ANN001, ANN202
-        _check(n_q, n_k)
-        qi, ki = q_ids.to(q.device), k_ids.to(q.device)
-        bq = b if qi.shape[0] > 1 else torch.zeros_like(b)
-        bk = b if ki.shape[0] > 1 else torch.zeros_like(b)
-        return qi[bq, q] == ki[bk, k]
-
-    def blocks(qs, qe, ks, ke, n_q, n_k):  # noqa: ANN001, ANN202
-        _check(n_q, n_k)
-        qmin, qmax = _block_min_max(q_ids.to(qs.device), qs, qe)  # (B, nbq)
-        kmin, kmax = _block_min_max(k_ids.to(qs.device), ks, ke)  # (B, nbk)
-        qmin, qmax = qmin[:, None, :, None], qmax[:, None, :, None]
-        kmin, kmax = kmin[:, None, None, :], kmax[:, None, None, :]
-        overlap = (qmax >= kmin) & (kmax >= qmin)
-        single = (qmin == qmax) & (kmin == kmax) & (qmin == kmin)
-        return overlap, single
-
-    m = Mask(fn, name="document", blocks=blocks, batch=nb if nb > 1 else None,
-             spec=Documents(q_ids, k_ids))
-    m._natural = (q_ids.shape[1], k_ids.shape[1])
-    return m
-
-
-def prefix_lm(prefix_length: object) -> Mask:
-    """Prefix-LM: every query sees the first ``prefix_length`` keys, and causal after them.
-
-    ``prefix_length`` is an int or a per-batch sequence of shape (B,).
-    """
-    if isinstance(prefix_length, numbers.Integral) and not isinstance(prefix_length, bool):
-        prefix_length = int(prefix_length)
-        if prefix_length < 0:
-            raise ValueError(f"prefix_length must be >= 0, got {prefix_length}")
-        p = torch.tensor([prefix_length])
-        nb = None
-    else:
-        p = _lengths(prefix_length, "prefix_length")
-        nb = p.shape[0]
-
-    def fn(b, h, q, k, n_q, n_k):  # noqa: ANN001, ANN202
-        return k < _pick(p, b)
-
-    def blocks(qs, qe, ks, ke, n_q, n_k):  # noqa: ANN001, ANN202
-        P = p.to(qs.device).view(-1, 1, 1, 1)
-        return ks < P, ke <= P
-
-    in_prefix = Mask(fn, name="prefix", blocks=blocks, batch=nb)
-    m = causal() | in_prefix
-    shown = prefix_length if nb is None else p.tolist()
-    m.name = f"prefix_lm({shown})"
-    return m
-
-
-def from_fn(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-                         torch.Tensor],
-            name: str | None = None) -> Mask:
-    """A mask from a function ``fn(b, h, q_idx, kv_idx) -> bool tensor``.
-
-    The index tensors broadcast against each other (shapes ``(B,1,1,1)``, ``(1,H,1,1)``,
-    ``(1,1,N_q,1)``, ``(1,1,1,N_k)``); use only elementwise torch operations. ``b`` and ``h``
-    run over the whole batch and every query head, so the function may use them (e.g. a
-    different pattern per head); one that ignores them costs nothing extra.
-    """
-    if not callable(fn):
-        raise TypeError(f"from_fn needs a callable fn(b, h, q_idx, kv_idx), got {type(fn)}")
-
-    def wrapped(b, h, q, k, n_q, n_k):  # noqa: ANN001, ANN202
-        return fn(b, h, q, k)
-
-    m = Mask(wrapped, name=name or getattr(fn, "__name__", "from_fn"))
-    m._sizes = _Sizes(any_bh=True)
-    return m
-
-
-def from_tensor(t: torch.Tensor, name: str | None = None) -> Mask:
-    """A mask from a bool tensor (True = may attend), broadcastable to ``(B, H, N_q, N_k)``.
-
-    Accepts 2-D ``(N_q, N_k)``, 3-D ``(H, N_q, N_k)`` (broadcasting rules: leading dims are
-    added on the left) and 4-D ``(B, H, N_q, N_k)``; any dim may be 1.
-    """
-    if not isinstance(t, torch.Tensor):
-        import numpy as np
-
-        t = torch.from_numpy(t) if isinstance(t, np.ndarray) else torch.as_tensor(t)
-    if t.dtype != torch.bool:
-        raise TypeError(
-            f"from_tensor needs a bool tensor (True = may attend), got dtype {t.dtype}; "
-            "pass an additive float mask to attention(mask=...) directly instead"
-        )
-    if t.dim() < 2 or t.dim() > 4:
-        raise ValueError(
-            f"from_tensor needs a 2-D (N_q, N_k), 3-D (H, N_q, N_k) or 4-D (B, H, N_q, N_k) "
-            f"bool tensor, got shape {tuple(t.shape)}"
-        )
-    t4 = _as4d(t)
-
-    def fn(b, h, q, k, n_q, n_k):  # noqa: ANN001, ANN202
-        if (t4.shape[2] not in (1, n_q)) or (t4.shape[3] not in (1, n_k)):
-            raise ValueError(
-                f"mask of shape {tuple(t.shape)} does not broadcast to "
-                f"(..., N_q={n_q}, N_k={n_k}): give a mask whose last two dims are "
-                f"(N_q, N_k) or 1"
-            )
-        tt = t4.to(q.device)
-        idx = [b, h, q, k]
-        idx = [i if tt.shape[d] > 1 else torch.zeros_like(i) for d, i in enumerate(idx)]
-        return tt[idx[0], idx[1], idx[2], idx[3]]
-
-    b = t4.shape[0] if t4.shape[0] > 1 else None
-    hh = t4.shape[1] if t4.shape[1] > 1 else None
-    m = Mask(fn, name=name or f"tensor{tuple(t.shape)}", batch=b, heads=hh, device=t.device)
-    m._natural = (t4.shape[2] if t4.shape[2] > 1 else None,
-                  t4.shape[3] if t4.shape[3] > 1 else None)
-    return m
+# The builders live in mask_builders.py (they use only the public constructor above).
+from .mask_builders import (  # noqa: E402  (after Mask: the builders build Masks)
+    causal,
+    document,
+    from_fn,
+    from_tensor,
+    full,
+    padding,
+    prefix_lm,
+    sliding_window,
+)

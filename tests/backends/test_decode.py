@@ -112,3 +112,41 @@ def test_chunk_count():
     assert decode.chunk_count(1) == 1
     assert decode.chunk_count(33) == 2                  # 2 chunks of 16 + a tail of 1
     assert decode.chunk_count(32768, 1024) == 32
+
+
+# ----------------------------------------------------------------- NaN queries (issue 10: 3, 4)
+@pytest.mark.parametrize("opts", [{}, dict(softcap=3.0)], ids=["fused", "matmul"])
+def test_nan_query_row_gives_nan_output_and_lse(opts):
+    q, k, v = _inputs(1, 4, 2, 3, 100, 16, 16)
+    q[0, 1, 2, 5] = math.nan                          # one element of one query row
+    out, lse = ak.attention(q, k, v, backend="decode", return_lse=True, **opts)
+    ref, ref_lse = ak.attention(q, k, v, backend="reference", return_lse=True, **opts)
+    assert torch.isnan(out[0, 1, 2]).all() and torch.isnan(lse[0, 1, 2])
+    assert torch.isnan(ref_lse[0, 1, 2])             # the reference: NaN, not −∞ (no key)
+    keep = torch.ones_like(lse, dtype=torch.bool)
+    keep[0, 1, 2] = False
+    torch.testing.assert_close(out[keep], ref[keep], atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(lse[keep], ref_lse[keep], atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.parametrize("opts", [{}, dict(softcap=3.0)], ids=["fused", "matmul"])
+def test_fully_masked_row_is_zero_and_minus_inf_whatever_its_query_holds(opts):
+    q, k, v = _inputs(2, 4, 2, 4, 100, 16, 16)
+    q[:, :, 2:] = math.nan                           # padded query rows hold garbage
+    mask = M.padding([100, 37], q_lengths=[2, 2])
+    out, lse = ak.attention(q, k, v, backend="decode", mask=mask, return_lse=True, **opts)
+    assert (out[:, :, 2:] == 0).all() and torch.isneginf(lse[:, :, 2:]).all()
+    ref = ak.attention(q[:, :, :2], k, v, backend="reference", mask=M.padding([100, 37]),
+                       **opts)
+    torch.testing.assert_close(out[:, :, :2], ref, atol=1e-12, rtol=1e-10)
+
+
+def test_bad_mask_functions_get_the_mask_error_not_a_torch_error():
+    q, k, v = _inputs(1, 2, 2, 3, 40, 8, 8)
+    with pytest.raises(ValueError, match=r"mask wrong returned a tensor of shape \(2, 2\) for one"):
+        ak.attention(q, k, v, backend="decode",
+                     mask=M.from_fn(lambda b, h, qi, ki: torch.ones(2, 2, dtype=torch.bool),
+                                    name="wrong"))
+    with pytest.raises(TypeError, match="mask soft returned a torch.float32 tensor"):
+        ak.attention(q, k, v, backend="decode",
+                     mask=M.from_fn(lambda b, h, qi, ki: (qi - ki) * 0.5, name="soft"))

@@ -138,6 +138,12 @@ class Problem:
     score_mod: ScoreMod | None = None
     dropout_p: float = 0.0
 
+    def __post_init__(self) -> None:
+        # where a mask first meets the call's sizes: refused here for every backend alike
+        # (also for engines that read Mask.spec directly instead of evaluating it)
+        if self.mask is not None:
+            self.mask.check(self.q.shape[2], self.k.shape[2])
+
     @property
     def batch(self) -> int:
         return self.q.shape[0]
