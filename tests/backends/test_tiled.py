@@ -244,29 +244,27 @@ def test_block_map_drives_the_schedule():
     pl = tiled.plan(p, block_q=16, block_k=8, coarsen=False)
     bm = mask.block_map(n, n, 16, 8)[0, 0]
     assert pl.empty == int((bm == M.EMPTY).sum()) > 0.8 * pl.tiles
-    for q0, q1, runs in pl.blocks:
-        for run in runs:                   # every run lies inside the band of its rows
-            assert run.k1 > q0 - w and run.k0 < q1
-            tiles = bm[q0 // 16, run.k0 // 8: math.ceil(run.k1 / 8)]
+    for blk in pl.blocks:
+        for run in blk.runs:               # every run lies inside the band of its rows
+            assert run.k1 > blk.q0 - w and run.k0 < blk.q1
+            tiles = bm[blk.q0 // 16, run.k0 // 8: math.ceil(run.k1 / 8)]
             assert ((tiles == M.FULL) if not run.masked else (tiles == M.PARTIAL)).all()
-        computed = sum(r.k1 - r.k0 for r in runs)
+        computed = sum(r.k1 - r.k0 for r in blk.runs)
         assert computed <= 16 + w + 8                          # never the whole row
-    tiled._reset_stats()
-    with tiled.tile_sizes(block_q=16, block_k=8):
+    with tiled.counting() as stats, tiled.tile_sizes(block_q=16, block_k=8):
         ak.attention(q, k, v, mask=mask, backend="tiled")
-    assert tiled.STATS["empty"] >= pl.empty                    # counted and skipped
-    assert tiled.STATS["full"] > 0
+    assert stats["empty"] >= pl.empty                          # counted and skipped
+    assert stats["full"] > 0
     # the band: one batched call for the interior blocks (one shared mask), one per edge
-    assert 1 <= tiled.STATS["windowed"] <= 3
+    assert 1 <= stats["windowed"] <= 3
 
 
 def test_diagonal_tiles_use_the_causal_kernel_and_full_tiles_no_mask():
     q, k, v = _inputs(1, 1, 1, 64, 64, 8, 8)
-    tiled._reset_stats()
-    with tiled.tile_sizes(block_q=16, block_k=16):
+    with tiled.counting() as stats, tiled.tile_sizes(block_q=16, block_k=16):
         ak.attention(q, k, v, is_causal=True, backend="tiled")
     # coarsening may merge blocks; every partial run is a diagonal square (no mask tensor)
-    assert tiled.STATS["masked_runs"] == 0 and tiled.STATS["causal_runs"] >= 1
+    assert stats["masked_runs"] == 0 and stats["causal_runs"] >= 1
 
 
 class _LargestTensor(TorchDispatchMode):
@@ -299,11 +297,10 @@ def test_no_n_by_n_tensor_for_causal_4096():
 def test_no_n_by_n_tensor_for_other_schedules(mask, limit):
     n = 4096
     q, k, v = (torch.randn(1, 1, n, 16, requires_grad=True) for _ in range(3))
-    tiled._reset_stats()
-    with _LargestTensor() as rec:
+    with tiled.counting() as stats, _LargestTensor() as rec:
         out = ak.attention(q, k, v, mask=mask, backend="tiled")
         out.sum().backward()
-    assert (tiled.STATS["windowed"] > 0) == (limit == 4)
+    assert (stats["windowed"] > 0) == (limit == 4)
     assert rec.largest < n * n // limit, rec.largest
 
 
@@ -331,9 +328,9 @@ def test_tile_sizes_rejects_bad_values():
 ], ids=["sliding", "two_sided_padding", "document"])
 def test_windowed_schedule_one_call_for_local_masks(mask, hq, hkv):
     q, k, v = _inputs(2, hq, hkv, 300, 300, 8, 8, grad=True)
-    tiled._reset_stats()
-    check(q, k, v, mask=mask)
-    assert tiled.STATS["windowed"] >= 1               # all query blocks in one call
+    with tiled.counting() as stats:
+        check(q, k, v, mask=mask)
+    assert stats["windowed"] >= 1                     # all query blocks in one call
 
 
 @pytest.mark.parametrize("hq,hkv,nq,nk,dk,dv", [
@@ -349,10 +346,9 @@ def test_band_windows_interior_blocks_share_one_mask(mask, split, hq, hkv, nq, n
     # the interior query blocks run in one call with a (bq, window) mask broadcast over the
     # blocks and unpadded K/V; the edge blocks (windows leaving [0, N_k)) run apart
     q, k, v = _inputs(2, hq, hkv, nq, nk, dk, dv, grad=True)
-    tiled._reset_stats()
-    with tiled.tile_sizes(block_q=16, block_k=8):
+    with tiled.counting() as stats, tiled.tile_sizes(block_q=16, block_k=8):
         check(q, k, v, mask=mask)
-        assert tiled.STATS["windowed"] >= (2 if split and nq <= nk else 0)
+        assert stats["windowed"] >= (2 if split and nq <= nk else 0)
         with torch.no_grad():                                   # forward alone, LSE too
             out, lse = ak.attention(q, k, v, mask=mask, backend="tiled", return_lse=True)
     ref, ref_lse = ak.attention(q.detach(), k.detach(), v.detach(), mask=mask,

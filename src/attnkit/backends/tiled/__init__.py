@@ -1,0 +1,91 @@
+"""The CPU engine: block-sparse online softmax, forward + backward, O(N) memory.
+
+Python orchestrates; tuned kernels compute. The call is cut into *query blocks*; the mask's
+block map (``block_q × block_k`` tiles, computed once per call) says which key tiles of a
+block are EMPTY (skipped), FULL (no mask work) or PARTIAL (the mask is evaluated on that
+tile only). Consecutive tiles of one kind form a *run* — one kernel call batched over
+(batch × heads) — and the runs of a block are merged by their log-sum-exp. Nothing of size
+N_q × N_k is ever allocated.
+
+What lives where:
+
+- :mod:`.plan` — the plan: tile sizes, the block map → :class:`~.plan.Plan` of
+  :class:`~.plan.Block` s and :class:`~.plan.Run` s (coarsened blocks), debug counters,
+  tile helpers;
+- :mod:`.fused` — the fused-kernel engine (torch's fused CPU flash kernel per run) and its
+  FlashAttention-2 backward; used without softcap / score_mod / dropout / a bias with grad;
+- :mod:`.windowed` — the windowed schedule of the fused engine: when every block's tiles lie
+  in a short window at a fixed offset (sliding windows, documents), all blocks go into one
+  kernel call (for a band mask: interior blocks share one mask, edge blocks apart);
+- :mod:`.general` — the general engine (batched matmuls, online softmax; softcap, score_mod,
+  dropout, bias with grad) with its hand-written backward, or ``torch.utils.checkpoint``;
+- here — :class:`TiledBackend`, which picks the engine.
+
+Schedules of the fused engine, chosen per call: *one call* (no mask; plain top-left causal
+with N_q = N_k and no GQA), *windowed* (above), or *per block* (query blocks coarsened up
+to 4 × ``block_q`` while that adds at most 25% work, one kernel call per run).
+
+GQA never repeats K/V: the ``G = H_q / H_kv`` query heads sharing a K/V head are stacked as
+rows, ``q (B, H_kv, G·rows, D)``, and multiplied by K once.
+
+Shape legend::
+
+    q (B, H_q, N_q, D_k)   k (B, H_kv, N_k, D_k)   v (B, H_kv, N_k, D_v)   H_q = G · H_kv
+    grouped query block    (B, H_kv, G·bq, D)        bq ≤ block_q rows of one query block
+    run                    keys [k0, k1) of one query block, one kernel call
+    out (B, H_q, N_q, D_v) lse (B, H_q, N_q)
+
+Numerical contract: float16/bfloat16 inputs are computed in float32 (one cast in, one cast
+out); a query with no allowed key gets output 0, LSE −∞ and zero gradients.
+
+Caution
+-------
+- The fused kernel needs D_v == D_k: the narrower of q/k and v is zero-padded to the wider
+  width (exact: zero columns add nothing to a dot product and give zero output columns).
+- Masks summarised conservatively (``&``/``|`` algebra, ``from_fn``) may mark a tile
+  PARTIAL that is in fact EMPTY or FULL: correct, a little slower.
+- The windowed schedule evaluates the mask on its whole window tensor (``N_q × window``
+  elements, built once per call, one tile per query block), FULL tiles included — except a
+  band mask, whose interior blocks share one ``(bq, window)`` pattern (forward and
+  backward); it is used only when the window is at most a quarter of N_k (and the tensor at
+  most 2^24 elements).
+- Exact causal (one call) and the band masks' window patterns are recognised from
+  ``Mask.spec`` (:func:`attnkit.masks.band_of`); other masks are evaluated.
+- Dropout draws its mask from torch's global generator (reproducible with
+  ``torch.manual_seed``) but in a different order than the reference does: results agree in
+  distribution, not bit for bit.
+- Tile sizes (:func:`tile_sizes`) and counters (:func:`counting`) are per context (thread,
+  asyncio task): concurrent calls never see each other's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..base import Backend, Capabilities, Problem
+from .fused import fused_attention
+from .general import general_attention
+from .plan import COUNTERS, Block, Plan, Run, TileSizes, counting, plan, sizes, tile_sizes
+
+__all__ = ["TiledBackend", "tile_sizes", "sizes", "TileSizes", "counting", "COUNTERS", "plan",
+           "Plan", "Block", "Run"]
+
+
+def _fusable(p: Problem) -> bool:
+    return (p.softcap is None and p.score_mod is None and p.dropout_p == 0.0
+            and not (p.bias is not None and p.bias.requires_grad and torch.is_grad_enabled()))
+
+
+class TiledBackend(Backend):
+    """CPU: block-sparse online softmax with forward + backward and O(N) memory."""
+
+    name = "tiled"
+    description = ("CPU block-sparse online softmax (torch's fused flash kernel per run, "
+                   "batched matmuls for softcap/score_mod/dropout); O(N) memory; autograd")
+    capabilities = Capabilities(devices=("cpu",),
+                                hints=(("devices", "use backend='triton' on GPU"),))
+
+    def forward(self, p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
+        if _fusable(p):
+            return fused_attention(p)
+        return general_attention(p)
