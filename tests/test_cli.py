@@ -228,7 +228,8 @@ def bad_cases(tmp: Path) -> list[tuple[list[str], list[str]]]:
                                                    "S = 100.000"]),
         (["--q", str(tall)], ["4,198,401 scores", "limit of 4,194,304"]),
         (["--q", str(tmp / "header.npy")], ["header.npy", "(5000, 5000)", "16,777,216"]),
-        (["--q", str(tmp / "huge.csv")], ["huge.csv", "300 MB", "save the array as .npy (numpy.save)"]),
+        (["--q", str(tmp / "huge.csv")], ["huge.csv", "300 MB",
+                                          "save the array as .npy (numpy.save)"]),
     ]
 
 

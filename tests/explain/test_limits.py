@@ -171,7 +171,7 @@ def test_huge_and_tiny_numbers_print_in_scientific_notation():
     assert fmt(123456.5) == "123456.500" and fmt(1.12e-7) == "1.1e-07"
     text = format_matrix(np.array([[1e308, 1.0], [2.0, 3.0]]))
     assert max(len(w) for w in text.split()) < 12             # no 309-digit integers
-    assert plot_mod._short(1e308) == "1e+308" and plot_mod._short(12345.6) == "1.2e+04"
+    assert plot_mod.short_value(1e308) == "1e+308" and plot_mod.short_value(12345.6) == "1.2e+04"
 
 
 def test_decimals_out_of_range_is_a_clear_error():

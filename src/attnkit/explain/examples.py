@@ -254,7 +254,7 @@ def shape_walk() -> list[Trace]:
         return shape_str(a if isinstance(a, tuple) else a.shape)
 
     walk = [
-        f"X {s(x)}  ·  W_Q {s(w_q[0])}  →  Q {s(q[0])}      (K, V alike)",
+        f"X {s(x)}  ·  W_Q {s(w_q[0])}  →  Q {s(q[0])}      {{alike}}",
         f"Q {s(q[0])}  ·  Kᵀ {s(k[0].T)}  →  QKᵀ {s(tr.scores[0])}",
         f"softmax(QKᵀ / √{d_k}) {s(tr.weights[0])}  ·  V {s(v[0])}  →  head {s(out[0])}",
         f"{h} heads  →  concat {s(concat)}  ·  W_O {s(w_o)}  →  {s(final)}",
@@ -265,10 +265,12 @@ def shape_walk() -> list[Trace]:
         f"기본 모델의 모양: d_model = {d_model}, h = {h}, d_k = {d_k}",
     ), (
         f"{n} tokens of width {d_model} (seeded random values: only the shapes matter).\n"
-        "Each head projects X to its own Q, K, V:\n\n  " + "\n  ".join(walk)
+        "Each head projects X to its own Q, K, V:\n\n  "
+        + "\n  ".join(walk).replace("{alike}", "(K, V alike)")
         + "\n\nOnly head 1 is printed below; every head has the same shapes.",
         f"폭 {d_model}인 토큰 {n}개 (시드 고정 난수: 모양만 중요합니다).\n"
-        "각 헤드는 X를 자신의 Q, K, V로 사영합니다:\n\n  " + "\n  ".join(walk)
+        "각 헤드는 X를 자신의 Q, K, V로 사영합니다:\n\n  "
+        + "\n  ".join(walk).replace("{alike}", "(K, V도 같음)")
         + "\n\n아래에는 헤드 1만 출력합니다. 모든 헤드의 모양은 같습니다.",
     ))]
 

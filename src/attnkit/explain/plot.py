@@ -44,7 +44,7 @@ from .strings import STRINGS, check_lang
 if TYPE_CHECKING:
     from .trace import Trace
 
-__all__ = ["render_plot", "cjk_font", "WHAT", "MAX_HEADS"]
+__all__ = ["render_plot", "cjk_font", "short_value", "WHAT", "MAX_HEADS"]
 
 WHAT = ("scores", "scaled", "logits", "weights")
 
@@ -82,7 +82,7 @@ def cjk_font() -> str | None:
     return None
 
 
-def _short(v: float) -> str:
+def short_value(v: float) -> str:
     """A cell annotation: −∞, an integer, ≈0 for a tiny weight, else two decimals (three
     significant digits from 10⁴ on)."""
     if np.isneginf(v):
@@ -191,7 +191,7 @@ def render_plot(traces: Trace | Sequence[Trace], path: str | Path,
                                 v = float(m[i, j])
                                 rgb = cmap(norm(v))[:3] if np.isfinite(v) else (0.8,) * 3
                                 lum = 0.3 * rgb[0] + 0.59 * rgb[1] + 0.11 * rgb[2]
-                                ax.text(j, i, _short(v), ha="center", va="center", fontsize=8,
+                                ax.text(j, i, short_value(v), ha="center", va="center", fontsize=8,
                                         color="white" if lum < 0.5 else "#1d2330")
                 if im is not None:
                     sf.colorbar(im, ax=row_axes, shrink=0.8)

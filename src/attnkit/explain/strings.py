@@ -167,7 +167,7 @@ STRINGS: dict[str, dict[str, str]] = {
                    "옵니다 (크로스 어텐션). 가중치는 ({nq}, {nk}), 출력은 쿼리마다 "
                    "한 행입니다.",
         "r_concat": "{h}개의 헤드가 {dk}차원 조각에서 각각 따로 계산했고, ({nq}, {dv}) 출력들을 "
-                    "이어 붙여 ({nq}, {hdv})가 됩니다.",
+                    "이어 붙인 모양은 ({nq},\u00a0{hdv})입니다.",
         "and_more": "(같은 경우 {n}개 더)",
         # ---- the HTML page
         "page_doc_title": "어텐션 단계별 풀이",
