@@ -155,6 +155,15 @@ def test_forward_backward_match_reference_float32(interpret: None, case: str) ->
 
 
 @needs_triton
+@pytest.mark.parametrize("cap", [1.0, 30.0, 1e3, 1e8])
+def test_softcap_meets_the_low_precision_rule_at_every_cap(interpret: None, cap: float) -> None:
+    # c·tanh(x/c) near x/c = 0 must not lose c·eps absolute (the old 1 − 2/(e^{2x}+1) did)
+    p = _problem(1, 2, 1, 17, 33, 8, 8, is_causal=True, softcap=cap)
+    p = Problem(**{**p.__dict__, "q": p.q * 3.0})          # logits of a few units
+    _check_against_reference(p, torch.float32)
+
+
+@needs_triton
 def test_bool_mask_with_fully_masked_rows_gives_zero_output_and_grads(interpret: None) -> None:
     allowed = torch.rand(17, 9) > 0.4
     allowed[[0, 5, 16]] = False                                # rows with no allowed key

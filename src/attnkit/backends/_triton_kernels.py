@@ -56,8 +56,17 @@ _ADD = getattr(tl.standard, "_sum_combine", _add_combine)
 
 @triton.jit
 def _tanh(x):
-    # tanh(x) = 1 - 2 / (e^{2x} + 1): exact limits ±1 for large |x| (e^{2x} → inf or 0).
-    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+    # tanh|x| = −m / (m + 2) with m = e^{−2|x|} − 1 ∈ [−1, 0]: no overflow (limits ±1
+    # exactly), and no cancellation near 0, where m is Kahan's expm1 (u − 1)·y / log u —
+    # a few ulp everywhere (1 − 2/(e^{2x}+1) lost c·eps absolute in c·tanh(x/c) near 0).
+    y = -2.0 * tl.abs(x)
+    u = tl.exp(y)                                  # (0, 1]
+    lg = tl.log(tl.maximum(u, 0.5))                # used only where u >= 0.5
+    lg = tl.where(u == 1.0, -1.0, lg)              # (not 0: that branch returns y)
+    m = tl.where(u == 1.0, y, (u - 1.0) * y / lg)
+    m = tl.where(u < 0.5, u - 1.0, m)
+    t = -m / (m + 2.0)
+    return tl.where(x < 0, -t, t)
 
 
 @triton.jit

@@ -33,7 +33,9 @@ What runs in-kernel:
 - any N_q, N_k (boundary masks) and D_k, D_v ≤ 256 (padded to powers of two, masked);
 - float16, bfloat16 (float32 accumulation), float32 (IEEE products, no TF32) and float64.
 
-A query with no allowed key gets output 0 and LSE −∞, and zero gradients; nothing is NaN.
+A query with no allowed key gets output 0 and LSE −∞, and zero gradients, whatever its query
+holds; a NaN input that a row uses makes that row NaN. Soft-capping computes tanh from
+Kahan's expm1 (a few ulp at every cap, also near 0, with no overflow for large logits).
 
 Caution
 -------
@@ -43,6 +45,8 @@ Caution
   gets bfloat16 wrong, triton-lang/triton#11584).
 - Not supported (``not_supported_reasons`` says so and ``backend="auto"`` moves on):
   ``score_mod`` (an arbitrary Python function), D_k or D_v above 256.
+- First derivatives only: a backward that would build a second-order graph
+  (``create_graph=True``, gradgradcheck) raises ``base.refuse_double_backward``'s error.
 - Dropout draws its own pattern: the same torch seed gives the same result from this backend
   every time, but not the same pattern as another backend.
 - Dense terms are materialised at (B|1, H_q|1, N_q, N_k) bytes, reduced to 1 on each
