@@ -145,7 +145,7 @@ class _Hop:
 class _Ring:
     """Who this rank is in the ring, how to talk to its neighbours, and how long to wait."""
 
-    def __init__(self, group: Any, device: torch.device) -> None:
+    def __init__(self, group: Any) -> None:
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -157,7 +157,7 @@ class _Ring:
         self.next_r, self.prev_r = (self.rank + 1) % self.size, (self.rank - 1) % self.size
         self.next, self.prev = global_rank(self.next_r), global_rank(self.prev_r)
         self.backend = str(dist.get_backend(group))
-        self.device = device            # where small collectives' tensors live (CUDA for NCCL)
+        self.device = torch.device("cpu")   # where small collectives' tensors live
         self.timeout: float | None = DEFAULT_TIMEOUT_S
 
     def exchange(self, send: torch.Tensor, what: str, step: str) -> _Hop:
@@ -444,8 +444,8 @@ def _shape_row(t: Any) -> list[int]:
     if not isinstance(t, torch.Tensor):
         return [-1, -1] + [-1] * n
     shape = list(t.shape)
-    tail, lead = shape[-_META_DIMS:], shape[:-_META_DIMS][-_LEAD_DIMS:] if t.dim() > _META_DIMS \
-        else []
+    tail = shape[-_META_DIMS:]
+    lead = shape[:-_META_DIMS][-_LEAD_DIMS:] if t.dim() > _META_DIMS else []
     row = tail + [-1] * (_META_DIMS - len(tail)) + lead + [-1] * (_LEAD_DIMS - len(lead))
     return [t.dim(), zlib.crc32(repr(shape).encode())] + row
 
@@ -463,7 +463,8 @@ def _fmt(row: list[int]) -> str:
 
 
 def _name_row(name: Any) -> list[int]:
-    """A backend name as [crc, 8-byte slots…] (enough to show it and compare it)."""
+    """A short string (backend name, device type) as [crc, 8-byte slots…]: enough to show
+    it and to compare it."""
     if not isinstance(name, str):
         return [-1] * (_NAME_SLOTS + 1)
     raw = name.encode()[:8 * _NAME_SLOTS].ljust(8 * _NAME_SLOTS, b"\0")
@@ -478,26 +479,23 @@ def _name(row: list[int]) -> str:
     return repr(raw.rstrip(b"\0").decode(errors="replace"))
 
 
-# (label, first index in the row, width, formatter) of each field that must agree
-_FIELDS: list[tuple[str, int, int, Any]] = []
-
-
-def _field(label: str, width: int, fmt: Any) -> None:
-    at = sum(f[2] for f in _FIELDS) + 1          # index 0 is the local-error flag
-    _FIELDS.append((label, at, width, fmt))
-
-
-_W = 2 + _META_DIMS + _LEAD_DIMS
-_field("shard shapes", 3 * _W, lambda r: ", ".join(
-    f"{n} {_fmt(r[i * _W:(i + 1) * _W])}" for i, n in enumerate("qkv")))
-_field("dtype", 1, lambda r: str(_DTYPES[r[0]]).replace("torch.", "") if r[0] >= 0 else "?")
-_field("is_causal", 1, lambda r: f"is_causal={bool(r[0])}")
-_field("scale", 2, lambda r: f"scale={_float(r[1])!r}" if r[0] else "scale=?")
-_field("softcap", 2, lambda r: f"softcap={_float(r[1])!r}" if r[0] else "softcap=None")
-_field("backend", 1 + _NAME_SLOTS, lambda r: f"backend={_name(r)}")
-_field("device type", 1 + _NAME_SLOTS, lambda r: _name(r))
-_field("needs a backward", 1, lambda r: (
-    "inputs require grad" if r[0] else "no input requires grad (or torch.no_grad)"))
+_W = 2 + _META_DIMS + _LEAD_DIMS      # one tensor's shape record
+# (label, width in the row, formatter) of each field that must agree, in _option_row's order
+_SPEC: tuple[tuple[str, int, Any], ...] = (
+    ("shard shapes", 3 * _W, lambda r: ", ".join(
+        f"{n} {_fmt(r[i * _W:(i + 1) * _W])}" for i, n in enumerate("qkv"))),
+    ("dtype", 1, lambda r: str(_DTYPES[r[0]]).replace("torch.", "") if r[0] >= 0 else "?"),
+    ("is_causal", 1, lambda r: f"is_causal={bool(r[0])}"),
+    ("scale", 2, lambda r: f"scale={_float(r[1])!r}" if r[0] else "scale=?"),
+    ("softcap", 2, lambda r: f"softcap={_float(r[1])!r}" if r[0] else "softcap=None"),
+    ("backend", 1 + _NAME_SLOTS, lambda r: f"backend={_name(r)}"),
+    ("device type", 1 + _NAME_SLOTS, lambda r: _name(r)),
+    ("needs a backward", 1, lambda r: (
+        "inputs require grad" if r[0] else "no input requires grad (or torch.no_grad)")),
+)
+# (label, first index, width, formatter); index 0 of a row is the local-error flag
+_FIELDS = tuple((label, 1 + sum(w for _, w, _ in _SPEC[:i]), width, fmt)
+                for i, (label, width, fmt) in enumerate(_SPEC))
 
 
 def _option_row(q: Any, k: Any, v: Any, local_error: Exception | None, is_causal: Any,
@@ -509,7 +507,9 @@ def _option_row(q: Any, k: Any, v: Any, local_error: Exception | None, is_causal
     row += [0, 0] if scale is None else [1, _bits(scale)]
     row += [1, _bits(softcap)] if isinstance(softcap, float) else [0, 0]
     device = q.device.type if isinstance(q, torch.Tensor) else None
-    return row + _name_row(backend) + _name_row(device) + [int(needs_grad)]
+    row += _name_row(backend) + _name_row(device) + [int(needs_grad)]
+    assert len(row) == _FIELDS[-1][1] + _FIELDS[-1][2], "row and _SPEC out of step"
+    return row
 
 
 def _check_group(ring: _Ring, row: list[int], local_error: Exception | None) -> None:
@@ -649,11 +649,10 @@ def ring_attention(
             f"this process (global rank {dist.get_rank()}) is not a member of the given "
             "process group: call ring_attention only on the group's ranks"
         )
-    device = torch.device("cpu")
-    if str(dist.get_backend(group)) == "nccl":      # NCCL only moves CUDA tensors
-        device = (q.device if isinstance(q, torch.Tensor) and q.is_cuda
-                  else torch.device("cuda", torch.cuda.current_device()))
-    ring = _Ring(group, device)
+    ring = _Ring(group)
+    if ring.backend == "nccl":      # NCCL only moves CUDA tensors
+        ring.device = (q.device if isinstance(q, torch.Tensor) and q.is_cuda
+                       else torch.device("cuda", torch.cuda.current_device()))
     needs_grad = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
     local_error: Exception | None = None
@@ -679,11 +678,11 @@ def ring_attention(
         _refuse_unrunnable(p, backend, bool(is_causal), ring.size, needs_grad)
     except Exception as e:      # any local failure: the peers must hear of it, not wait
         local_error = e
-    p_ = prep.problem if prep is not None else None
+    resolved = prep.problem if prep is not None else None     # scale as it will be used
     _check_group(ring, _option_row(q, k, v, local_error, is_causal,
-                                   p_.scale if p_ is not None else None,
-                                   p_.softcap if p_ is not None else None, backend,
-                                   needs_grad), local_error)
+                                   getattr(resolved, "scale", None),
+                                   getattr(resolved, "softcap", None), backend, needs_grad),
+                 local_error)
     assert prep is not None
     p = prep.problem
     o = _Options(ring, bool(is_causal), p.scale, p.softcap, backend)
