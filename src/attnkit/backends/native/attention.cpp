@@ -22,10 +22,15 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 namespace attnkit_native {
@@ -55,20 +60,29 @@ inline vf select(vi c, vf a, vf b) { return c ? a : b; }
 inline vf iota() { vf v; for (int i = 0; i < W; ++i) v[i] = float(i); return v; }
 inline i64 round_up(i64 x, i64 m) { return (x + m - 1) / m * m; }
 
-// Horizontal max / sum by halving (log2 W shuffles).
-inline float hmax(vf v) {
-  float t[W];
-  store(t, v);
-  for (int w = W / 2; w > 0; w /= 2)
-    for (int i = 0; i < w; ++i) t[i] = t[i + w] > t[i] ? t[i + w] : t[i];
-  return t[0];
+// Horizontal sum / max by halving the vector (log2 W shuffles; values stay in registers).
+typedef float v4f __attribute__((vector_size(16)));
+inline v4f to4(vf v) {
+#if defined(__AVX512F__)
+  typedef float v8f __attribute__((vector_size(32)));
+  v8f h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+  v8f g = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  return __builtin_shufflevector(h + g, h + g, 0, 1, 2, 3) +
+         __builtin_shufflevector(h + g, h + g, 4, 5, 6, 7);
+#elif defined(__AVX2__) || defined(__AVX__)
+  return __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+#else
+  return v;
+#endif
 }
 inline float hsum(vf v) {
-  float t[W];
-  store(t, v);
-  for (int w = W / 2; w > 0; w /= 2)
-    for (int i = 0; i < w; ++i) t[i] += t[i + w];
-  return t[0];
+  v4f x = to4(v);
+  return (x[0] + x[2]) + (x[1] + x[3]);
+}
+inline float hmax(vf v) {
+  float m = v[0];
+  for (int i = 1; i < W; ++i) m = v[i] > m ? v[i] : m;   // once per row and tile
+  return m;
 }
 
 // e^x, ~1 ulp (Cody-Waite range reduction, degree-6 polynomial); -inf -> 0, NaN -> NaN.
@@ -115,22 +129,52 @@ template <> inline void row_to_float<float>(const float* src, float* dst, i64 n,
   std::memcpy(dst, src, n * sizeof(float));
   for (i64 i = n; i < npad; ++i) dst[i] = 0.f;
 }
+// bfloat16 is the top half of a float32: widen and shift, W at a time.
 template <> inline void row_to_float<at::BFloat16>(const at::BFloat16* src, float* dst, i64 n,
                                                     i64 npad) {
+  typedef uint16_t v16 __attribute__((vector_size(W * 2)));
+  typedef uint32_t v32 __attribute__((vector_size(W * 4)));
   const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
-  for (i64 i = 0; i < n; ++i) {                            // bf16 = the top half of a float
+  i64 i = 0;
+  for (; i + W <= n; i += W) {
+    v16 h;
+    std::memcpy(&h, s + i, sizeof h);
+    v32 w = __builtin_convertvector(h, v32) << 16;
+    std::memcpy(dst + i, &w, sizeof w);
+  }
+  for (; i < n; ++i) {
     uint32_t w = uint32_t(s[i]) << 16;
     std::memcpy(dst + i, &w, 4);
   }
-  for (i64 i = n; i < npad; ++i) dst[i] = 0.f;
+  for (; i < npad; ++i) dst[i] = 0.f;
 }
-#if defined(__F16C__) || defined(__aarch64__)
+#if defined(__F16C__)
+// float16 -> float32 in registers (vcvtph2ps), W at a time.
 template <> inline void row_to_float<at::Half>(const at::Half* src, float* dst, i64 n, i64 npad) {
-  const _Float16* s = reinterpret_cast<const _Float16*>(src);
-  for (i64 i = 0; i < n; ++i) dst[i] = float(s[i]);       // vectorised (vcvtph2ps)
-  for (i64 i = n; i < npad; ++i) dst[i] = 0.f;
+  i64 i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(src + i))));
+#endif
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(src + i))));
+  for (; i < n; ++i) dst[i] = float(src[i]);
+  for (; i < npad; ++i) dst[i] = 0.f;
 }
 #endif
+
+// A row as float32 (npad,) in tmp. (Copying float32 rows too measured faster than
+// reading them in the FMA loops: the copy streams from memory, the FMAs read L1.)
+template <typename T> inline const float* as_float(const T* src, float* tmp, i64 n, i64 npad) {
+  row_to_float(src, tmp, n, npad);
+  return tmp;
+}
+
+// Ask for the row `ahead` keys on while this one is computed (decode is memory-bound).
+template <typename T> inline void prefetch_row(const T* row, i64 n) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (i64 b = 0; b < n * i64(sizeof(T)); b += 64) __builtin_prefetch(p + b);
+}
 
 inline bool all_finite(const float* x, i64 n) {
   float z = 0.f;
@@ -273,15 +317,23 @@ inline float softmax_step(float* x, i64 npad, float& m, float& l) {
 
 // ------------------------------------------------------------------ per-thread buffers
 // kt holds Kᵀ for brgemm: one tile (D_k, BK), or — when cache_kt — the whole head
-// (D_k, NKP), filled tile by tile as the thread's items of that head need them.
+// (D_k, NKP), filled tile by tile as the thread's items of that head need them. It is
+// allocated (uninitialised) on first use: the dot-product path never needs it.
 struct Buffers {
-  std::vector<float> q, kt, s, acc, v, row, m, l;
+  std::vector<float> q, s, acc, v, row, tmp4, m, l;
+  std::unique_ptr<float[]> kt;
   std::vector<char> kt_done;        // (NKP / BK,) tiles of the cached head transposed
   i64 kt_b = -1, kt_h = -1;         // the cached head
   Buffers(const Args& a, i64 R)
-      : q(R * a.DKP), kt(a.Dk * (a.cache_kt ? a.NKP : BK)), s(R * BK), acc(R * a.DVP),
-        v(BK * a.DVP), row(std::max(a.DKP, a.DVP)), m(R), l(R),
-        kt_done(a.cache_kt ? a.NKP / BK : 0) {}
+      : q(R * a.DKP), s(R * BK), acc(R * a.DVP), v(BK * a.DVP), row(std::max(a.DKP, a.DVP)),
+        tmp4(4 * std::max(a.DKP, a.DVP)), m(R), l(R) {}
+  float* kt_buffer(const Args& a) {
+    if (!kt) {
+      kt.reset(new float[a.Dk * (a.cache_kt ? a.NKP : BK)]);
+      kt_done.assign(a.cache_kt ? a.NKP / BK : 0, 0);
+    }
+    return kt.get();
+  }
 };
 
 // Qs (R, DKP) <- the item's query rows, G heads stacked, float32, zero padded.
@@ -308,7 +360,7 @@ void transpose_tile(const Args& a, const T* kh, i64 k0, i64 n, float* kt, i64 ld
 template <typename T>
 void scores_gemm(const Args& a, const T* kh, const Item& it, i64 k0, i64 n, i64 R,
                  Buffers& buf) {
-  const float* kt = buf.kt.data();
+  float* kt = buf.kt_buffer(a);
   i64 ld = BK;
   if (a.cache_kt) {                                      // k0 is a multiple of BK here
     if (buf.kt_b != it.b || buf.kt_h != it.kvh) {
@@ -317,47 +369,97 @@ void scores_gemm(const Args& a, const T* kh, const Item& it, i64 k0, i64 n, i64 
       buf.kt_h = it.kvh;
     }
     if (!buf.kt_done[k0 / BK]) {
-      transpose_tile(a, kh, k0, std::min<i64>(BK, a.Nk - k0), buf.kt.data() + k0, a.NKP, buf);
+      transpose_tile(a, kh, k0, std::min<i64>(BK, a.Nk - k0), kt + k0, a.NKP, buf);
       buf.kt_done[k0 / BK] = 1;
     }
     kt += k0;
     ld = a.NKP;
   } else {
-    transpose_tile(a, kh, k0, n, buf.kt.data(), BK, buf);
+    transpose_tile(a, kh, k0, n, kt, BK, buf);
   }
   at::native::cpublas::brgemm(R, n, a.Dk, a.DKP, ld, BK, false, buf.q.data(), kt, buf.s.data(),
                               false);
 }
 
-// S (R, BK) <- one dot product per (row, key), K read once per key for all R rows.
+// S (R, BK) <- one dot product per (row, key); four keys at a time (four independent
+// accumulators), each K row read once for all R rows.
 template <typename T>
 void scores_dot(const Args& a, const T* kh, i64 k0, i64 n, i64 R, Buffers& buf) {
-  float* kr = buf.row.data();
-  for (i64 j = 0; j < n; ++j) {
-    row_to_float(kh + (k0 + j) * a.sk[2], kr, a.Dk, a.DKP);   // k_j (DKP,) in float32
+  float* tmp = buf.tmp4.data();                            // (4, DKP) converted K rows
+  i64 j = 0;
+  for (; j + 4 <= n; j += 4) {
+    const float* kj[4];
+    for (int u = 0; u < 4; ++u) {
+      if (k0 + j + u + 16 < a.Nk) prefetch_row(kh + (k0 + j + u + 16) * a.sk[2], a.Dk);
+      kj[u] = as_float(kh + (k0 + j + u) * a.sk[2], tmp + u * a.DKP, a.Dk, a.DKP);
+    }
+    for (i64 r = 0; r < R; ++r) {
+      const float* qr = buf.q.data() + r * a.DKP;
+      vf s0 = splat(0.f), s1 = s0, s2 = s0, s3 = s0;
+      for (i64 d = 0; d < a.DKP; d += W) {
+        const vf qd = load(qr + d);
+        s0 += qd * load(kj[0] + d); s1 += qd * load(kj[1] + d);
+        s2 += qd * load(kj[2] + d); s3 += qd * load(kj[3] + d);
+      }
+      float* sr = buf.s.data() + r * BK + j;
+      sr[0] = hsum(s0); sr[1] = hsum(s1); sr[2] = hsum(s2); sr[3] = hsum(s3);
+    }
+  }
+  for (; j < n; ++j) {
+    const float* kj = as_float(kh + (k0 + j) * a.sk[2], tmp, a.Dk, a.DKP);  // k_j (DKP,)
     for (i64 r = 0; r < R; ++r) {
       const float* qr = buf.q.data() + r * a.DKP;
       vf acc = splat(0.f);
-      for (i64 d = 0; d < a.DKP; d += W) acc += load(qr + d) * load(kr + d);
+      for (i64 d = 0; d < a.DKP; d += W) acc += load(qr + d) * load(kj + d);
       buf.s[r * BK + j] = hsum(acc);
     }
   }
 }
 
-// acc (R, D_v) += P (R, n) . V_tile (n, D_v), skipping P == 0 (so masked NaN V stays out).
+// acc (R, D_v) += P (R, [j]) . v_j for one key, rows with P == 0 skipped (the row of V is
+// read only when some row uses it, so NaN in masked V rows stays out).
+template <typename T>
+inline void value_one(const Args& a, const T* vh, i64 k0, i64 j, i64 R, Buffers& buf) {
+  const float* vj = nullptr;
+  for (i64 r = 0; r < R; ++r) {
+    const float p = buf.s[r * BK + j];
+    if (p == 0.f) continue;
+    if (!vj) vj = as_float(vh + (k0 + j) * a.sv[2], buf.tmp4.data(), a.Dv, a.DVP);
+    float* ar = buf.acc.data() + r * a.DVP;
+    const vf vp = splat(p);
+    for (i64 d = 0; d < a.DVP; d += W) store(ar + d, load(ar + d) + vp * load(vj + d));
+  }
+}
+
+// acc (R, D_v) += P (R, n) . V_tile (n, D_v), four keys per pass over acc where all their
+// P are nonzero, else key by key (value_one).
 template <typename T>
 void values_axpy(const Args& a, const T* vh, i64 k0, i64 n, i64 R, Buffers& buf) {
-  float* vr = buf.row.data();
-  for (i64 j = 0; j < n; ++j) {
-    row_to_float(vh + (k0 + j) * a.sv[2], vr, a.Dv, a.DVP);   // v_j (DVP,) in float32
+  float* tmp = buf.tmp4.data();                            // (4, DVP) converted V rows
+  i64 j = 0;
+  for (; j + 4 <= n; j += 4) {
+    bool dense = true;
+    for (i64 r = 0; r < R && dense; ++r)
+      for (int u = 0; u < 4; ++u) dense = dense && buf.s[r * BK + j + u] != 0.f;
+    if (!dense) {
+      for (int u = 0; u < 4; ++u) value_one(a, vh, k0, j + u, R, buf);
+      continue;
+    }
+    const float* vj[4];
+    for (int u = 0; u < 4; ++u) {
+      if (k0 + j + u + 16 < a.Nk) prefetch_row(vh + (k0 + j + u + 16) * a.sv[2], a.Dv);
+      vj[u] = as_float(vh + (k0 + j + u) * a.sv[2], tmp + u * a.DVP, a.Dv, a.DVP);
+    }
     for (i64 r = 0; r < R; ++r) {
-      const float p = buf.s[r * BK + j];
-      if (p == 0.f) continue;
+      const float* pr = buf.s.data() + r * BK + j;
+      const vf p0 = splat(pr[0]), p1 = splat(pr[1]), p2 = splat(pr[2]), p3 = splat(pr[3]);
       float* ar = buf.acc.data() + r * a.DVP;
-      const vf vp = splat(p);
-      for (i64 d = 0; d < a.DVP; d += W) store(ar + d, load(ar + d) + vp * load(vr + d));
+      for (i64 d = 0; d < a.DVP; d += W)
+        store(ar + d, load(ar + d) + p0 * load(vj[0] + d) + p1 * load(vj[1] + d)
+                                   + p2 * load(vj[2] + d) + p3 * load(vj[3] + d));
     }
   }
+  for (; j < n; ++j) value_one(a, vh, k0, j, R, buf);
 }
 
 // acc (R, D_v) += P (R, n) . V_tile through brgemm (V converted to float32 when needed);
