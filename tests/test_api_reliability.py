@@ -450,3 +450,27 @@ def test_mask_of_a_non_bool_non_float_dtype_is_refused(dtype):
     q = randn(5, 4)
     with pytest.raises(TypeError, match=f"bool .* floating point.*{dtype}"):
         ak.attention(q, q, q, mask=torch.ones(5, 5, dtype=dtype))
+
+
+def test_score_mod_result_on_another_device_is_refused(backend):
+    q = randn(1, 2, 5, 4)
+    with pytest.raises(ValueError, match="returned a tensor on meta, not on cpu"):
+        ak.attention(q, q, q, backend=backend,
+                     score_mod=lambda s, b, h, qi, ki: torch.zeros(s.shape, device="meta"))
+
+
+@pytest.mark.parametrize("bad", ["yes", "False", 1, None, torch.ones(2, dtype=torch.bool)])
+def test_is_causal_must_be_a_bool(bad):
+    """``is_causal="False"`` used to mean causal (any truthy value did)."""
+    q = randn(5, 4)
+    with pytest.raises(TypeError, match="is_causal must be True or False"):
+        ak.attention(q, q, q, is_causal=bad)
+
+
+def test_score_term_arguments_are_checked_where_they_are_built():
+    with pytest.raises(ValueError, match="n_heads must be >= 1, got 4.0"):
+        alibi(4.0)
+    with pytest.raises(ValueError, match="max_distance must be an int >= 0, got 3.0"):
+        relative_bias(torch.zeros(2, 7), 3.0)
+    with pytest.raises(TypeError, match="floating-point tensor .* got dtype torch.int64"):
+        relative_bias(torch.zeros(2, 7, dtype=torch.long), 3)

@@ -13,12 +13,21 @@ Shape legend (PyTorch SDPA's layout)::
 The order of operations on the logits is fixed:
 ``S = QKᵀ → S·scale → softcap → score_mod → + float mask → bool mask (−∞) → softmax``.
 
+What never reaches a backend: a problem with no score to compute (B, H_q, N_q or N_k = 0)
+gets its defined result here (empty, or zeros with LSE −∞ when N_k = 0; autograd gives zero
+gradients); a zero-width head (D_k or D_v = 0) is widened by one zero column. ``scale`` and
+``softcap`` are checked against the compute dtype's range, and a ``score_mod`` is wrapped once
+(:func:`attnkit.scores.checked_score_mod`: FlexAttention's per-score semantics, result cast
+back to the score dtype, one error for a bad result) — every backend calls that wrapper.
+
 Caution
 -------
 - NaN/inf in K or V rows: rows no query may attend to never reach the output. A query that
   *does* attend to such a row gets NaN (the honest answer). Finding those queries after the
   fact evaluates the mask densely (O(N_q·N_k) bools) — only on calls whose K/V hold NaN/inf.
 - ``dropout_p`` is applied whenever it is > 0 (as in torch SDPA); modules pass 0 in eval mode.
+- A user ``score_mod`` is probed once per call (a few hundred µs on CPU; the choice is cached
+  per function object) — see :mod:`attnkit.scores`.
 """
 
 from __future__ import annotations
@@ -167,6 +176,10 @@ def _normalise_mask(
     device: torch.device, two_d: bool = False,
 ) -> tuple[_masks.Mask | None, torch.Tensor | None]:
     """→ (structured mask or None, finite additive bias or None) in the (B, H, N_q, N_k) frame."""
+    if not isinstance(is_causal, (bool, np.bool_)):
+        raise TypeError(
+            f"is_causal must be True or False, got {is_causal!r} ({type(is_causal).__name__})"
+        )
     if is_causal and mask is not None:
         raise ValueError(
             "give either mask=... or is_causal=True, not both: combine them as "
@@ -417,7 +430,9 @@ def attention(
             ``mask=attnkit.masks.causal()``; giving both is an error.
         scale: multiplies the scores; defaults to ``1/√D_k``.
         softcap: ``c`` maps each scaled logit x to ``c·tanh(x/c)`` (before the mask).
-        score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score``, differentiable.
+        score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score``, differentiable, with
+            FlexAttention's semantics (one score and its four indices; FlexAttention's
+            functions work unchanged). Its result is cast back to the score dtype.
         dropout_p: dropout on the weights (seeded by torch's generator), in [0, 1).
         backend: ``"auto"`` (the first backend in ``attnkit.backends.PRIORITY``, fastest
             first, that supports the call), or a name from ``attnkit.backends.names()``.

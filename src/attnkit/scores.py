@@ -74,8 +74,8 @@ def alibi_slopes(n_heads: int) -> torch.Tensor:
     For a head count that is not a power of two, the slopes of the next lower power of two
     are followed by every other slope of the next higher one (as in the ALiBi paper's code).
     """
-    if n_heads < 1:
-        raise ValueError(f"n_heads must be >= 1, got {n_heads}")
+    if isinstance(n_heads, bool) or not isinstance(n_heads, int) or n_heads < 1:
+        raise ValueError(f"n_heads must be >= 1, got {n_heads!r} (an int: one slope per head)")
 
     def power_of_two(n: int) -> list[float]:
         start = 2.0 ** (-8.0 / n)
@@ -104,6 +104,14 @@ def relative_bias(table: torch.Tensor, max_distance: int) -> ScoreTerm:
 
     ``table`` has shape ``(H, 2·max_distance + 1)`` (``H = H_q``) and may require grad.
     """
+    if isinstance(max_distance, bool) or not isinstance(max_distance, int) or max_distance < 0:
+        raise ValueError(f"max_distance must be an int >= 0, got {max_distance!r}")
+    if not isinstance(table, torch.Tensor) or not table.dtype.is_floating_point:
+        seen = f"dtype {table.dtype}" if isinstance(table, torch.Tensor) else type(table).__name__
+        raise TypeError(
+            "relative_bias table must be a floating-point tensor of shape "
+            f"(H, 2*max_distance+1), got {seen}: convert it with torch.as_tensor(t).float()"
+        )
     if table.dim() != 2 or table.shape[1] != 2 * max_distance + 1:
         raise ValueError(
             f"relative_bias table must have shape (H, 2*max_distance+1) = "
@@ -185,10 +193,13 @@ def _probe_indices(n: int) -> list[int]:
     return sorted({i for i in (0, 1, n // 2, n - 2, n - 1) if 0 <= i < n})
 
 
-def _result_problem(y: Any, shape: tuple[int, ...], want_float: bool) -> str | None:
+def _result_problem(y: Any, shape: tuple[int, ...], want_float: bool,
+                    device: torch.device | None = None) -> str | None:
     """What is wrong with a function's result for an input of ``shape`` (None: nothing)."""
     if not isinstance(y, torch.Tensor):
         return f"returned {'None' if y is None else type(y).__name__}, not a tensor"
+    if device is not None and y.device != device:
+        return f"returned a tensor on {y.device}, not on {device} where the scores are"
     if want_float and (not y.dtype.is_floating_point):
         return f"returned dtype {y.dtype}, not a floating-point dtype"
     if not want_float and y.dtype != torch.bool:
@@ -200,6 +211,11 @@ def _result_problem(y: Any, shape: tuple[int, ...], want_float: bool) -> str | N
     if not ok:
         return f"returned shape {tuple(y.shape)} for an input of shape {tuple(shape)}"
     return None
+
+
+def _error_type(problem: str) -> type[Exception]:
+    """TypeError for a result of the wrong kind (None, a number, a dtype), else ValueError."""
+    return TypeError if "not a tensor" in problem or "dtype" in problem else ValueError
 
 
 def _same(a: torch.Tensor, b: torch.Tensor, shape: tuple[int, ...]) -> bool:
@@ -269,7 +285,7 @@ def flex_semantics(fn: Callable[..., Any], *, with_score: bool, batch: int, head
         except Exception as e:  # noqa: BLE001 — any failure of user code is reported below
             results[way] = e
             continue
-        problem = _result_problem(y, shape, want_float=with_score)
+        problem = _result_problem(y, shape, want_float=with_score, device=idx[0].device)
         results[way] = y if problem is None else problem
     b_ok, v_ok = (isinstance(results[w], torch.Tensor) for w in ("broadcast", "per score"))
     if b_ok and not v_ok and not _tile_independent(fn, args, results["broadcast"], shape):
@@ -290,7 +306,7 @@ def flex_semantics(fn: Callable[..., Any], *, with_score: bool, batch: int, head
     said = {w: f"raised {type(r).__name__}: {r}" if isinstance(r, Exception) else r
             for w, r in results.items()}
     first = results["broadcast"]
-    exc = TypeError if isinstance(first, str) and "shape" not in first else ValueError
+    exc = _error_type(first) if isinstance(first, str) else ValueError
     err = exc(
         f"{what} {name} cannot be evaluated on a probe tile of {shape} scores "
         f"({str(dtype).replace('torch.', '')}): called with broadcast index tensors, it "
@@ -330,11 +346,12 @@ def checked_score_mod(fn: ScoreMod, *, batch: int, heads: int, n_q: int, n_k: in
     def score_mod(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor,
                   kv_idx: torch.Tensor) -> torch.Tensor:
         y = evaluate(score, b, h, q_idx, kv_idx)
-        if isinstance(y, torch.Tensor) and y.dtype == score.dtype and y.shape == score.shape:
+        if isinstance(y, torch.Tensor) and y.dtype == score.dtype and y.shape == score.shape \
+                and y.device == score.device:
             return y                                         # the common case: one check
-        problem = _result_problem(y, tuple(score.shape), want_float=True)
+        problem = _result_problem(y, tuple(score.shape), want_float=True, device=score.device)
         if problem is not None:
-            raise (ValueError if "shape" in problem else TypeError)(
+            raise _error_type(problem)(
                 f"score_mod {name} {problem} (scores {tuple(score.shape)} {score.dtype}): "
                 "a score_mod(score, b, h, q_idx, kv_idx) must return one floating-point "
                 "score per input score (e.g. score + (q_idx - kv_idx))"
@@ -344,3 +361,4 @@ def checked_score_mod(fn: ScoreMod, *, batch: int, heads: int, n_q: int, n_k: in
     score_mod.__name__ = score_mod.__qualname__ = name
     score_mod.__wrapped__ = fn  # type: ignore[attr-defined]
     return score_mod
+
