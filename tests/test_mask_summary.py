@@ -155,3 +155,16 @@ def test_padding_lengths_that_cannot_apply_are_refused(backend):
         (masks.causal() & masks.padding([6])).block_map(3, 5, 2, 2)
     out = ak.attention(q, k, k, mask=masks.padding([5, 0]), backend=backend)   # at the limit
     assert math.isfinite(float(out.sum()))
+
+
+def test_ranges_and_block_sizes_outside_the_call_are_refused():
+    # (before: evaluated indices past N_q / N_k silently, and a float block size
+    # produced a map of the wrong shape)
+    m = masks.causal()
+    with pytest.raises(ValueError, match=r"q_range=\(2, 9\).*N_q=4"):
+        m.evaluate(4, 4, q_range=(2, 9))
+    with pytest.raises(ValueError, match=r"k_range=\(3, 1\)"):
+        m.evaluate(4, 4, k_range=(3, 1))
+    with pytest.raises(ValueError, match="block sizes must be >= 1"):
+        m.block_map(8, 8, 2.5, 2)
+    assert m.evaluate(4, 4, q_range=(4, 4)).shape == (1, 1, 0, 4)

@@ -38,6 +38,7 @@ Caution
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -306,6 +307,11 @@ class Mask:
         dev = torch.device(device) if device is not None else self._device
         q0, q1 = q_range if q_range is not None else (0, n_q)
         k0, k1 = k_range if k_range is not None else (0, n_k)
+        if not (0 <= q0 <= q1 <= n_q and 0 <= k0 <= k1 <= n_k):
+            raise ValueError(
+                f"mask {self.name}: q_range=({q0}, {q1}) / k_range=({k0}, {k1}) must lie "
+                f"within the call's N_q={n_q} queries / N_k={n_k} keys (0 <= start <= end)"
+            )
         nb = batch if self.depends_on_batch else 1
         nh = heads if self.depends_on_heads else 1
         per_row = nb * nh * (k1 - k0)
@@ -441,8 +447,11 @@ class Mask:
         without rules (``from_fn``, tensors) are evaluated densely, one block row at a time.
         """
         _check_sizes(n_q, n_k)
-        if block_q < 1 or block_k < 1:
-            raise ValueError(f"block sizes must be >= 1, got block_q={block_q}, block_k={block_k}")
+        if not all(isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 1
+                   for x in (block_q, block_k)):
+            raise ValueError(f"block sizes must be >= 1, got block_q={block_q}, block_k={block_k}"
+                             " (integers)")
+        block_q, block_k = int(block_q), int(block_k)
         batch = self._default_batch(batch)
         heads = self._default_heads(heads)
         dev = torch.device(device) if device is not None else self._device
