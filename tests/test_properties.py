@@ -103,3 +103,30 @@ def test_output_is_a_convex_mix_of_values(prob):
     has = allowed.any(-1)
     assert (out[has] >= lo[has] - 1e-12).all() and (out[has] <= hi[has] + 1e-12).all()
     assert (out[~has] == 0).all()
+
+
+@SETTINGS
+@given(problems(), st.sampled_from(["chained", "per_query", "flat"]))
+def test_score_mod_means_what_it_means_per_score(backend, prob, kind):
+    """Any score_mod means on every backend what it returns for one score and its four 0-d
+    indices (FlexAttention's semantics): chained indexing into a captured table included."""
+    q, k, v, allowed = prob
+    h_q, n_q, n_k = q.shape[1], q.shape[2], k.shape[2]
+    table = torch.randn(1, h_q, n_q, n_k, dtype=torch.float64)
+    mods = {
+        "chained": lambda s, b, h, qi, ki: s + table[b][h][qi][ki],
+        "per_query": lambda s, b, h, qi, ki: s * 0.5 + table[0][h][qi][0],
+        "flat": lambda s, b, h, qi, ki: s + table[b, h, qi, ki],
+    }
+    fn = mods[kind]
+    skip_unless_supported(backend, q, k, v, mask=allowed, score_mod=fn)
+    out = ak.attention(q, k, v, mask=allowed, score_mod=fn, backend=backend)
+    g = h_q // k.shape[1]
+    s = (q @ k.repeat_interleave(g, 1).transpose(-1, -2)) * q.shape[-1] ** -0.5
+    x = torch.stack([fn(s[0, h, i, j], torch.tensor(0), torch.tensor(h), torch.tensor(i),
+                        torch.tensor(j))
+                     for h in range(h_q) for i in range(n_q) for j in range(n_k)])
+    x = x.view(1, h_q, n_q, n_k).masked_fill(~allowed, -torch.inf)
+    w = torch.softmax(x, -1).nan_to_num(0.0)                     # empty rows: weights 0
+    ref = w @ v.repeat_interleave(g, 1)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
