@@ -182,3 +182,10 @@ def test_decimals_out_of_range_is_a_clear_error():
     with pytest.raises(ExplainError, match="decimals"):
         render_html([tr], decimals=-1)
     assert tr.to_text(decimals=0) and tr.to_text(decimals=12)
+
+
+def test_plot_accepts_one_quantity_as_a_string(tmp_path):
+    tr = EXAMPLES["causal"].build()
+    assert tr.plot(tmp_path / "w.png", what="logits").stat().st_size > 0   # was: 'l' unknown
+    with pytest.raises(ValueError, match=r"got \['attention'\]"):
+        tr.plot(tmp_path / "x.png", what="attention")

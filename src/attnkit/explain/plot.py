@@ -99,11 +99,13 @@ def short_value(v: float) -> str:
 
 
 def render_plot(traces: Trace | Sequence[Trace], path: str | Path,
-                what: Sequence[str] = ("weights",), lang: str = "en") -> Path:
+                what: str | Sequence[str] = ("weights",), lang: str = "en") -> Path:
     """Write a PNG: one row of panels per (trace, quantity), one panel per head."""
     check_lang(lang)
     if not isinstance(traces, Sequence):
         traces = [traces]
+    if isinstance(what, str):                   # what="weights": one quantity, not letters
+        what = (what,)
     bad = [w for w in what if w not in WHAT]
     if bad or not what:
         raise ValueError(f"what must name some of {', '.join(WHAT)}, got {list(what)}")

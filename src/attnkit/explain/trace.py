@@ -131,7 +131,7 @@ class Trace:
             Path(path).write_text(page, encoding="utf-8")
         return page
 
-    def plot(self, path: str | Path, *, what: tuple[str, ...] = ("weights",),
+    def plot(self, path: str | Path, *, what: str | tuple[str, ...] = ("weights",),
              lang: str = "en") -> Path:
         """Heatmaps (PNG) of the weights per head — and optionally scores/logits."""
         from .plot import render_plot
