@@ -83,9 +83,11 @@ def check_size(p: Problem, shapes: dict[str, tuple[int, ...]] | None = None) -> 
 
 def _first(bad: torch.Tensor) -> tuple[int, ...] | None:
     """The first index where ``bad`` is True, or None."""
-    if not bool(bad.any()):
+    flat = bad.reshape(-1)
+    if not bool(flat.any()):
         return None
-    return tuple(int(i) for i in torch.nonzero(bad)[0])
+    at = int(flat.to(torch.uint8).argmax())               # the first True, no index list
+    return tuple(int(i) for i in np.unravel_index(at, tuple(bad.shape)))
 
 
 def _head(p: Problem, lead: tuple[int, ...], b: int, h: int) -> dict[str, str] | None:

@@ -5,7 +5,8 @@
 renderer; ``page_*`` are the HTML page's, ``plot_*`` the heatmaps', ``err_*`` the messages
 of :class:`~attnkit.explain.guard.ExplainError`. The term helpers below (:func:`step_name`,
 :func:`step_what`, :func:`step_formula`, :func:`mask_label`) are the one place a step or a
-mask gets its display name.
+mask gets its display name. (The command line's messages about input files live with the
+file readers: ``inputs.MESSAGES``.)
 
 Korean follows the course's wording: the step names keep the English term in brackets
 (``소프트맥스 (Softmax)``), and no particle is written right after a number or a name that
