@@ -474,3 +474,20 @@ def test_score_term_arguments_are_checked_where_they_are_built():
         relative_bias(torch.zeros(2, 7), 3.0)
     with pytest.raises(TypeError, match="floating-point tensor .* got dtype torch.int64"):
         relative_bias(torch.zeros(2, 7, dtype=torch.long), 3)
+
+
+def test_float64_mask_beyond_the_float32_range(backend):
+    """A float64 mask on float32 inputs is added in float32: +1e300 would become +inf (NaN
+    rows) and is refused; -1e300 means blocked, exactly like -inf."""
+    q, k, v = (torch.randn(1, 2, 4, 8) for _ in range(3))
+    m = torch.zeros(4, 4, dtype=torch.float64)
+    m[1, 2] = 1e300
+    with pytest.raises(ValueError, match=r"holds values up to 1e\+300, beyond the range of "
+                                         r"float32 \(max 3.4e\+38\)"):
+        ak.attention(q, k, v, mask=m, backend=backend)
+    m[1, 2], m[0, 1:], m[2, 0] = 0.5, -1e300, -1e300
+    out = run_backend(backend, q, k, v, mask=m)
+    ref = ak.attention(q, k, v, mask=torch.where(m == -1e300, -torch.inf, m).float(),
+                       backend="reference")
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

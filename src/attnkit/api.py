@@ -173,7 +173,7 @@ def _check_in_range(x: float, name: str, dtype: torch.dtype) -> float:
 
 def _normalise_mask(
     mask: Any, is_causal: bool, full_shape: tuple[int, ...], lead: tuple[int, ...],
-    device: torch.device, two_d: bool = False,
+    device: torch.device, two_d: bool = False, dtype: torch.dtype = torch.float32,
 ) -> tuple[_masks.Mask | None, torch.Tensor | None]:
     """→ (structured mask or None, finite additive bias or None) in the (B, H, N_q, N_k) frame."""
     if not isinstance(is_causal, (bool, np.bool_)):
@@ -232,6 +232,19 @@ def _normalise_mask(
         )
     if torch.isnan(m).any() or (m == torch.inf).any():
         raise ValueError("a float mask may hold finite values and -inf only (found NaN or +inf)")
+    cd = _compute_dtype(dtype)
+    if torch.finfo(m.dtype).max > torch.finfo(cd).max:
+        # a wider mask (float64 for float32 inputs) is added in the compute dtype: values
+        # beyond its range would become ±inf there (+inf → NaN rows); below it means blocked
+        big = torch.finfo(cd).max
+        if bool((m > big).any()):
+            raise ValueError(
+                f"a float mask of {mask.dtype} holds values up to {m.max().item():.3g}, beyond "
+                f"the range of {str(cd).replace('torch.', '')} (max {big:.3g}) in which "
+                f"{dtype} inputs are computed: they would overflow to +inf. Give values "
+                "within it (use -inf for blocked positions)"
+            )
+        m = torch.where(m < -big, torch.full_like(m, -torch.inf), m)
     blocked = m == -torch.inf
     structured = None
     if blocked.any():
@@ -266,7 +279,8 @@ def prepare(
         lead = tuple(q.shape[:-3])
         q4, k4, v4 = (t.reshape(math.prod(lead), *t.shape[-3:]) for t in (q, k, v))
     full_shape = (*lead, q4.shape[1], q4.shape[2], k4.shape[2])
-    structured, bias = _normalise_mask(mask, is_causal, full_shape, lead, q.device, two_d)
+    structured, bias = _normalise_mask(mask, is_causal, full_shape, lead, q.device, two_d,
+                                       q.dtype)
     d_k = q.shape[-1]
     if scale is None:
         scale_f = 1.0 / math.sqrt(d_k) if d_k > 0 else 1.0
