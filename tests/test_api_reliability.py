@@ -491,3 +491,24 @@ def test_float64_mask_beyond_the_float32_range(backend):
                        backend="reference")
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [object, "U3", "datetime64[s]"])
+def test_numpy_arrays_torch_cannot_hold_are_refused_clearly(dtype):
+    a = np.zeros((3, 4)).astype(dtype)
+    with pytest.raises(TypeError, match=r"q is a NumPy array of dtype .*astype\(np.float32\)"):
+        ak.attention(a, np.zeros((3, 4)), np.zeros((3, 4)))
+
+
+def test_per_score_score_mod_has_derivatives_of_every_order_on_the_reference():
+    """gradcheck / gradgradcheck through a vmapped (chained-indexing) score_mod."""
+    bias = torch.randn(1, 2, 3, 4, dtype=torch.float64, requires_grad=True)
+    q, k, v = (randn(1, 2, 3, 5).requires_grad_(), randn(1, 2, 4, 5).requires_grad_(),
+               randn(1, 2, 4, 3).requires_grad_())
+
+    def f(q, k, v, bias):  # noqa: ANN001, ANN202
+        return ak.attention(q, k, v, backend="reference",
+                            score_mod=lambda s, b, h, qi, ki: s + bias[b][h][qi][ki])
+
+    assert torch.autograd.gradcheck(f, (q, k, v, bias))
+    assert torch.autograd.gradgradcheck(f, (q, k, v, bias))

@@ -74,7 +74,13 @@ def _to_tensor(x: Any, name: str) -> tuple[torch.Tensor, bool]:
         x = np.ascontiguousarray(x)
         if not x.flags.writeable:                 # torch warns on read-only buffers
             x = x.copy()
-        return torch.from_numpy(x), True
+        try:
+            return torch.from_numpy(x), True
+        except TypeError:                         # object, str, datetime, ... arrays
+            raise TypeError(
+                f"{name} is a NumPy array of dtype {x.dtype}, which torch cannot hold: "
+                f"convert it with {name}.astype(np.float32)"
+            ) from None
     raise TypeError(
         f"{name} must be a torch.Tensor or a numpy.ndarray, got {type(x).__name__}: "
         f"convert it with torch.as_tensor({name})"
