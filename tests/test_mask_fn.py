@@ -1,5 +1,5 @@
-"""``masks.from_fn``: FlexAttention's mask_mod functions work unchanged (scalar semantics
-through ``torch.vmap``), and a function that returns the wrong thing is refused with one
+"""``masks.from_fn``: FlexAttention's mask_mod functions work unchanged (per-pair semantics,
+``scores.flex_semantics``), and a function that returns the wrong thing is refused with one
 clear error, the same on every backend (issue 10, items 7 and 8)."""
 
 from __future__ import annotations
@@ -93,26 +93,32 @@ def test_chained_indexing_was_wrong_under_broadcast_semantics():
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_non_bool_results_are_refused_naming_the_mask(backend):
     q = torch.randn(1, 2, 4, 8)
-    for fn, what in ((lambda b, h, i, j: (i - j) * 0.5, "float32"),
-                     (lambda b, h, i, j: torch.where(i >= j, 1.0, torch.nan), "float32"),
-                     (lambda b, h, i, j: (i >= j).int(), "int32")):
-        with pytest.raises(TypeError, match=rf"mask halfway returned a torch.{what} tensor, "
-                                            "not a bool tensor"):
+    for fn in (lambda b, h, i, j: (i - j) * 0.5,
+               lambda b, h, i, j: torch.where(i >= j, 1.0, torch.nan),
+               lambda b, h, i, j: (i >= j).int()):
+        with pytest.raises(TypeError, match=r"mask_mod halfway cannot be evaluated.*"
+                                            "not torch.bool"):
             ak.attention(q, q, q, mask=masks.from_fn(fn, name="halfway"), backend=backend)
+
+
+def test_a_hand_built_mask_returning_numbers_is_refused():
+    m = masks.Mask(lambda b, h, i, j, n_q, n_k: (i - j) * 0.5, name="raw")
+    with pytest.raises(TypeError, match=r"mask raw returned a torch.float32 tensor, not a bool"):
+        m.to_dense(3, 3)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_wrong_shapes_and_failing_functions_get_one_clear_error(backend):
     q = torch.randn(1, 2, 4, 8)
     wide = masks.from_fn(lambda b, h, i, j: torch.ones(3, dtype=torch.bool), name="wide")
-    with pytest.raises(ValueError, match=r"mask wide returned a tensor of shape \(3,\) for one"):
+    with pytest.raises(ValueError, match=r"mask_mod wide cannot be evaluated.*returned shape "
+                                         r"\(3,\)"):
         ak.attention(q, q, q, mask=wide, backend=backend)
 
     def branchy(b, h, i, j):  # noqa: ANN001, ANN202
         return i >= j if i > 2 else i == j          # Python control flow on a tensor value
 
-    with pytest.raises(ValueError, match=r"mask branchy: fn\(b, h, q_idx, kv_idx\) failed.*"
-                                         "torch.vmap"):
+    with pytest.raises(ValueError, match=r"mask_mod branchy cannot be evaluated.*torch.vmap"):
         ak.attention(q, q, q, mask=masks.from_fn(branchy), backend=backend)
 
 
@@ -121,15 +127,6 @@ def test_constant_and_python_bool_results():
     m = masks.from_fn(lambda b, h, i, j: torch.tensor(False))
     assert not m.to_dense(2, 3, batch=2).any()
     assert m.evaluate(2, 3, batch=2, heads=4).shape == (1, 1, 2, 3)   # no copy per b, h
-
-
-def test_vmap_indices_is_scalar_semantics_for_score_tiles_too():
-    # the helper also serves score_mods: a score tile batched on every dim
-    bias = torch.randn(3, 5, dtype=torch.float64)                  # (H, N_q)
-    score = torch.randn(2, 3, 5, 7)
-    b, h = torch.arange(2).view(-1, 1, 1, 1), torch.arange(3).view(1, -1, 1, 1)
-    q, kv = torch.arange(5).view(1, 1, -1, 1), torch.arange(7).view(1, 1, 1, -1)
-    out = masks.vmap_indices(lambda s, b_, h_, q_, k_: s + bias[h_][q_], score, b, h, q, kv)
-    torch.testing.assert_close(out, score + bias[None, :, :, None])
-    empty = masks.vmap_indices(lambda b_, h_, q_, k_: q_ >= k_, b, h, q[:, :, :0], kv)
-    assert empty.shape[2] == 0
+    chained = masks.from_fn(document_causal)
+    assert chained.evaluate(9, 9, batch=2, heads=4).shape == (2, 1, 9, 9)
+    assert chained.evaluate(9, 9, q_range=(3, 3), batch=2).shape[2] == 0

@@ -18,7 +18,8 @@ from collections.abc import Callable
 
 import torch
 
-from .masks import Band, Documents, Lengths, Mask, vmap_indices
+from .masks import Band, Documents, Lengths, Mask
+from .scores import flex_semantics
 
 __all__ = ["causal", "sliding_window", "padding", "document", "prefix_lm", "from_fn",
            "from_tensor", "full"]
@@ -277,10 +278,12 @@ def from_fn(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
     """A mask from a function ``fn(b, h, q_idx, kv_idx) -> bool`` — a FlexAttention
     ``mask_mod`` works unchanged.
 
-    ``fn`` has FlexAttention's scalar semantics: it is evaluated as if once per
-    ``(b, h, q_idx, kv_idx)``, each a 0-d integer tensor (through ``torch.vmap``, see
-    :func:`vmap_indices`), so chained indexing such as ``doc[b][q_idx] == doc[b][kv_idx]`` or
-    ``table[h][q_idx]`` means what it says. Use torch operations (``&``, ``|``, ``~``,
+    ``fn`` has FlexAttention's per-pair semantics: it means what it returns for one
+    ``(b, h, q_idx, kv_idx)`` of 0-d integer tensors, so chained indexing such as
+    ``doc[b][q_idx] == doc[b][kv_idx]`` or ``table[h][q_idx]`` means what it says. It is
+    called on whole tiles with broadcast index tensors when that means the same, and per pair
+    through ``torch.vmap`` otherwise (:func:`attnkit.scores.flex_semantics` decides once per
+    function and size, as it does for score mods). Use torch operations (``&``, ``|``, ``~``,
     ``torch.where``) — not Python ``if``/``and``/``or`` on tensor values, nor ``.item()``.
     ``b`` and ``h`` run over the whole batch and every query head, so the function may use
     them (e.g. a different pattern per head); one that ignores them costs nothing extra. The
@@ -292,25 +295,20 @@ def from_fn(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
 
     def scalar(*idx: torch.Tensor) -> torch.Tensor:
         out = fn(*idx)
-        return torch.as_tensor(out) if isinstance(out, bool) else out
+        return torch.tensor(out, device=idx[2].device) if isinstance(out, bool) else out
+
+    scalar.__name__ = scalar.__qualname__ = label      # errors name the mask
 
     def wrapped(b, h, q, k, n_q, n_k):  # noqa: ANN001, ANN202
-        try:
-            out = vmap_indices(scalar, b, h, q, k)
-        except Exception as e:       # the user's function failed: say which, and how it is run
-            raise ValueError(
-                f"mask {label}: fn(b, h, q_idx, kv_idx) failed with {type(e).__name__}: {e}. "
-                "from_fn evaluates fn with scalar index tensors through torch.vmap (as "
-                "FlexAttention evaluates a mask_mod): use torch operations on them, not Python "
-                "control flow on their values or .item()"
-            ) from e
-        if out.dim() > 4:
-            raise ValueError(
-                f"mask {label} returned a tensor of shape {tuple(out.shape[4:])} for one "
-                "(b, h, q_idx, kv_idx): a mask function returns one bool per query-key pair "
-                "(as a FlexAttention mask_mod does)"
-            )
-        return out
+        shape = torch.broadcast_shapes(b.shape, h.shape, q.shape, k.shape)
+        if 0 in shape:
+            return torch.zeros(shape, dtype=torch.bool, device=q.device)
+        call = flex_semantics(scalar, with_score=False, batch=shape[0], heads=shape[1],
+                              n_q=n_q, n_k=n_k, device=q.device, what="mask_mod")
+        out = torch.as_tensor(call(b, h, q, k))
+        # per-pair evaluation broadcasts what does not depend on b / h (stride 0): keep it 1
+        return out[tuple(slice(0, 1) if (st == 0 and n > 1) else slice(None)
+                         for st, n in zip(out.stride(), out.shape, strict=True))]
 
     return Mask(wrapped, name=label, any_bh=True)
 

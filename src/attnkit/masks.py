@@ -19,8 +19,8 @@ Shape legend::
 Builders: :func:`causal`, :func:`sliding_window`, :func:`padding`, :func:`document`,
 :func:`prefix_lm`, :func:`from_fn`, :func:`from_tensor`, :func:`full` (they live in
 ``mask_builders.py`` and are imported from here). Sparsity and drawing live in
-``mask_summary.py``; :func:`vmap_indices` (FlexAttention's scalar semantics for a function
-of ``(…, b, h, q_idx, kv_idx)``) is here, for masks and score mods alike.
+``mask_summary.py``. ``from_fn`` gets FlexAttention's per-pair semantics from
+:func:`attnkit.scores.flex_semantics`, the one helper for mask_mods and score_mods.
 
 Caution
 -------
@@ -29,9 +29,9 @@ Caution
   :meth:`Mask.block_map` with ``exact=True`` evaluates those PARTIAL blocks (band, padding
   and prefix rules are exact already).
 - ``from_fn`` masks and ``from_tensor`` masks have no rules: they are summarised by
-  evaluating them, one block row at a time (O(N_k · block_q) memory). ``from_fn`` runs its
-  function through ``torch.vmap`` (scalar semantics, as FlexAttention does), which costs a
-  fraction of a millisecond of overhead per evaluation.
+  evaluating them, one block row at a time (O(N_k · block_q) memory). A ``from_fn`` function
+  that needs per-pair evaluation (chained indexing) runs through ``torch.vmap``, which costs
+  a fraction of a millisecond per evaluation (see :mod:`attnkit.scores`).
 - A mask must return bool: a number is refused, never rounded into allowed/blocked.
 """
 
@@ -62,7 +62,6 @@ __all__ = [
     "document",
     "prefix_lm",
     "from_fn",
-    "vmap_indices",
     "from_tensor",
     "full",
 ]
@@ -660,40 +659,6 @@ def _by_rows(n_rows: int, n_cols: int, per_row: int, dtype: torch.dtype,
         out[:, :, r0:r1] = t
     assert out is not None
     return out
-
-
-def vmap_indices(fn: Callable[..., torch.Tensor], *args: torch.Tensor) -> torch.Tensor:
-    """``fn(*args)`` with FlexAttention's scalar semantics, through nested ``torch.vmap``.
-
-    ``args`` are tensors of rank ≤ 4 that broadcast to a grid ``(B, H, N_q, N_k)`` (index
-    tensors ``(B,1,1,1)``, ``(1,H,1,1)``, ``(1,1,N_q,1)``, ``(1,1,1,N_k)``, a score tile, …).
-    ``fn`` runs as if once per grid point on 0-d tensors, as FlexAttention runs a
-    ``mask_mod`` / ``score_mod`` (its ``_vmap_for_bhqkv``): one vmap level per grid dim,
-    each arg batched only at the levels where its size is not 1. → ``fn``'s result with the
-    grid's rank, size 1 on every dim it does not depend on (plus any trailing dims ``fn``
-    returned per point, which callers refuse).
-    """
-    args4 = [a.reshape((1,) * (4 - a.dim()) + tuple(a.shape)) for a in args]
-    grid = tuple(torch.broadcast_shapes(*(a.shape for a in args4)))
-    zero = [d for d in range(4) if grid[d] == 0]
-    if zero:         # vmap cannot map a size-0 dim: run on index 0 there, keep none of it
-        filled = [a if all(a.shape[d] for d in zero)
-                  else a.new_zeros(tuple(1 if n == 0 else n for n in a.shape)) for a in args4]
-        out = vmap_indices(fn, *filled)
-        for d in zero:
-            out = out.narrow(d, 0, 0)
-        return out
-    levels = [d for d in range(4) if grid[d] > 1]
-    points = [a[tuple(slice(None) if a.shape[d] > 1 else 0 for d in range(4))] for a in args4]
-    f = fn
-    for d in reversed(levels):                                 # innermost level wrapped first
-        f = torch.vmap(f, in_dims=tuple(0 if a.shape[d] > 1 else None for a in args4))
-    out = f(*points)                                           # (*grid[levels], *per_point)
-    extra = tuple(out.shape[len(levels):])
-    out = out.reshape(tuple(grid[d] if d in levels else 1 for d in range(4)) + extra)
-    # vmap broadcasts a result that does not depend on a level (stride 0): keep that dim 1
-    return out[tuple(slice(0, 1) if (st == 0 and n > 1) else slice(None)
-                     for st, n in zip(out.stride(), out.shape, strict=True))]
 
 
 # The builders live in mask_builders.py (they use only the public constructor above).
