@@ -64,7 +64,7 @@ __all__ = ["available", "why_unavailable", "forward", "decode", "supports", "for
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DECODE_MAX_QUERIES = 16
 DENSE_MASK_LIMIT = 256 * 2**20      # bytes of a dense mask supports() accepts
-_ROWS_PER_ITEM = 64                 # query rows (G heads × block_q) per work item
+_ROWS_PER_ITEM = 128                # query rows (G heads × block_q) per work item
 
 
 def available() -> bool:

@@ -85,13 +85,11 @@ inline float hmax(vf v) {
   return m;
 }
 
-// e^x, ~1 ulp (Cody-Waite range reduction, degree-6 polynomial); -inf -> 0, NaN -> NaN.
-inline vf vexp(vf x) {
+// e^x, ~1 ulp, for x in [-87.3, 88.3] (Cody-Waite range reduction, degree-6 polynomial).
+inline vf vexp_core(vf x) {
   const vf magic = splat(12582912.f);                     // 1.5 * 2^23: round to nearest
-  vf xc = select(x > 88.3f, splat(88.3f), x);
-  xc = select(xc < -87.3f, splat(-87.3f), xc);
-  vf n = (xc * 1.44269504f + magic) - magic;              // round(x / ln 2)
-  vf r = xc - n * 0.693359375f - n * -2.12194440e-4f;     // x - n ln 2 in two parts
+  vf n = (x * 1.44269504f + magic) - magic;               // round(x / ln 2)
+  vf r = x - n * 0.693359375f - n * -2.12194440e-4f;      // x - n ln 2 in two parts
   vf y = splat(1.9875691500e-4f);
   y = y * r + 1.3981999507e-3f;
   y = y * r + 8.3334519073e-3f;
@@ -100,20 +98,29 @@ inline vf vexp(vf x) {
   y = y * r + 5.0000001201e-1f;
   y = y * r * r + r + 1.f;
   vi bits = (__builtin_convertvector(n, vi) + 127) << 23;  // 2^n
-  vf out = y * (vf)bits;
-  out = select(x < -87.3f, splat(0.f), out);             // also -inf -> 0
-  return select(x > 88.3f, splat(std::numeric_limits<float>::infinity()), out);
-}                                                         // NaN -> NaN through y
+  return y * (vf)bits;                                    // NaN -> NaN through y
+}
 
-// tanh(x) to a few ulp over the whole range (Cody & Waite): a rational form near 0, where
-// 1 - 2/(e^2x + 1) would cancel, so c * tanh(x / c) stays exact-ish for caps up to 1e8.
+// e^x for x <= 0 (softmax): exactly 0 below -87.3 and for -inf.
+inline vf vexp_neg(vf x) {
+  const vi tiny = x < -87.3f;
+  return select(tiny, splat(0.f), vexp_core(select(tiny, splat(0.f), x)));
+}
+
+// tanh(x) to a few ulp over the whole range: an odd polynomial below 0.625, where
+// 1 - 2/(e^2x + 1) would cancel (Cephes' tanhf), so c * tanh(x / c) stays accurate for
+// caps up to 1e8; one division per lane (tanh(9) rounds to 1, so e^2f stays finite).
 inline vf vtanh(vf x) {
   vf f = select(x < 0.f, -x, x);
-  vf g = f * f;
-  vf small = f + f * (g * (g * -3.831010665e-3f - 8.237728127e-1f)) / (g + 2.471319654f);
-  vf big = 0.5f - 1.f / (vexp(f + f) + 1.f);
-  big = big + big;
-  vf r = select(f > 0.5493061443f, big, small);
+  vf z = f * f;
+  vf p = splat(-5.70498872745e-3f);
+  p = p * z + 2.06390887954e-2f;
+  p = p * z - 5.37397155531e-2f;
+  p = p * z + 1.33314422036e-1f;
+  p = p * z - 3.33332819422e-1f;
+  vf small = p * z * f + f;
+  vf big = 1.f - 2.f / (vexp_core(select(f > 9.f, splat(9.f), f) * 2.f) + 1.f);
+  vf r = select(f >= 0.625f, big, small);
   return select(x < 0.f, -r, r);                           // NaN -> NaN through both forms
 }
 
@@ -251,8 +258,8 @@ inline void score_terms(const Args& a, float* x, i64 n, i64 npad, i64 b, i64 h, 
                         bool full) {
   const vf sc = splat(a.scale);
   if (a.softcap > 0.f) {
-    const vf c = splat(a.softcap);
-    for (i64 j = 0; j < npad; j += W) store(x + j, c * vtanh(load(x + j) * sc / c));
+    const vf c = splat(a.softcap), sc_c = splat(a.scale / a.softcap);
+    for (i64 j = 0; j < npad; j += W) store(x + j, c * vtanh(load(x + j) * sc_c));
   } else {
     for (i64 j = 0; j < npad; j += W) store(x + j, load(x + j) * sc);
   }
@@ -305,7 +312,7 @@ inline float softmax_step(float* x, i64 npad, float& m, float& l) {
   const vf vs = splat(shift);
   vf sum = splat(0.f);
   for (i64 j = 0; j < npad; j += W) {
-    vf p = vexp(load(x + j) - vs);
+    vf p = vexp_neg(load(x + j) - vs);
     store(x + j, p);
     sum += p;
   }
