@@ -180,6 +180,12 @@ def page_grid(trace: Trace) -> int | None:
     return max(lo, min(hi, math.isqrt(PAGE_CELLS // n_maps)))
 
 
+def block_sizes(shape: tuple[int, int], rows: int, cols: int) -> tuple[int, int]:
+    """Rows and columns per block so that a matrix of ``shape`` fits ``rows`` × ``cols``."""
+    n, k = shape
+    return (-(-n // rows) if n > rows else 1), (-(-k // cols) if k > cols else 1)
+
+
 def pool(m: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, int, int]:
     """Block means of ``m`` so that at most ``rows`` × ``cols`` remain: ``(pooled, fr, fc)``.
 
@@ -187,8 +193,7 @@ def pool(m: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, int, int]:
     a NaN, else +∞ or −∞ (all masked stays masked). ``fr``/``fc`` are the block sizes.
     """
     n, k = m.shape
-    fr = -(-n // rows) if n > rows else 1
-    fc = -(-k // cols) if k > cols else 1
+    fr, fc = block_sizes((n, k), rows, cols)
     if fr == fc == 1:
         return m, 1, 1
     r, c = -(-n // fr), -(-k // fc)

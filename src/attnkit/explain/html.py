@@ -35,6 +35,7 @@ from .common import (
     MAX_HEADS,
     axis_labels,
     block_labels,
+    block_sizes,
     cell_formatter,
     fmt,
     head_label,
@@ -314,8 +315,7 @@ def _card_head(title: str, shape: tuple[int, ...], t: dict[str, str], grid: int 
     """A card's title line: the name, the full shape, and the block size when drawn in blocks."""
     out = f'<h4>{title} <span class="shp">{shape_str(shape)}</span></h4>'
     if grid is not None and len(shape) == 2 and max(shape) > grid:
-        fr = -(-shape[0] // grid) if shape[0] > grid else 1
-        fc = -(-shape[1] // grid) if shape[1] > grid else 1
+        fr, fc = block_sizes(shape, grid, grid)
         out += f'<div class="what">{E(t["page_block"].format(br=fr, bc=fc))}</div>'
     return out
 
