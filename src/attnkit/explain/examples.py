@@ -253,12 +253,14 @@ def shape_walk() -> list[Trace]:
     def s(a: np.ndarray | tuple[int, ...]) -> str:
         return shape_str(a if isinstance(a, tuple) else a.shape)
 
-    walk = [
-        f"X {s(x)}  ·  W_Q {s(w_q[0])}  →  Q {s(q[0])}      {{alike}}",
-        f"Q {s(q[0])}  ·  Kᵀ {s(k[0].T)}  →  QKᵀ {s(tr.scores[0])}",
-        f"softmax(QKᵀ / √{d_k}) {s(tr.weights[0])}  ·  V {s(v[0])}  →  head {s(out[0])}",
-        f"{h} heads  →  concat {s(concat)}  ·  W_O {s(w_o)}  →  {s(final)}",
-    ]
+    def walk(alike: str) -> str:
+        return "\n  ".join([
+            f"X {s(x)}  ·  W_Q {s(w_q[0])}  →  Q {s(q[0])}      {alike}",
+            f"Q {s(q[0])}  ·  Kᵀ {s(k[0].T)}  →  QKᵀ {s(tr.scores[0])}",
+            f"softmax(QKᵀ / √{d_k}) {s(tr.weights[0])}  ·  V {s(v[0])}  →  head {s(out[0])}",
+            f"{h} heads  →  concat {s(concat)}  ·  W_O {s(w_o)}  →  {s(final)}",
+        ])
+
     tr.options["max_heads"] = 1
     return [_text(tr, (
         f"The base model's shapes: d_model = {d_model}, h = {h}, d_k = {d_k}",
@@ -266,11 +268,11 @@ def shape_walk() -> list[Trace]:
     ), (
         f"{n} tokens of width {d_model} (seeded random values: only the shapes matter).\n"
         "Each head projects X to its own Q, K, V:\n\n  "
-        + "\n  ".join(walk).replace("{alike}", "(K, V alike)")
+        + walk("(K, V alike)")
         + "\n\nOnly head 1 is printed below; every head has the same shapes.",
         f"폭 {d_model}인 토큰 {n}개 (시드 고정 난수: 모양만 중요합니다).\n"
         "각 헤드는 X를 자신의 Q, K, V로 사영합니다:\n\n  "
-        + "\n  ".join(walk).replace("{alike}", "(K, V도 같음)")
+        + walk("(K, V도 같음)")
         + "\n\n아래에는 헤드 1만 출력합니다. 모든 헤드의 모양은 같습니다.",
     ))]
 
