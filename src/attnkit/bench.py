@@ -8,20 +8,29 @@ For every case the same inputs go to:
 - **flex** — ``torch.nn.attention.flex_attention`` compiled with ``torch.compile``
   (forward only; compile time reported apart; when it cannot compile, the reason is shown);
 - **naive** — the materialised formula ``softmax(QKᵀ·scale + M) V`` (skipped when its
-  N_q × N_k scores would not fit comfortably).
+  N_q × N_k scores would not fit comfortably);
+- **baseline** — for an option's cost (softcap, ALiBi): attnkit on the same call without it.
 
-Columns: median time of several runs; ``speedup`` = peer time ÷ attnkit time (> 1: attnkit
-is faster); ``eff`` = useful FLOPs ÷ time ÷ the sgemm FLOP/s measured in this same run
-(decode: bytes of K and V read ÷ time ÷ the read bandwidth measured in this run); ``peak MB``
-= peak resident memory during the call beyond what was resident before it (RSS sampled
-every 0.5 ms; large allocations are returned to the OS at once, so it tracks live memory).
+Columns: median time of the case's runs; ``speedup (>1 = attnkit faster)`` = peer time ÷
+attnkit time; ``eff`` = useful FLOPs ÷ time ÷ the sgemm FLOP/s measured in this same case
+(decode: bytes of K and V read ÷ time ÷ the read bandwidth measured in it, ``bw``);
+``peak MB`` = peak resident memory during the call beyond what was resident before it (RSS
+sampled every 0.5 ms; large allocations are returned to the OS at once); ``peer`` names what
+the row ran.
+
+While it runs, a progress line per case goes to stderr (case i of n, elapsed, time left).
+At the end: the **noise verdict** (:func:`noise`: the spread of the sgemm/bandwidth
+yardsticks interleaved with every case), the targets met or missed, and on request
+``--json PATH`` (one flat record per case and implementation) and ``--plot OUT.png``.
 
 Shape legend: B batch, H heads, N sequence length, D head width; every case is float32.
 
 Caution
 -------
-- The machine may be shared: compare ratios measured in one run, not times across runs.
+- The machine may be shared: compare ratios measured in one run, not times across runs;
+  the noise verdict says how far the ratios of this run can be trusted.
 - Peak memory comes from RSS sampling: a spike shorter than 0.5 ms can be missed.
+- The time left is an estimate from the cases' FLOPs and the speed seen so far.
 """
 
 from __future__ import annotations
@@ -29,6 +38,8 @@ from __future__ import annotations
 import argparse
 import ctypes
 import datetime
+import importlib
+import json
 import math
 import os
 import platform
@@ -42,7 +53,16 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-__all__ = ["run_cli", "Case", "run_case", "measure"]
+__all__ = ["run_cli", "Case", "run_case", "measure", "noise", "PEERS"]
+
+#: What each row ran (the ``peer`` column and the JSON's ``peer`` field).
+PEERS = {"attnkit": "attnkit.attention(backend='auto')",
+         "sdpa": "torch SDPA (default CPU kernel; dense bool mask for structured masks)",
+         "flex": "FlexAttention, torch.compile'd (forward only)",
+         "naive": "naive formula softmax(QKᵀ·scale + M)V, materialised"}
+#: Above this ± (percent) spread of the yardsticks, the run is called busy.
+BUSY_PCT = 5.0
+_SPEED_W = 29
 
 
 # ---------------------------------------------------------------------------- measuring
@@ -92,24 +112,25 @@ class Timing:
     runs: int
 
 
+def _time_once(fn: Callable[[], object], peak: bool = False) -> tuple[float, float]:
+    """(wall seconds, peak RSS above the start in MB — only when ``peak``) of one call."""
+    if not peak:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0, 0.0
+    with _PeakRSS() as pk:
+        t0 = time.perf_counter()
+        fn()
+        t = time.perf_counter() - t0
+    return t, pk.extra_mb
+
+
 def measure(fn: Callable[[], object], repeat: int, warmup: int = 1) -> Timing:
     """Median wall time of ``repeat`` runs after ``warmup``; peak extra RSS of the first run."""
     for _ in range(warmup):
         fn()
-    times = []
-    peak = 0.0
-    for i in range(repeat):
-        if i == 0:
-            with _PeakRSS() as pk:
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-            peak = pk.extra_mb
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return Timing(statistics.median(times), peak, repeat)
+    runs = [_time_once(fn, i == 0) for i in range(repeat)]
+    return Timing(statistics.median(t for t, _ in runs), runs[0][1], repeat)
 
 
 def sgemm_flops(n: int = 2048, repeat: int = 5) -> float:
@@ -165,6 +186,8 @@ class Case:
     peers: tuple[str, ...] = ("sdpa", "flex", "naive")
     repeat: int = 3
     baseline: str | None = None   # compare with attnkit on this other case name instead
+    sgemm_n: int = 2048           # the interleaved sgemm yardstick: an n³ matmul
+    read_mb: int = 256            # decode's interleaved read-bandwidth yardstick (MB)
     results: dict[str, object] = field(default_factory=dict)
 
 
@@ -205,12 +228,14 @@ def _useful_pairs(c: Case, mask: object) -> float:
 
 
 def run_case(c: Case, bw: float, flex: tuple[Callable | None, str],
-             naive_limit_gb: float) -> list[tuple[str, str]]:
-    """Run one case; returns printable (label, line) rows and fills ``c.results``.
+             naive_limit_gb: float, baseline: Case | None = None) -> list[tuple[str, str]]:
+    """Run one case; returns printable (label, line) rows and fills ``c.results`` (its
+    ``records``: one dict per implementation, as ``--json`` writes them).
 
     The sgemm yardstick (and, for decode, the read bandwidth) is measured inside the case,
     interleaved with the implementations; ``bw`` is used only when the case has no read
-    yardstick of its own."""
+    yardstick of its own. ``baseline``: the case (already run) whose attnkit time this
+    case's option is compared with."""
     import attnkit as ak
 
     torch.manual_seed(0)
@@ -223,7 +248,6 @@ def run_case(c: Case, bw: float, flex: tuple[Callable | None, str],
     pairs = _useful_pairs(c, mask)
     fwd_flops = 4.0 * B * H * pairs * d
     flops = fwd_flops * (3.5 if c.backward else 1.0)
-    rows: list[tuple[str, str]] = []
     if c.backward:
         q.requires_grad_(True)
         k.requires_grad_(True)
@@ -282,12 +306,13 @@ def run_case(c: Case, bw: float, flex: tuple[Callable | None, str],
             except Exception as e:  # noqa: BLE001
                 msg = f"{type(e).__name__}: {e}".splitlines()[0][:160]
                 skipped["flex"] = f"compile/run failed: {msg}"
-    timings: dict[str, Timing] = {}
     # the yardsticks run interleaved with the implementations, so they see the same machine
-    ga, gb = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    n_g = c.sgemm_n
+    ga, gb = torch.randn(n_g, n_g), torch.randn(n_g, n_g)
     impls["_sgemm"] = lambda: ga @ gb
-    if c.name.startswith("decode"):
-        xr = torch.ones(64 * 2**20)                          # 256 MB, far beyond the caches
+    decode = c.name.startswith("decode")
+    if decode:
+        xr = torch.ones(c.read_mb * 2**20 // 4)             # far beyond the caches
         impls["_read"] = lambda: xr.sum()
     # interleave the implementations run by run, so a busy moment hits all of them
     for fn_ in impls.values():
@@ -296,49 +321,81 @@ def run_case(c: Case, bw: float, flex: tuple[Callable | None, str],
     peaks: dict[str, float] = {}
     for r in range(c.repeat):
         for name, fn_ in impls.items():
-            if r == 0:
-                with _PeakRSS() as pk:
-                    t0 = time.perf_counter()
-                    fn_()
-                    per[name].append(time.perf_counter() - t0)
-                peaks[name] = pk.extra_mb
-            else:
-                t0 = time.perf_counter()
-                fn_()
-                per[name].append(time.perf_counter() - t0)
-    for name in impls:
-        timings[name] = Timing(statistics.median(per[name]), peaks[name], c.repeat)
-    flops_s = 2 * 2048**3 / timings.pop("_sgemm").median_s
+            t, pk = _time_once(fn_, r == 0)
+            per[name].append(t)
+            peaks[name] = max(peaks.get(name, 0.0), pk)
+    timings = {n: Timing(statistics.median(per[n]), peaks[n], c.repeat) for n in impls}
+    flops_s = 2 * n_g**3 / timings.pop("_sgemm").median_s
+    c.results["sgemm_samples"] = [2 * n_g**3 / t for t in per["_sgemm"]]
     if "_read" in timings:
-        bw = 64 * 2**20 * 4 / timings.pop("_read").median_s
-    c.results["timings"] = timings
-    c.results["skipped"] = skipped
-    c.results["compile_s"] = compile_s
-    c.results["flops_s"] = flops_s
-    c.results["bw"] = bw
+        bw = xr.numel() * 4 / timings.pop("_read").median_s
+        c.results["read_samples"] = [xr.numel() * 4 / t for t in per["_read"]]
+    c.results.update(timings=timings, skipped=skipped, compile_s=compile_s, flops_s=flops_s,
+                     bw=bw)
     ta = timings["attnkit"].median_s
-    for name in ("attnkit", *[p for p in ("sdpa", "flex", "naive") if p in c.peers]):
+    records = []
+    for name in ("attnkit", *[p for p in PEERS if p in c.peers]):
+        rec: dict[str, object] = {"case": c.name, "impl": name, "peer": PEERS[name],
+                                  "runs": c.repeat, "median_s": None, "ratio": None,
+                                  "eff": None, "eff_of": "read bandwidth" if decode else "sgemm",
+                                  "peak_mb": None, "skipped": skipped.get(name),
+                                  "compile_s": compile_s if name == "flex" else None}
         if name in timings:
-            t = timings[name]
-            ratio = t.median_s / ta
-            if c.name.startswith("decode"):
-                eff = 2 * B * H * c.n_k * d * 4 / t.median_s / bw
-                eff_s = f"{eff:5.2f} bw"
-            else:
-                eff_s = f"{flops / t.median_s / flops_s:5.2f}"
-            extra = f"  (compile {compile_s:.1f} s)" if name == "flex" and compile_s else ""
-            rows.append((name, f"{t.median_s * 1e3:10.1f} {ratio:8.2f}x {eff_s:>9} "
-                               f"{t.peak_mb:9.0f}{extra}"))
-        elif name in skipped:
-            rows.append((name, f"{'—':>10} {'':>9} {'':>9} {'':>9}  skipped: {skipped[name]}"))
-    rows.append(("", f"(yardsticks in this case: sgemm {flops_s / 1e9:.1f} GFLOP/s"
-                     + (f", read {bw / 1e9:.1f} GB/s)" if c.name.startswith("decode") else ")")))
+            t = timings[name].median_s
+            useful = 2 * B * H * c.n_k * d * 4 / bw if decode else flops / flops_s
+            rec.update(median_s=t, ratio=t / ta, eff=useful / t, peak_mb=timings[name].peak_mb)
+        elif name not in skipped:
+            continue
+        records.append(rec)
+    if baseline is not None and "timings" in baseline.results:
+        tb = baseline.results["timings"]["attnkit"].median_s  # type: ignore[index]
+        records.append({"case": c.name, "impl": "baseline", "runs": baseline.repeat,
+                        "peer": f"attnkit on '{baseline.name}' (the same call without "
+                                "this option; < 1 = what the option costs)",
+                        "median_s": tb, "ratio": tb / ta, "eff": None, "eff_of": None,
+                        "peak_mb": None, "skipped": None, "compile_s": None})
+    c.results["records"] = records
+    return _format_rows(c)
+
+
+def _format_rows(c: Case) -> list[tuple[str, str]]:
+    """The printable rows of a case that ran: (label, line)."""
+    rows = []
+    for r in c.results["records"]:  # type: ignore[union-attr]
+        peer = r["peer"] + (f", compile {r['compile_s']:.1f} s" if r["compile_s"] else "")
+        if r["median_s"] is None:
+            rows.append((r["impl"], f"{'—':>10} {'':>{_SPEED_W}} {'':>9} {'':>8}  {peer}; "
+                                    f"skipped: {r['skipped']}"))
+            continue
+        speed = "—" if r["impl"] == "attnkit" else f"{r['ratio']:.2f}x"
+        eff = "" if r["eff"] is None else f"{r['eff']:.2f}" + (" bw" if r["eff_of"] ==
+                                                                "read bandwidth" else "")
+        peak = "" if r["peak_mb"] is None else f"{r['peak_mb']:.0f}"
+        rows.append((r["impl"], f"{r['median_s'] * 1e3:10.1f} {speed:>{_SPEED_W}} {eff:>9} "
+                                f"{peak:>8}  {peer}"))
+    fl = c.results["flops_s"]
+    rows.append(("", f"(yardsticks in this case: sgemm {fl / 1e9:.1f} GFLOP/s"  # type: ignore
+                     + (f", read {c.results['bw'] / 1e9:.1f} GB/s)"  # type: ignore[operator]
+                        if "read_samples" in c.results else ")")))
     return rows
 
 
-def _cases(quick: bool) -> list[Case]:
-    """The target rows of the CPU-engine issue; ``quick`` shrinks N to finish in < 1 min."""
-    if quick:
+def _cases(size: str) -> list[Case]:
+    """The target rows of the CPU-engine issue at ``size``: "full" (~10 min), "quick" (smaller
+    N, < 1 min) or "tiny" (a smoke test of the command itself, seconds; not a measurement)."""
+    if size == "tiny":
+        small = {"sgemm_n": 128, "read_mb": 4, "repeat": 2}
+        return [
+            Case("dense fwd N=64", 64, 64, d=16, heads=2, **small),
+            Case("causal fwd+bwd N=64", 64, 64, d=16, heads=2, mask="causal", backward=True,
+                 peers=("sdpa", "naive"), **small),
+            Case("decode 1x256 D=16", 1, 256, d=16, heads=2, peers=("sdpa",), **small),
+            Case("baseline causal fwd+bwd N=64", 64, 64, d=16, heads=2, mask="causal",
+                 backward=True, peers=(), **small),
+            Case("softcap fwd+bwd N=64", 64, 64, d=16, heads=2, mask="causal", backward=True,
+                 softcap=30.0, peers=(), baseline="baseline causal fwd+bwd N=64", **small),
+        ]
+    if size == "quick":
         return [
             Case("dense fwd N=1024", 1024, 1024),
             Case("causal fwd N=1024", 1024, 1024, mask="causal"),
@@ -349,12 +406,12 @@ def _cases(quick: bool) -> list[Case]:
             Case("sliding 256 fwd+bwd N=2048", 2048, 2048, mask="sliding:256", backward=True,
                  peers=("sdpa",)),
             Case("decode 1x8192 D=128", 1, 8192, d=128, peers=("sdpa", "naive")),
-            Case("ref: causal fwd+bwd N=1024", 1024, 1024, mask="causal", backward=True,
+            Case("baseline causal fwd+bwd N=1024", 1024, 1024, mask="causal", backward=True,
                  peers=()),
             Case("softcap fwd+bwd N=1024", 1024, 1024, mask="causal", backward=True,
-                 softcap=30.0, peers=(), baseline="ref: causal fwd+bwd N=1024"),
+                 softcap=30.0, peers=(), baseline="baseline causal fwd+bwd N=1024"),
             Case("alibi fwd+bwd N=1024", 1024, 1024, mask="causal", backward=True,
-                 score_mod="alibi", peers=(), baseline="ref: causal fwd+bwd N=1024"),
+                 score_mod="alibi", peers=(), baseline="baseline causal fwd+bwd N=1024"),
         ]
     return [
         Case("dense fwd N=4096", 4096, 4096, repeat=5),
@@ -367,12 +424,12 @@ def _cases(quick: bool) -> list[Case]:
              peers=("sdpa",)),
         Case("decode 1x32768 D=128", 1, 32768, d=128, repeat=9, peers=("sdpa", "naive")),
         Case("causal fwd N=32768", 32768, 32768, mask="causal", repeat=1, peers=()),
-        Case("ref: causal fwd+bwd N=4096", 4096, 4096, mask="causal", backward=True,
+        Case("baseline causal fwd+bwd N=4096", 4096, 4096, mask="causal", backward=True,
              peers=()),
         Case("softcap fwd+bwd N=4096", 4096, 4096, mask="causal", backward=True,
-             softcap=30.0, peers=(), baseline="ref: causal fwd+bwd N=4096"),
+             softcap=30.0, peers=(), baseline="baseline causal fwd+bwd N=4096"),
         Case("alibi fwd+bwd N=4096", 4096, 4096, mask="causal", backward=True,
-             score_mod="alibi", peers=(), baseline="ref: causal fwd+bwd N=4096"),
+             score_mod="alibi", peers=(), baseline="baseline causal fwd+bwd N=4096"),
     ]
 
 
@@ -395,108 +452,302 @@ _TARGETS = [
     ("decode", "sdpa", 1.5, "≥ 1.5× torch SDPA"),
     ("decode", "eff", 0.7, "≥ 0.7 of read bandwidth"),
     ("causal fwd N=32768", "mem", 128.0, "peak beyond inputs+output ≤ 128 MB"),
-    ("softcap", "base", 0.6, "≥ 0.6× speed of the call without"),
-    ("alibi", "base", 0.6, "≥ 0.6× speed of the call without"),
+    ("softcap", "baseline", 0.6, "≥ 0.6× speed of the call without"),
+    ("alibi", "baseline", 0.6, "≥ 0.6× speed of the call without"),
 ]
 
 
-def _summary(cases: list[Case], flops_s: float, bw: float) -> list[str]:
-    by_name = {c.name: c for c in cases}
+def _summary(cases: list[Case], noise_pct: float) -> list[str]:
+    """One line per target: the value from this run and met / MISSED (a miss smaller than
+    the run's noise says so)."""
     lines = []
     for prefix, peer, goal, what in _TARGETS:
         for c in cases:
-            if not c.name.startswith(prefix) or "timings" not in c.results:
+            if not c.name.startswith(prefix) or "records" not in c.results:
                 continue
-            tm: dict[str, Timing] = c.results["timings"]  # type: ignore[assignment]
-            ta = tm["attnkit"]
-            flops_s = c.results.get("flops_s", flops_s)  # type: ignore[assignment]
-            bw = c.results.get("bw", bw)  # type: ignore[assignment]
-            if peer == "eff":
-                if c.name.startswith("decode"):
-                    val = 2 * c.batch * c.heads * c.n_k * c.d * 4 / ta.median_s / bw
+            recs = {r["impl"]: r for r in c.results["records"]}  # type: ignore[union-attr]
+            ta = recs["attnkit"]
+            if peer in ("eff", "mem"):
+                if peer == "eff":
+                    val, ok = ta["eff"], ta["eff"] >= goal
                 else:
-                    val = 4.0 * c.batch * c.heads * c.n_q * c.n_k * c.d / ta.median_s / flops_s
-                ok = val >= goal
-            elif peer == "mem":
-                out_mb = c.batch * c.heads * c.n_q * c.d * 4 / 2**20
-                val = max(0.0, ta.peak_mb - out_mb)        # the output is allocated in the call
-                ok = val <= goal
-            elif peer == "base":
-                base = by_name.get(c.baseline or "")
-                if base is None or "timings" not in base.results:
-                    continue
-                val = base.results["timings"]["attnkit"].median_s / ta.median_s  # type: ignore
-                ok = val >= goal
+                    out_mb = c.batch * c.heads * c.n_q * c.d * 4 / 2**20
+                    val = max(0.0, ta["peak_mb"] - out_mb)   # the output is allocated in the call
+                    ok = val <= goal
+            elif peer not in recs or recs[peer]["median_s"] is None:
+                why = recs[peer]["skipped"] if peer in recs else "not run"
+                lines.append(f"  {c.name:<30} vs {peer:<8} {what:<38} n/a ({why})")
+                continue
             else:
-                if peer not in tm:
-                    skipped = c.results.get("skipped", {})
-                    lines.append(f"  {c.name:<30} vs {peer:<6} {what:<38} n/a "
-                                 f"({skipped.get(peer, 'not run')})")  # type: ignore[union-attr]
-                    continue
-                val = tm[peer].median_s / ta.median_s
+                val = recs[peer]["ratio"]
                 ok = val >= goal
             unit = " MB" if peer == "mem" else ("" if peer == "eff" else "x")
-            lines.append(f"  {c.name:<30} vs {peer:<6} {what:<38} {val:7.2f}{unit}  "
-                         f"{'met' if ok else 'MISSED'}")
+            verdict = "met" if ok else "MISSED"
+            if not ok and peer != "mem" and val * (1 + noise_pct / 100) >= goal:
+                verdict = "MISSED, within this run's noise"
+            lines.append(f"  {c.name:<30} vs {peer:<8} {what:<38} {val:7.2f}{unit}  {verdict}")
     return lines
 
 
-def run_cli(argv: list[str]) -> int:
-    """``attnkit bench [--quick] [--threads N] [--only SUBSTRING]``; returns the exit code."""
+# ---------------------------------------------------------------------------- noise, output
+def noise(cases: list[Case]) -> dict[str, object]:
+    """How steady the machine was: the spread of the interleaved yardsticks over the run.
+
+    ``pct`` is half the 10–90 % range of the sgemm samples (every run of every case;
+    all samples when fewer than 10), relative to their median — the ± by which a machine
+    that changed speed between two measurements can move a ratio. Above ``BUSY_PCT`` the
+    verdict says the machine was busy."""
+    def spread(xs: list[float]) -> float:
+        xs = sorted(xs)
+        if len(xs) < 2:
+            return 0.0
+        lo, hi = (xs[0], xs[-1]) if len(xs) < 10 else (
+            xs[int(0.1 * (len(xs) - 1))], xs[math.ceil(0.9 * (len(xs) - 1))])
+        return 50.0 * (hi - lo) / statistics.median(xs)
+
+    sg = [x for c in cases for x in c.results.get("sgemm_samples", [])]  # type: ignore
+    rd = [x for c in cases for x in c.results.get("read_samples", [])]  # type: ignore
+    pct = max(spread(sg), spread(rd))
+    busy = pct > BUSY_PCT
+    if not sg:
+        verdict = "no yardstick samples (no case ran)"
+    else:
+        how = (f"sgemm yardstick {min(sg) / 1e9:.1f}–{max(sg) / 1e9:.1f} GFLOP/s over "
+               f"{len(sg)} samples" + (f", read {min(rd) / 1e9:.1f}–{max(rd) / 1e9:.1f} GB/s"
+                                       if rd else ""))
+        pm = f"±{pct:.0f}%" if pct <= 100 else "more than ±100%: do not read them"
+        verdict = (f"machine busy: ratios uncertain by {pm} ({how})" if busy else
+                   f"machine steady: ratios good to about ±{max(pct, 1):.0f}% ({how})")
+    try:
+        load = [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        load = []
+    return {"pct": round(pct, 2), "busy": busy, "verdict": verdict, "samples": len(sg),
+            "loadavg": load}
+
+
+def _write_json(path: str, meta: dict[str, object], cases: list[Case]) -> None:
+    """One flat record per (case, implementation), each carrying the run's metadata."""
+    rows = []
+    for c in cases:
+        if "records" not in c.results:
+            rows.append({"case": c.name, "impl": None, "error": c.results.get("error"),
+                         **{k: meta[k] for k in ("date", "torch", "threads")}})
+            continue
+        yard = {"sgemm_flops": c.results["flops_s"],
+                "read_bw": c.results["bw"] if "read_samples" in c.results else None}
+        for r in c.results["records"]:  # type: ignore[union-attr]
+            rows.append({**r, "yardsticks": yard, "date": meta["date"], "torch": meta["torch"],
+                         "threads": meta["threads"],
+                         "noise_pct": meta["noise"]["pct"]})  # type: ignore[index]
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        f.write("\n")
+
+
+def _need_matplotlib() -> None:
+    try:
+        importlib.import_module("matplotlib")
+    except ImportError:
+        raise _Usage("--plot needs matplotlib, which is not installed: "
+                     'pip install "attnkit[plot]"') from None
+
+
+def _plot(path: str, cases: list[Case], meta: dict[str, object]) -> None:
+    """A horizontal bar chart: per case, attnkit's speedup against each peer (log scale, the
+    bars grow from 1 — right of the line attnkit is faster)."""
+    from matplotlib.figure import Figure
+
+    short = {"sdpa": "torch SDPA", "flex": "FlexAttention (compiled)", "naive": "naive formula",
+             "baseline": "the same call without the option"}
+    data = [(c.name, {r["impl"]: r["ratio"] for r in c.results.get("records", [])  # type: ignore
+                      if r["impl"] in short and r["ratio"]}) for c in cases]
+    data = [(n, v) for n, v in data if v]
+    used = [p for p in short if any(p in v for _, v in data)]
+    fig = Figure(figsize=(9, 1.6 + 0.35 * max(1, len(data)) * max(1, len(used))),
+                 layout="constrained")
+    ax = fig.subplots()
+    h = 0.8 / max(1, len(used))
+    for j, p in enumerate(used):
+        pts = [(i + (j - (len(used) - 1) / 2) * h, v[p]) for i, (_, v) in enumerate(data)
+               if p in v]
+        ax.barh([y for y, _ in pts], [x - 1 for _, x in pts], left=1, height=h,
+                label=f"vs {short[p]}", color=f"C{list(short).index(p)}")
+        for y, x in pts:
+            ax.annotate(f"{x:.2f}×", (x, y), fontsize=7, va="center",
+                        ha="left" if x >= 1 else "right", xytext=(3 if x >= 1 else -3, 0),
+                        textcoords="offset points")
+    ax.axvline(1.0, color="black", lw=1)
+    ax.set_xscale("log")
+    xs = [x for _, v in data for x in v.values()] + [1.0]
+    ax.set_xlim(min(xs) / 2, max(xs) * 2)
+    ax.set_yticks(range(len(data)), [n for n, _ in data])
+    ax.invert_yaxis()
+    ax.set_xlabel("speedup = peer time / attnkit time  (>1 = attnkit faster; log scale)")
+    ax.set_title(f"attnkit bench {meta['date']}, torch {meta['torch']}, {meta['threads']} "
+                 f"threads\n{meta['noise']['verdict'].split(' (')[0]}",  # type: ignore[index]
+                 fontsize=9)
+    if used:
+        fig.legend(fontsize=8, loc="outside lower center", ncols=len(used))
+    fig.savefig(path, dpi=110)
+
+
+# ---------------------------------------------------------------------------- the command
+class _Usage(Exception):
+    pass
+
+
+def _weight(c: Case) -> float:
+    """A rough cost of a case (FLOPs of every implementation and yardstick, all runs), for
+    the time-left estimate."""
+    per = 4.0 * c.batch * c.heads * c.n_q * c.n_k * c.d * (3.5 if c.backward else 1.0)
+    return (c.repeat + 1) * (per * (1 + len(c.peers)) + 2 * c.sgemm_n**3
+                             + (c.read_mb * 2**20 if c.name.startswith("decode") else 0))
+
+
+def _progress(i: int, n: int, c: Case, elapsed: float, eta: float | None) -> None:
+    left = "time left: estimating" if eta is None else f"about {eta:.0f} s left"
+    print(f"[bench] case {i} of {n}: {c.name} — {elapsed:.0f} s elapsed, {left}",
+          file=sys.stderr, flush=True)
+
+
+def _parser() -> argparse.ArgumentParser:
+    names = ", ".join(c.name for c in _cases("full"))
     ap = argparse.ArgumentParser(prog="attnkit bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sizes, finishes in < 1 minute")
+    ap.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # the tests' size
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads (default: torch's default for this machine)")
-    ap.add_argument("--only", default=None, help="run only cases whose name contains this")
+    ap.add_argument("--only", default=None, metavar="TEXT",
+                    help="run only the cases whose name contains TEXT (the baselines they "
+                         f"compare with come along). Cases: {names}. With --quick the sizes "
+                         "are smaller; --list prints the names")
+    ap.add_argument("--list", action="store_true", help="print the case names and exit")
     ap.add_argument("--no-flex", action="store_true", help="skip compiled FlexAttention")
-    args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    _limit_malloc_caching()
-    cases = _cases(args.quick)
+    ap.add_argument("--json", metavar="PATH", help="also write every row as JSON (for "
+                    "tracking over time: case, impl, median_s, ratio, peer, eff, yardsticks, "
+                    "date, torch, threads, noise)")
+    ap.add_argument("--plot", metavar="OUT.png", help="also draw the speedups against each "
+                    "peer as a PNG chart (needs matplotlib: pip install \"attnkit[plot]\")")
+    return ap
+
+
+def _check_out(path: str | None, flag: str) -> None:
+    if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        raise _Usage(f"{flag} {path}: the folder {os.path.dirname(os.path.abspath(path))} "
+                     "does not exist")
+
+
+def run_cli(argv: list[str]) -> int:
+    """``attnkit bench [--quick] [--threads N] [--only TEXT] [--list] [--json PATH]
+    [--plot OUT.png] [--no-flex]``; returns the exit code (2: bad usage)."""
+    args = _parser().parse_args(argv)
+    size = "tiny" if args.tiny else "quick" if args.quick else "full"
+    cases = _cases(size)
     if args.only:
         keep = {c.name for c in cases if args.only in c.name}
         keep |= {c.baseline for c in cases if c.name in keep and c.baseline}
         cases = [c for c in cases if c.name in keep]
+    if args.list:
+        for c in cases:
+            peers = ", ".join(c.peers) or (f"baseline '{c.baseline}'" if c.baseline else "—")
+            print(f"{c.name:<32}  N_q={c.n_q} N_k={c.n_k} D={c.d} H={c.heads} mask={c.mask}"
+                  f"{' fwd+bwd' if c.backward else ''}; peers: {peers}")
+        return 0
+    try:
+        if not cases:
+            raise _Usage(f"--only {args.only!r} matches no case; --list prints the names")
+        _check_out(args.json, "--json")
+        _check_out(args.plot, "--plot")
+        if args.plot:
+            _need_matplotlib()
+    except _Usage as e:
+        print(f"attnkit bench: {e}", file=sys.stderr)
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    _limit_malloc_caching()
     t_start = time.perf_counter()
-    print(f"attnkit bench{' --quick' if args.quick else ''} — "
-          f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
+    date = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
+    print(f"attnkit bench{' --quick' if args.quick else ''} — {date}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{platform.processor() or platform.machine()}, "
           f"cpu capability {torch.backends.cpu.get_cpu_capability()}, python "
           f"{sys.version.split()[0]}")
-    flops_s = sgemm_flops(1024 if args.quick else 2048)
-    bw = read_bandwidth(128 if args.quick else 512)
+    small = {"tiny": (128, 4), "quick": (1024, 128), "full": (2048, 512)}[size]
+    flops_s = sgemm_flops(small[0])
+    bw = read_bandwidth(small[1])
     print(f"sgemm {flops_s / 1e9:.1f} GFLOP/s, read bandwidth {bw / 1e9:.1f} GB/s "
           "(measured now)")
     if args.no_flex:
         flex: tuple[Callable | None, str] = (None, "disabled with --no-flex")
-    elif args.quick:
+    elif size != "full":
         flex = (None, "not in --quick (torch.compile takes 5-120 s per mask on a 2-core box)")
     else:
         flex = _flex_fn()
-    print("B=1, H=8, D=64 unless noted; float32. speedup = peer time / attnkit time.")
-    header = f"  {'impl':<8} {'median ms':>10} {'speedup':>9} {'eff':>9} {'peak MB':>9}"
-    for c in cases:
+    print("B=1, H=8, D=64 unless noted; float32. Each row: median time of the case's runs, "
+          "implementations interleaved run by run.\n"
+          "speedup = peer time / attnkit time (>1 = attnkit faster); eff = useful FLOP/s / "
+          "the sgemm FLOP/s measured in the same case (decode: K/V bytes read per s / the "
+          "read bandwidth, 'bw').")
+    header = (f"  {'impl':<8} {'median ms':>10} {'speedup (>1 = attnkit faster)':>{_SPEED_W}} "
+              f"{'eff':>9} {'peak MB':>8}  peer")
+    by_name = {c.name: c for c in cases}
+    weights = [_weight(c) for c in cases]
+    rate = flops_s * 0.5                       # FLOPs per second, until a case has been timed
+    t_cases = 0.0
+    for i, c in enumerate(cases):
+        elapsed = time.perf_counter() - t_start
+        _progress(i + 1, len(cases), c, elapsed,
+                  sum(weights[i:]) / rate + (0 if flex[0] is None else 30.0 * (i == 0)))
         print(f"\n{c.name}  (N_q={c.n_q}, N_k={c.n_k}, D={c.d}, mask={c.mask}"
               f"{', softcap' if c.softcap else ''}{', ' + c.score_mod if c.score_mod else ''}"
-              f", {c.repeat} runs)")
+              f", median of {c.repeat} run{'s' if c.repeat != 1 else ''})")
         print(header)
+        t0 = time.perf_counter()
         try:
-            rows = run_case(c, bw, flex, naive_limit_gb=1.5)
+            rows = run_case(c, bw, flex, naive_limit_gb=1.5,
+                            baseline=by_name.get(c.baseline or ""))
         except Exception as e:  # noqa: BLE001
-            print(f"  failed: {type(e).__name__}: {e}")
-            continue
+            c.results["error"] = f"{type(e).__name__}: {e}"
+            print(f"  failed: {c.results['error']}")
+            rows = []
+        t_cases += time.perf_counter() - t0
+        rate = sum(weights[: i + 1]) / max(t_cases, 1e-9)
         for label, line in rows:
             print(f"  {label:<8} {line}")
         sys.stdout.flush()
+    total = time.perf_counter() - t_start
+    print(f"[bench] done: {len(cases)} case{'s' if len(cases) != 1 else ''} in {total:.0f} s",
+          file=sys.stderr, flush=True)
+    nz = noise(cases)
+    print(f"\nNoise: {nz['verdict']}.")
     print("\nTargets (ratios from this run" + (
-        "; --quick uses smaller sizes than the targets are set for)" if args.quick else ")")
+        "; --quick uses smaller sizes than the targets are set for)" if size != "full" else ")")
         + ":")
-    for line in _summary(cases, flops_s, bw):
+    for line in _summary(cases, nz["pct"]):  # type: ignore[arg-type]
         print(line)
-    print(f"\ntotal {time.perf_counter() - t_start:.0f} s")
+    print(f"\ntotal {total:.0f} s")
+    meta = {"date": date, "command": "attnkit bench " + " ".join(argv),
+            "attnkit": _version(), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "python": sys.version.split()[0],
+            "cpu": platform.processor() or platform.machine(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "yardsticks": {"sgemm_flops": flops_s, "read_bw": bw}, "noise": nz,
+            "total_s": total}
+    if args.json:
+        _write_json(args.json, meta, cases)
+        print(f"attnkit bench: wrote {args.json}", file=sys.stderr)
+    if args.plot:
+        _plot(args.plot, cases, meta)
+        print(f"attnkit bench: wrote {args.plot}", file=sys.stderr)
     return 0
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
 
 
 if __name__ == "__main__":

@@ -1,0 +1,161 @@
+"""`attnkit bench` explains itself: progress, --list, --only's help, named peers, the noise
+verdict, --json, --plot and the missing-matplotlib message.
+
+Everything runs in-process on the hidden ``--tiny`` case set (seconds). Never asserts on speed.
+"""
+
+from __future__ import annotations
+
+import builtins
+import json
+import re
+import sys
+
+import pytest
+
+from attnkit import bench
+from attnkit.cli import main
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """One tiny run with --json and --plot; (stdout, stderr, json, png path)."""
+    out = tmp_path_factory.mktemp("bench")
+    js, png = out / "b.json", out / "b.png"
+    mp = pytest.MonkeyPatch()
+    import io
+
+    so, se = io.StringIO(), io.StringIO()
+    mp.setattr(sys, "stdout", so)
+    mp.setattr(sys, "stderr", se)
+    try:
+        rc = main(["bench", "--tiny", "--json", str(js), "--plot", str(png)])
+    finally:
+        mp.undo()
+    assert rc == 0, se.getvalue()
+    return so.getvalue(), se.getvalue(), json.loads(js.read_text()), png
+
+
+def test_progress_lines_count_cases_and_estimate_time_left(tiny_run):
+    _, err, _, _ = tiny_run
+    n = len(bench._cases("tiny"))
+    lines = [ln for ln in err.splitlines() if ln.startswith("[bench] case")]
+    assert len(lines) == n
+    for i, ln in enumerate(lines, 1):
+        assert re.match(rf"\[bench\] case {i} of {n}: .+ — \d+ s elapsed, about \d+ s left$",
+                        ln), ln
+    assert f"[bench] done: {n} cases in" in err
+
+
+def test_table_says_which_way_is_better_and_names_every_peer(tiny_run):
+    out, _, _, _ = tiny_run
+    assert "speedup (>1 = attnkit faster)" in out
+    assert "median of 2 runs" in out and "1 runs" not in out
+    assert "ref:" not in out                       # the baseline rows say what they are
+    for peer in ("sdpa", "naive"):
+        assert bench.PEERS[peer] in out
+    assert "attnkit on 'baseline causal fwd+bwd N=64' (the same call without" in out
+    # a skipped peer says why, on its own row
+    assert re.search(r"flex .*skipped: ", out)
+
+
+def test_noise_verdict_comes_from_the_yardsticks(tiny_run):
+    out, _, data, _ = tiny_run
+    nz = data["meta"]["noise"]
+    assert nz["samples"] == sum(c.repeat for c in bench._cases("tiny"))
+    assert re.search(r"^Noise: machine (busy: ratios uncertain by|steady: ratios good to "
+                     r"about) ", out, re.M)
+    assert nz["verdict"] in out
+    assert nz["busy"] == (nz["pct"] > bench.BUSY_PCT)
+
+
+def test_noise_verdict_busy_and_steady():
+    steady, busy = bench.Case("a", 1, 1), bench.Case("b", 1, 1)
+    steady.results["sgemm_samples"] = [100e9, 101e9, 99e9]
+    busy.results["sgemm_samples"] = [100e9, 60e9, 140e9]
+    assert not bench.noise([steady])["busy"]
+    assert "machine steady" in bench.noise([steady])["verdict"]
+    nz = bench.noise([busy])
+    assert nz["busy"] and "machine busy: ratios uncertain by ±40%" in nz["verdict"]
+
+
+def test_json_rows_are_flat_records_for_tracking(tiny_run):
+    _, _, data, _ = tiny_run
+    rows = data["rows"]
+    names = [c.name for c in bench._cases("tiny")]
+    assert {r["case"] for r in rows} == set(names)
+    keys = {"case", "impl", "median_s", "ratio", "peer", "eff", "yardsticks", "date", "torch",
+            "threads", "noise_pct"}
+    for r in rows:
+        assert keys <= set(r), set(keys) - set(r)
+        assert r["torch"] == data["meta"]["torch"] and r["threads"] >= 1
+        assert r["yardsticks"]["sgemm_flops"] > 0
+        if r["impl"] == "attnkit":
+            assert r["ratio"] == 1.0 and r["median_s"] > 0
+        elif r["median_s"] is None:
+            assert r["skipped"]
+        else:
+            assert r["ratio"] > 0 and r["peer"]
+    impls = {(r["case"], r["impl"]) for r in rows}
+    assert ("softcap fwd+bwd N=64", "baseline") in impls
+    assert ("decode 1x256 D=16", "sdpa") in impls
+    assert [r for r in rows if r["case"].startswith("decode")][0]["yardsticks"]["read_bw"] > 0
+
+
+def test_plot_is_a_png(tiny_run):
+    _, err, _, png = tiny_run
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"wrote {png}" in err
+
+
+def test_list_prints_the_case_names(capsys):
+    assert bench.run_cli(["--list", "--quick"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    parsed = [re.split(r"\s{2,}", ln, maxsplit=1) for ln in lines]
+    assert [p[0] for p in parsed] == [c.name for c in bench._cases("quick")]
+    assert all("peers:" in p[1] for p in parsed)
+    assert bench.run_cli(["--list", "--only", "softcap"]) == 0        # baselines come along
+    names = [re.split(r"\s{2,}", ln)[0] for ln in capsys.readouterr().out.splitlines()]
+    assert names == ["baseline causal fwd+bwd N=4096", "softcap fwd+bwd N=4096"]
+
+
+def test_only_help_names_the_cases(capsys):
+    with pytest.raises(SystemExit):
+        bench.run_cli(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    for c in bench._cases("full"):
+        assert c.name in help_text
+    assert "--list" in help_text and "--tiny" not in help_text
+
+
+def test_only_matching_nothing_is_a_clear_error(capsys):
+    assert bench.run_cli(["--tiny", "--only", "nosuchcase"]) == 2
+    err = capsys.readouterr().err
+    assert "matches no case" in err and "--list" in err
+
+
+def test_plot_without_matplotlib_names_the_extra(monkeypatch, capsys, tmp_path):
+    real_import = builtins.__import__
+
+    def no_mpl(name, *args, **kwargs):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return real_import(name, *args, **kwargs)
+
+    for mod in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, mod)
+    monkeypatch.setattr(builtins, "__import__", no_mpl)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    out = tmp_path / "x.png"
+    assert bench.run_cli(["--tiny", "--plot", str(out)]) == 2       # before any case runs
+    cap = capsys.readouterr()
+    assert cap.out == ""
+    err = cap.err.strip().splitlines()
+    assert len(err) == 1
+    assert "--plot needs matplotlib" in err[0] and 'pip install "attnkit[plot]"' in err[0]
+    assert not out.exists()
+
+
+def test_output_folder_must_exist(capsys, tmp_path):
+    assert bench.run_cli(["--tiny", "--json", str(tmp_path / "no" / "b.json")]) == 2
+    assert "does not exist" in capsys.readouterr().err
