@@ -172,3 +172,24 @@ def test_nan_in_padded_rows_with_gqa_and_leading_dims(backend):
 def test_nan_query_attending_is_documented():
     doc = ak.api.__doc__ or ""
     assert "NaN" in doc and "attend" in doc
+
+
+def test_nan_query_rows_show_as_nan_and_padded_garbage_stays_out_of_the_gradients():
+    q, k, v = randn(2, 2, 4, 8), randn(2, 2, 6, 8), randn(2, 2, 6, 3)
+    q = q.clone()
+    q[0, 1, 1, 2] = torch.nan                             # a used row: NaN output and LSE
+    out, lse = ak.attention(q, k, v, backend="reference", return_lse=True)
+    assert torch.isnan(out[0, 1, 1]).all() and torch.isnan(lse[0, 1, 1])  # NaN, not −∞
+    assert torch.isfinite(lse[0, 0]).all()
+    # padded query rows (no allowed key) holding NaN: output 0, LSE −∞, and no NaN anywhere
+    # in the gradients (before: dK was NaN through 0 · NaN in the backward of Q Kᵀ)
+    q = randn(2, 2, 4, 8)
+    q[:, :, 3] = torch.nan
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    m = masks.padding([6, 6], q_lengths=[3, 3])
+    out, lse = ak.attention(q, k, v, mask=m, backend="reference", return_lse=True)
+    assert (out[:, :, 3] == 0).all() and torch.isneginf(lse[:, :, 3]).all()
+    dq, dk, dv = torch.autograd.grad(out.sum(), (q, k, v))
+    assert (dq[:, :, 3] == 0).all() and torch.isfinite(dk).all() and torch.isfinite(dv).all()
+    ref = ak.attention(q[:, :, :3], k, v, mask=masks.padding([6, 6]), backend="reference")
+    torch.testing.assert_close(torch.autograd.grad(ref.sum(), k)[0], dk, **TOL)

@@ -60,6 +60,18 @@ def _indices(p: Problem, device: torch.device) -> tuple[torch.Tensor, ...]:
     return b, h, qi, ki
 
 
+def _idle_rows_zeroed(q: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    """``q`` with the rows that may attend to no key set to 0 — only when such a row holds
+    NaN/inf (a padded query row of garbage): its weights are 0, but 0 · NaN in the gradient
+    of ``Q Kᵀ`` would still reach dK. Finite rows are left as they are (their scores show)."""
+    if allowed is None:
+        return q
+    idle = ~allowed.any(-1, keepdim=True)                 # (B|1, H|1, N_q, 1)
+    if not bool((idle & ~torch.isfinite(q)).any()):
+        return q
+    return torch.where(idle, torch.zeros_like(q), q)
+
+
 def reference(p: Problem) -> Intermediates:
     """Run the five textbook steps (score, scale, mask, softmax, weighted sum) on a normalised
     problem, keeping every intermediate."""
@@ -67,6 +79,8 @@ def reference(p: Problem) -> Intermediates:
     q = p.q.to(acc)                                       # (B, H,    N_q, D_k)
     k = p.k.to(acc).repeat_interleave(p.group, dim=1)     # (B, H,    N_k, D_k)  GQA: share K
     v = p.v.to(acc).repeat_interleave(p.group, dim=1)     # (B, H,    N_k, D_v)
+    allowed = p.allowed_dense()                           # (B|1, H|1, N_q, N_k) or None
+    q = _idle_rows_zeroed(q, allowed)                     # padded garbage never reaches dK
 
     # 1. Score: how well each query matches each key
     scores = q @ k.transpose(-1, -2)                      # (B, H, N_q, N_k)
@@ -79,7 +93,6 @@ def reference(p: Problem) -> Intermediates:
     if p.bias is not None:
         x = x + p.bias.to(acc)                            # additive float mask / bias
     # 3. Mask: blocked pairs get -inf (torch.where, so NaN there cannot leak)
-    allowed = p.allowed_dense()
     if allowed is None:
         allowed = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=x.device)
         logits = x

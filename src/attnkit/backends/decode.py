@@ -174,9 +174,9 @@ def _fused_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: int,
         o, lse = _flash(qc, kc, vc, attn_mask=add, scale=1.0)           # (B, H_kv·C, R, D)
         lse = lse.to(q.dtype)                                           # (B, H_kv·C, R)
         if has_key is not None:
-            # a chunk with no allowed key: output 0, LSE −∞ (the kernel's own values vary)
-            lse = torch.where(has_key, lse, torch.full_like(lse, -math.inf))
-            o = torch.where(has_key.unsqueeze(-1), o, torch.zeros_like(o))
+            # a chunk with no allowed key: the kernel gives output 0 (finite queries) but
+            # LSE 0; make it −∞ so that the merge gives it no weight
+            lse = lse.masked_fill(~has_key, -math.inf)
         outs.append(o.view(B, hkv, n_chunks, r, d))
         lses.append(lse.view(B, hkv, n_chunks, r))
     return merge_stacked(torch.cat(outs, 2), torch.cat(lses, 2), dim=2)
