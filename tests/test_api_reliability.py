@@ -512,3 +512,29 @@ def test_per_score_score_mod_has_derivatives_of_every_order_on_the_reference():
 
     assert torch.autograd.gradcheck(f, (q, k, v, bias))
     assert torch.autograd.gradgradcheck(f, (q, k, v, bias))
+
+
+def test_per_score_score_mod_from_four_threads():
+    """The semantics probe and its cache are shared: four threads get single-thread results."""
+    import threading
+
+    bias = torch.randn(2, 4, 37, 41, dtype=torch.float64)
+    q, k, v = randn(2, 4, 37, 16), randn(2, 2, 41, 16), randn(2, 2, 41, 8)
+
+    def fresh():  # noqa: ANN202 — a new function object: each thread probes it
+        return lambda s, b, h, qi, ki: s + bias[b][h][qi][ki]
+
+    want = {n: ak.attention(q, k, v, score_mod=fresh(), backend=n) for n in ("reference", "tiled")}
+    bad: list[str] = []
+
+    def work(name: str) -> None:
+        for _ in range(3):
+            if not torch.equal(ak.attention(q, k, v, score_mod=fresh(), backend=name), want[name]):
+                bad.append(name)
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in ("reference", "tiled") * 2]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not bad
