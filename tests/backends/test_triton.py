@@ -179,6 +179,25 @@ def test_bool_mask_with_fully_masked_rows_gives_zero_output_and_grads(interpret:
 
 
 @needs_triton
+def test_garbage_in_fully_masked_query_rows_stays_out_of_every_gradient(interpret: None) -> None:
+    allowed = torch.rand(17, 9) > 0.4
+    allowed[[0, 5, 16]] = False                                # rows with no allowed key
+    q = torch.randn(1, 2, 17, 8, dtype=torch.float64)
+    q[:, :, [0, 5, 16]] = math.nan                             # padded rows of garbage
+    k, v = torch.randn(1, 1, 9, 8, dtype=torch.float64), torch.randn(1, 1, 9, 8,
+                                                                      dtype=torch.float64)
+    grads = {}
+    for name in ("triton", "reference"):
+        qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+        out = ak.attention(qq, kk, vv, mask=allowed, backend=name)
+        assert (out[:, :, [0, 5, 16]] == 0).all()
+        grads[name] = torch.autograd.grad(out.square().sum(), (qq, kk, vv))
+    for got, ref in zip(grads["triton"], grads["reference"], strict=True):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, ref, atol=1e-10, rtol=1e-10)
+
+
+@needs_triton
 def test_float_mask_becomes_bias_and_mask(interpret: None) -> None:
     add = torch.randn(2, 17, 33, dtype=torch.float64)          # (H, N_q, N_k)
     add[0, 3, ::2] = -math.inf

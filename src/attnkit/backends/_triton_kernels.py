@@ -411,7 +411,10 @@ def _bwd_dkdv_kernel(
                 do = tl.load(DO_base + offs_m[:, None] * sdon + offs_dv[None, :] * sdod,
                              mask=row_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
                 lse = tl.load(Lse + L_base + offs_m * sln, mask=row_ok, other=0.0)
-                lse = tl.where(lse == float("-inf"), 0.0, lse)
+                idle = lse == float("-inf")                     # rows with no allowed key
+                lse = tl.where(idle, 0.0, lse)
+                # a padded query row may hold garbage: 0 · NaN must not reach dK below
+                q = tl.where(idle[:, None], 0.0, q)
                 delta = tl.load(Delta + L_base + offs_m * sln, mask=row_ok, other=0.0)
                 s, t, allowed = _logits(
                     q, k_t, offs_m, offs_n, pid_b, h, scale, softcap, BAND_LO, BAND_HI, N_Q,
