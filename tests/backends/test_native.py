@@ -256,13 +256,16 @@ def test_supports_says_why() -> None:
     q, k, v = qkv(1, 2, 2, 8, 8, 8)
     assert "dtype" in " ".join(native.supports(prepare(q, k, v).problem))
     qf = q.float().requires_grad_()
-    assert "forward only" in " ".join(native.supports(prepare(qf, k.float(), v.float()).problem))
+    assert native.supports(prepare(qf, k.float(), v.float()).problem) == []
+    bias = torch.randn(8, 8, requires_grad=True)
+    assert "bias" in " ".join(native.supports(prepare(qf, k.float(), v.float(),
+                                                      mask=bias).problem))
     p = prepare(q.float(), k.float(), v.float(), score_mod=lambda s, b, h, i, j: s * 2).problem
     assert "score_mod" in " ".join(native.supports(p))
     p = prepare(q.float(), k.float(), v.float(), dropout_p=0.5).problem
     assert "dropout" in " ".join(native.supports(p))
-    with pytest.raises(RuntimeError, match="no backward"):
-        native.forward(qf, k.float(), v.float())
+    with pytest.raises(RuntimeError, match="not bias"):
+        native.forward(qf, k.float(), v.float(), bias=bias)
     with pytest.raises(ValueError, match="does not broadcast"), torch.no_grad():
         native.forward(q.float(), k.float(), v.float(), bias=torch.zeros(3, 8))
 
@@ -323,3 +326,99 @@ def test_build_key_follows_torch_source_and_flags(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(torch, "__version__", "0.0.0-test")
     assert loader.build_key(flags, "g++") != key
     assert str(loader.cache_dir())
+
+
+# ---------------------------------------------------------------------------- backward
+def _grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fn, dout: torch.Tensor,  # noqa: ANN001
+           dlse: torch.Tensor) -> list[torch.Tensor]:
+    qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out, lse = fn(qq, kk, vv)
+    fin = torch.isfinite(lse.detach())
+    loss = (out.double() * dout).sum() + (torch.where(fin, lse.double(), 0.0) * dlse).sum()
+    loss.backward()
+    return [t.grad for t in (qq, kk, vv)]
+
+
+def check_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype, *,
+                allowed: torch.Tensor | None = None, oracle_opts: dict | None = None,
+                kv_nan: torch.Tensor | None = None, **native_opts: object) -> None:
+    """Gradients of out and LSE: native in ``dtype`` within 3× the naive ``dtype`` oracle's
+    error against the float64 oracle (DESIGN's rule for gradients)."""
+    oo = oracle_opts or {}
+    dout = torch.randn(*q.shape[:3], v.shape[-1], dtype=torch.float64)
+    dlse = torch.randn(*q.shape[:3], dtype=torch.float64)
+
+    def ref(dt: torch.dtype):  # noqa: ANN202
+        def fn(a, b, c):  # noqa: ANN001, ANN202
+            out, lse, _ = oracle(a, b, c, allowed=allowed, dtype=dt, **oo)
+            return out, lse
+        return fn
+
+    g64 = _grads(q, k, v, ref(torch.float64), dout, dlse)
+    glow = _grads(q.to(dtype), k.to(dtype), v.to(dtype), ref(dtype), dout, dlse)
+    kn, vn = k, v
+    if kv_nan is not None:                                   # NaN where the mask blocks
+        kn = torch.where(kv_nan[..., None], math.nan, k)
+        vn = torch.where(kv_nan[..., None], math.nan, v)
+    gn = _grads(q.to(dtype), kn.to(dtype), vn.to(dtype),
+                lambda a, b, c: native.forward(a, b, c, **native_opts), dout, dlse)
+    for name, got, lo, hi in zip("qkv", gn, glow, g64, strict=True):
+        if kv_nan is not None and name != "q":
+            got = torch.where(kv_nan[..., None], 0.0, got.double())
+        assert_low_precision_close(got, lo, hi, factor=3.0, what=f"d{name}")
+
+
+@needs_native
+@pytest.mark.parametrize("B,hq,hkv,nq,nk,d,dv", [
+    (1, 2, 2, 97, 113, 59, 59), (2, 4, 2, 113, 97, 64, 32), (1, 3, 1, 1, 300, 16, 16),
+    (1, 2, 1, 300, 1, 8, 8)])
+def test_gradients_match_reference(B: int, hq: int, hkv: int, nq: int, nk: int, d: int,
+                                   dv: int) -> None:
+    check_grads(*qkv(B, hq, hkv, nq, nk, d, dv), torch.float32)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradients_with_score_terms_and_masks(dtype: torch.dtype) -> None:
+    q, k, v = qkv(2, 4, 2, 130, 150, 32)
+    tril = torch.ones(130, 150, dtype=torch.bool).tril(20)
+    check_grads(q, k, v, dtype, allowed=tril, oracle_opts={"softcap": 3.0}, softcap=3.0,
+                band=(-20, math.inf))
+    check_grads(q, k, v, dtype, allowed=tril, oracle_opts={"score_mod": alibi(4)},
+                alibi_slopes=alibi_slopes(4), band=(-20, math.inf))
+    bias = torch.randn(4, 130, 150, dtype=torch.float64)
+    check_grads(q, k, v, dtype, oracle_opts={"bias": bias}, bias=bias)
+    ids, kids = torch.arange(130) // 40, torch.arange(150) // 50
+    check_grads(q, k, v, dtype, allowed=ids[:, None] == kids, doc_ids=ids, kv_doc_ids=kids)
+
+
+@needs_native
+def test_gradients_with_empty_rows_and_nan_in_masked_kv() -> None:
+    q, k, v = qkv(2, 2, 2, 97, 120, 16)
+    kvl, ql = torch.tensor([120, 45]), torch.tensor([97, 60])
+    allowed = ((torch.arange(120) < kvl.view(2, 1, 1, 1))
+               & (torch.arange(97)[:, None] < ql.view(2, 1, 1, 1)))
+    dense = torch.rand(97, 120) > 0.2
+    dense[:, 7] = False                                      # key 7 blocked everywhere
+    dense[::9] = False                                       # empty rows
+    nan_rows = (torch.arange(120) >= kvl.view(2, 1, 1)) | (torch.arange(120) == 7)
+    check_grads(q, k, v, torch.float32, allowed=allowed & dense, kv_nan=nan_rows.expand(2, 2, 120),
+                kv_lengths=kvl, q_lengths=ql, dense_mask=dense)
+
+
+@needs_native
+def test_gradients_through_a_problem() -> None:
+    q, k, v = qkv(1, 4, 2, 97, 97, 32)
+    qf, kf, vf = (t.float().requires_grad_() for t in (q, k, v))
+    p = prepare(qf, kf, vf, is_causal=True, softcap=5.0).problem
+    assert native.supports(p) == []
+    out, _ = native.forward_problem(p)
+    out.sum().backward()
+    ref = torch.autograd.grad(
+        oracle(q.requires_grad_(), k, v, softcap=5.0,
+               allowed=torch.ones(97, 97, dtype=torch.bool).tril())[0].sum(), q)[0]
+    assert (qf.grad.double() - ref).abs().max() < 1e-4
+    with pytest.raises(NotImplementedError, match="first derivatives"):
+        o, _ = native.forward(qf, kf, vf)
+        g = torch.autograd.grad(o.sum(), qf, create_graph=True)[0]
+        g.sum().backward()

@@ -1,9 +1,11 @@
 """attnkit's native CPU attention kernel (C++), and the Python API the engines call.
 
-One fused forward kernel (``attention.cpp``) runs every call: per (batch, K/V head, query
-block, key split) it computes a key tile's scores for the G query heads of a GQA group at
-once (brgemm, or one dot product per key for a handful of rows), then ONE pass over the tile
-for scale, soft-cap, ALiBi, an additive bias and the mask, an online softmax, and P·V.
+One fused forward kernel runs every call (C++: ``forward.h``, shared pieces in ``common.h``,
+the backward in ``backward.h``, the operators in ``attention.cpp`` — one translation unit):
+per (batch, K/V head, query block, key split) it computes a key tile's scores for the G
+query heads of a GQA group at once (brgemm, or one dot product per key for a handful of
+rows), then ONE pass over the tile for scale, soft-cap, ALiBi, an additive bias and the
+mask, an online softmax, and P·V.
 Band, padding and document masks are computed in closed form (tiles they empty are skipped,
 tiles they fill skip the mask); any other mask is a dense bool tensor. Decoding (a few
 queries over a long cache) splits the keys across cores and merges the splits by LSE; K/V
@@ -33,8 +35,10 @@ folded in); ``kv_lengths``/``q_lengths`` allow ``k < kv_len[b]`` and ``q < q_len
 
 Caution
 -------
-- Forward only: there is no backward yet. A call whose inputs require grad (with grad mode
-  on) is refused by :func:`supports` and raises in :func:`forward`.
+- Gradients flow to q, k and v (a FlashAttention-2 backward that recomputes P from the
+  saved LSE; the LSE output is differentiable too), first derivatives only. A bias or
+  ALiBi slopes that require grad are refused. The backward keeps one float32 dQ buffer
+  per thread (threads × the size of q).
 - float32, bfloat16 and float16 on CPU; float64 is refused (accumulation is float32).
 - The first call in a fresh environment compiles the kernel (~10 s, see ``loader``); it is
   cached afterwards. ``ATTNKIT_NATIVE=0`` turns the kernel off.
@@ -55,7 +59,7 @@ import torch
 
 from ...masks import Band, Documents, Lengths, Mask, documents_of, lengths_of
 from ...scores import ScoreTerm, alibi_slopes
-from ..base import Problem
+from ..base import Problem, refuse_double_backward
 from . import loader
 
 __all__ = ["available", "why_unavailable", "forward", "decode", "supports", "forward_problem",
@@ -157,9 +161,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float |
                          f"v {tuple(v.shape)} do not fit the layout (B, H_q, N_q, D_k), "
                          "(B, H_kv, N_k, D_k), (B, H_kv, N_k, D_v) with H_q a multiple of H_kv")
     if torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (q, k, v, bias, alibi_slopes)):
-        raise RuntimeError("native.forward has no backward yet: call it under "
-                           "torch.no_grad(), or use the tiled engine for training")
+            t is not None and t.requires_grad for t in (bias, alibi_slopes)):
+        raise RuntimeError("native.forward differentiates q, k and v only, not bias or "
+                           "alibi_slopes: detach them, or use the tiled engine for their "
+                           "gradients")
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     shape4 = (B, Hq, Nq, Nk)
     if softcap is not None and not softcap > 0:
@@ -180,8 +185,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float |
         raise TypeError(f"dense_mask must be bool (True = may attend), got {dense_mask.dtype}")
     rows = block_q or max(1, _ROWS_PER_ITEM // (Hq // Hkv))
     n_split = splits or _auto_splits(B * Hkv * math.ceil(Nq / rows), Nk)
-    return ops.attend(
-        q, k, v, float(Dk ** -0.5 if scale is None else scale), float(softcap or 0.0),
+    common = (
+        float(Dk ** -0.5 if scale is None else scale), float(softcap or 0.0),
         slopes, float(alibi_offset),
         None if bias is None else _as4d(bias, shape4, "bias", torch.float32),
         lo, hi,
@@ -189,8 +194,34 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float |
         None if q_lengths is None else _per_batch(q_lengths, B, "q_lengths"),
         None if doc_ids is None else _ids(doc_ids, B, Nq, "doc_ids"),
         None if kv_doc_ids is None else _ids(kv_doc_ids, B, Nk, "kv_doc_ids"),
-        None if dense_mask is None else _as4d(dense_mask, shape4, "dense_mask", torch.bool),
-        int(n_split), int(rows))
+        None if dense_mask is None else _as4d(dense_mask, shape4, "dense_mask", torch.bool))
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return _NativeAttention.apply(q, k, v, common, (int(n_split), int(rows)))
+    return ops.attend(q, k, v, *common, int(n_split), int(rows))
+
+
+class _NativeAttention(torch.autograd.Function):
+    """The kernel with its FlashAttention-2 backward (LSE saved; gradients of q, k, v)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, common, launch):  # noqa: ANN001, ANN205
+        out, lse = _ops().attend(q, k, v, *common, *launch)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.common = common
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):  # noqa: ANN001, ANN205
+        refuse_double_backward("native")
+        q, k, v, out, lse = ctx.saved_tensors
+        delta = (dout.float() * out.float()).sum(-1)               # (B, H_q, N_q)
+        if dlse is not None:
+            delta = delta - dlse.float()                           # d lse / d s = P
+        dout = dout.to(q.dtype)
+        dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+        dq, dk, dv = _ops().attend_backward(q, k, v, dout, lse, delta.contiguous(),
+                                            *ctx.common)
+        return dq, dk, dv, None, None
 
 
 def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: object,
@@ -255,8 +286,8 @@ def supports(p: Problem) -> list[str]:
         out.append(f"runs on CPU only (inputs are on {p.device})")
     if p.dtype not in DTYPES:
         out.append(f"dtype {p.dtype} is not supported (float32, bfloat16, float16)")
-    if p.requires_grad:
-        out.append("forward only (inputs require grad): no native backward yet")
+    if p.requires_grad and p.bias is not None and p.bias.requires_grad:
+        out.append("no gradient for a bias tensor (q, k, v only)")
     if p.dropout_p > 0.0:
         out.append(f"no dropout, got dropout_p={p.dropout_p}")
     if p.score_mod is not None and _alibi_of(p) is None:

@@ -90,8 +90,10 @@ def build_key(flags: list[str], compiler: str) -> str:
     h = hashlib.sha256()
     h.update(f"{torch.__version__}|{sys.version_info[:2]}|{compiler}|".encode())
     h.update(" ".join(_OPT_FLAGS + flags).encode())
-    for src in SOURCES:
+    for src in SOURCES:                                  # the .cpp and the headers beside it
         h.update(src.read_bytes())
+        for header in sorted(src.parent.glob("*.h")):
+            h.update(header.read_bytes())
     return h.hexdigest()[:16]
 
 

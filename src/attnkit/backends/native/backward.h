@@ -1,0 +1,139 @@
+// The backward pass, FlashAttention-2 style: P is recomputed from the saved LSE.
+//
+// A work item is (b, K/V head, key block [k0, k0 + n) of at most BK keys); it walks the
+// rows of the G query heads that can see the block, BQ queries at a time:
+//   S, P (nq, BK)  = Q K_blockᵀ -> fused score terms -> e^(x - lse)
+//   dP   (nq, BK)  = dO V_blockᵀ          dS = P * (dP - delta) * d(capped)/d(score)
+//   dV_block += Pᵀ dO    dK_block += dSᵀ Q    (accumulated in the item, no races)
+//   dQ rows  += dS K_block                     (per-thread float32 buffers, summed at the end)
+// delta = rowsum(dO * O) - dLSE (B, H_q, N_q). A key with P == 0 gives dS == 0 exactly, and
+// K rows holding inf/NaN are zeroed for dQ, so NaN in masked K/V rows stays out.
+#pragma once
+#include "common.h"
+
+namespace attnkit_native {
+namespace {
+
+constexpr int BQ = 64;  // queries per backward tile
+
+struct BackBuffers {
+  std::vector<float> kt, kb, vt, q, dout, s, dp, fac, pt, dk, dv, row;
+  explicit BackBuffers(const Args& a)
+      : kt(a.Dk * BK), kb(BK * a.DKP), vt(a.Dv * BK), q(BQ * a.DKP), dout(BQ * a.DVP),
+        s(BQ * BK), dp(BQ * BK), fac(BQ * BK), pt(BK * BQ), dk(BK * a.DKP), dv(BK * a.DVP),
+        row(std::max(a.DKP, a.DVP)) {}
+};
+
+// kt (D_k, BK) = Kᵀ, kb (n, DKP) = K (non-finite rows zeroed), vt (D_v, BK) = Vᵀ of the block.
+template <typename T>
+void load_key_block(const Args& a, const T* kh, const T* vh, i64 k0, i64 n, BackBuffers& bb) {
+  float* row = bb.row.data();
+  for (i64 j = 0; j < n; ++j) {
+    row_to_float(kh + (k0 + j) * a.sk[2], row, a.Dk, a.DKP);
+    for (i64 d = 0; d < a.Dk; ++d) bb.kt[d * BK + j] = row[d];
+    const bool finite = all_finite(row, a.Dk);
+    for (i64 d = 0; d < a.DKP; ++d) bb.kb[j * a.DKP + d] = finite ? row[d] : 0.f;
+    row_to_float(vh + (k0 + j) * a.sv[2], row, a.Dv, a.DVP);
+    for (i64 d = 0; d < a.Dv; ++d) bb.vt[d * BK + j] = row[d];
+  }
+}
+
+// dst (cols, ld_dst) = srcᵀ for src (rows, ld_src) with rows x cols used.
+inline void transpose(const float* src, i64 rows, i64 cols, i64 ld_src, float* dst,
+                      i64 ld_dst) {
+  for (i64 i = 0; i < rows; ++i)
+    for (i64 j = 0; j < cols; ++j) dst[j * ld_dst + i] = src[i * ld_src + j];
+}
+
+// One tile of nq queries [q0, q0 + nq) of head h against the loaded key block.
+template <typename T>
+void backward_tile(const Args& a, const T* q, const T* dout, const i64* sdo, const float* lse,
+                   const float* delta, const Item& it, i64 h, i64 k0, i64 n, bool full,
+                   float* dq, BackBuffers& bb) {
+  const i64 nq = it.nr, npad = round_up(n, W);
+  for (i64 i = 0; i < nq; ++i) {                           // Q and dO rows in float32
+    const i64 qi = it.q0 + i;
+    row_to_float(q + it.b * a.sq[0] + h * a.sq[1] + qi * a.sq[2], bb.q.data() + i * a.DKP,
+                 a.Dk, a.DKP);
+    row_to_float(dout + it.b * sdo[0] + h * sdo[1] + qi * sdo[2], bb.dout.data() + i * a.DVP,
+                 a.Dv, a.DVP);
+  }
+  using at::native::cpublas::brgemm;
+  brgemm(nq, n, a.Dk, a.DKP, BK, BK, false, bb.q.data(), bb.kt.data(), bb.s.data(), false);
+  brgemm(nq, n, a.Dv, a.DVP, BK, BK, false, bb.dout.data(), bb.vt.data(), bb.dp.data(), false);
+  for (i64 i = 0; i < nq; ++i) {                           // P and dS, row by row
+    const i64 qi = it.q0 + i, flat = (it.b * a.Hq + h) * a.Nq + qi;
+    float *x = bb.s.data() + i * BK, *f = bb.fac.data() + i * BK, *dp = bb.dp.data() + i * BK;
+    scale_and_cap(a, x, npad, f);
+    position_terms_and_mask(a, x, n, npad, it.b, h, qi, k0, full);
+    const vf shift = splat(lse[flat] == NEG_INF ? 0.f : lse[flat]), dl = splat(delta[flat]);
+    for (i64 j = 0; j < npad; j += W) {
+      const vf p = vexp_neg(load(x + j) - shift);
+      store(x + j, p);
+      store(dp + j, select(p == 0.f, splat(0.f), p * (load(dp + j) - dl) * load(f + j)));
+    }
+  }
+  transpose(bb.s.data(), nq, n, BK, bb.pt.data(), BQ);     // Pᵀ (n, nq)
+  brgemm(n, a.Dv, nq, BQ, a.DVP, a.DVP, true, bb.pt.data(), bb.dout.data(), bb.dv.data(), false);
+  transpose(bb.dp.data(), nq, n, BK, bb.pt.data(), BQ);    // dSᵀ (n, nq)
+  brgemm(n, a.Dk, nq, BQ, a.DKP, a.DKP, true, bb.pt.data(), bb.q.data(), bb.dk.data(), false);
+  float* dq_rows = dq + ((it.b * a.Hq + h) * a.Nq + it.q0) * a.DKP;
+  brgemm(nq, a.Dk, n, BK, a.DKP, a.DKP, true, bb.dp.data(), bb.kb.data(), dq_rows, false);
+}
+
+// dq, dk, dv (contiguous, dtype T) of the whole call.
+template <typename T>
+void run_backward(const Args& a, const T* q, const T* k, const T* v, const T* dout,
+                  const i64* sdo, const float* lse, const float* delta, T* dq, T* dk, T* dv) {
+  const i64 NKB = (a.Nk + BK - 1) / BK, n_items = a.B * a.Hkv * NKB;
+  const int threads = std::max(1, at::get_num_threads());
+  std::vector<std::vector<float>> dq_t(threads);           // (B, H_q, N_q, DKP) per thread
+  at::parallel_for(0, n_items, 1, [&](i64 begin, i64 end) {
+    const int tid = std::min(at::get_thread_num(), threads - 1);
+    std::vector<float>& dqb = dq_t[tid];
+    if (dqb.empty()) dqb.assign(a.B * a.Hq * a.Nq * a.DKP, 0.f);
+    BackBuffers bb(a);
+    for (i64 t = begin; t < end; ++t) {
+      const i64 kblk = t % NKB, kvh = (t / NKB) % a.Hkv, b = t / (NKB * a.Hkv);
+      const i64 k0 = kblk * BK, kend = std::min(a.Nk, k0 + BK);
+      const i64 kvl = a.kv_len ? std::min(kend, a.kv_len[b * a.skl]) : kend;
+      const i64 n = std::max<i64>(0, kvl - k0);
+      std::fill(bb.dk.begin(), bb.dk.end(), 0.f);
+      std::fill(bb.dv.begin(), bb.dv.end(), 0.f);
+      const T* kh = k + b * a.sk[0] + kvh * a.sk[1];
+      const T* vh = v + b * a.sv[0] + kvh * a.sv[1];
+      if (n > 0) load_key_block(a, kh, vh, k0, n, bb);
+      // queries that may see a key of the block: lo <= q - k <= hi
+      const i64 nq_valid = a.q_len ? std::min(a.Nq, a.q_len[b * a.sql]) : a.Nq;
+      const i64 qlo = i64(std::max(0.0, double(k0) + a.band_lo));
+      const i64 qhi = i64(std::min(double(nq_valid), double(k0 + n - 1) + a.band_hi + 1.0));
+      for (i64 g = 0; g < a.G && n > 0; ++g)
+        for (i64 q0 = qlo; q0 < qhi; q0 += BQ) {
+          Item it{b, kvh, q0, std::min<i64>(BQ, qhi - q0), k0, k0 + n};
+          const TileKind kind = classify(a, it, k0, n);
+          if (kind == EMPTY) continue;
+          backward_tile(a, q, dout, sdo, lse, delta, it, kvh * a.G + g, k0, n, kind == FULL,
+                        dqb.data(), bb);
+        }
+      for (i64 j = 0; j < kend - k0; ++j) {                // write the block (0 past kv_len)
+        T* dkr = dk + ((b * a.Hkv + kvh) * a.Nk + k0 + j) * a.Dk;
+        T* dvr = dv + ((b * a.Hkv + kvh) * a.Nk + k0 + j) * a.Dv;
+        for (i64 d = 0; d < a.Dk; ++d) dkr[d] = T(j < n ? bb.dk[j * a.DKP + d] : 0.f);
+        for (i64 d = 0; d < a.Dv; ++d) dvr[d] = T(j < n ? bb.dv[j * a.DVP + d] : 0.f);
+      }
+    }
+  });
+  const i64 rows = a.B * a.Hq * a.Nq;                      // dq = sum of the thread buffers
+  at::parallel_for(0, rows, 64, [&](i64 begin, i64 end) {
+    for (i64 r = begin; r < end; ++r)
+      for (i64 d = 0; d < a.Dk; ++d) {
+        float s = 0.f;
+        for (const auto& buf : dq_t)
+          if (!buf.empty()) s += buf[r * a.DKP + d];
+        dq[r * a.Dk + d] = T(s);
+      }
+  });
+}
+
+}  // namespace
+}  // namespace attnkit_native

@@ -1,0 +1,328 @@
+// Shared pieces of the native kernel: SIMD helpers, dtype conversion, the call's
+// parameters, closed-form masks and the fused row pass (see attention.cpp for the legend).
+#pragma once
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/native/CPUBlas.h>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <type_traits>
+#include <vector>
+
+namespace attnkit_native {
+namespace {
+
+using at::Tensor;
+using i64 = int64_t;
+
+// ------------------------------------------------------------------ vectors (GCC/Clang)
+#if defined(__AVX512F__)
+constexpr int W = 16;
+#elif defined(__AVX2__) || defined(__AVX__)
+constexpr int W = 8;
+#else
+constexpr int W = 4;
+#endif
+typedef float vf __attribute__((vector_size(W * 4)));
+typedef int32_t vi __attribute__((vector_size(W * 4)));
+
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+constexpr int BK = 128;  // keys per tile (a multiple of W)
+
+inline vf splat(float x) { return vf{} + x; }
+inline vf load(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
+inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+inline vf select(vi c, vf a, vf b) { return c ? a : b; }
+inline vf iota() { vf v; for (int i = 0; i < W; ++i) v[i] = float(i); return v; }
+inline i64 round_up(i64 x, i64 m) { return (x + m - 1) / m * m; }
+
+// Horizontal sum / max by halving the vector (log2 W shuffles; values stay in registers).
+typedef float v4f __attribute__((vector_size(16)));
+inline v4f to4(vf v) {
+#if defined(__AVX512F__)
+  typedef float v8f __attribute__((vector_size(32)));
+  v8f h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+  v8f g = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  return __builtin_shufflevector(h + g, h + g, 0, 1, 2, 3) +
+         __builtin_shufflevector(h + g, h + g, 4, 5, 6, 7);
+#elif defined(__AVX2__) || defined(__AVX__)
+  return __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+#else
+  return v;
+#endif
+}
+inline float hsum(vf v) {
+  v4f x = to4(v);
+  return (x[0] + x[2]) + (x[1] + x[3]);
+}
+inline float hmax(vf v) {
+  float m = v[0];
+  for (int i = 1; i < W; ++i) m = v[i] > m ? v[i] : m;   // once per row and tile
+  return m;
+}
+
+// e^x, ~1 ulp, for x in [-87.3, 88.3] (Cody-Waite range reduction, degree-6 polynomial).
+inline vf vexp_core(vf x) {
+  const vf magic = splat(12582912.f);                     // 1.5 * 2^23: round to nearest
+  vf n = (x * 1.44269504f + magic) - magic;               // round(x / ln 2)
+  vf r = x - n * 0.693359375f - n * -2.12194440e-4f;      // x - n ln 2 in two parts
+  vf y = splat(1.9875691500e-4f);
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.f;
+  vi bits = (__builtin_convertvector(n, vi) + 127) << 23;  // 2^n
+  return y * (vf)bits;                                    // NaN -> NaN through y
+}
+
+// e^x for x <= 0 (softmax): exactly 0 below -87.3 and for -inf.
+inline vf vexp_neg(vf x) {
+  const vi tiny = x < -87.3f;
+  return select(tiny, splat(0.f), vexp_core(select(tiny, splat(0.f), x)));
+}
+
+// tanh(x) to a few ulp over the whole range: an odd polynomial below 0.625, where
+// 1 - 2/(e^2x + 1) would cancel (Cephes' tanhf), so c * tanh(x / c) stays accurate for
+// caps up to 1e8; one division per lane (tanh(9) rounds to 1, so e^2f stays finite).
+inline vf vtanh(vf x) {
+  vf f = select(x < 0.f, -x, x);
+  vf z = f * f;
+  vf p = splat(-5.70498872745e-3f);
+  p = p * z + 2.06390887954e-2f;
+  p = p * z - 5.37397155531e-2f;
+  p = p * z + 1.33314422036e-1f;
+  p = p * z - 3.33332819422e-1f;
+  vf small = p * z * f + f;
+  vf big = 1.f - 2.f / (vexp_core(select(f > 9.f, splat(9.f), f) * 2.f) + 1.f);
+  vf r = select(f >= 0.625f, big, small);
+  return select(x < 0.f, -r, r);                           // NaN -> NaN through both forms
+}
+
+// ------------------------------------------------------------------ dtype conversion
+template <typename T> inline float to_f(T x) { return static_cast<float>(x); }
+
+// dst[0:n] = float(src[0:n]), dst[n:npad] = 0.
+template <typename T> inline void row_to_float(const T* src, float* dst, i64 n, i64 npad) {
+  for (i64 i = 0; i < n; ++i) dst[i] = to_f(src[i]);
+  for (i64 i = n; i < npad; ++i) dst[i] = 0.f;
+}
+template <> inline void row_to_float<float>(const float* src, float* dst, i64 n, i64 npad) {
+  std::memcpy(dst, src, n * sizeof(float));
+  for (i64 i = n; i < npad; ++i) dst[i] = 0.f;
+}
+// bfloat16 is the top half of a float32: widen and shift, W at a time.
+template <> inline void row_to_float<at::BFloat16>(const at::BFloat16* src, float* dst, i64 n,
+                                                    i64 npad) {
+  typedef uint16_t v16 __attribute__((vector_size(W * 2)));
+  typedef uint32_t v32 __attribute__((vector_size(W * 4)));
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+  i64 i = 0;
+  for (; i + W <= n; i += W) {
+    v16 h;
+    std::memcpy(&h, s + i, sizeof h);
+    v32 w = __builtin_convertvector(h, v32) << 16;
+    std::memcpy(dst + i, &w, sizeof w);
+  }
+  for (; i < n; ++i) {
+    uint32_t w = uint32_t(s[i]) << 16;
+    std::memcpy(dst + i, &w, 4);
+  }
+  for (; i < npad; ++i) dst[i] = 0.f;
+}
+#if defined(__F16C__)
+// float16 -> float32 in registers (vcvtph2ps), W at a time.
+template <> inline void row_to_float<at::Half>(const at::Half* src, float* dst, i64 n, i64 npad) {
+  i64 i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(src + i))));
+#endif
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(src + i))));
+  for (; i < n; ++i) dst[i] = float(src[i]);
+  for (; i < npad; ++i) dst[i] = 0.f;
+}
+#endif
+
+// A row as float32 (npad,) in tmp. (Copying float32 rows too measured faster than
+// reading them in the FMA loops: the copy streams from memory, the FMAs read L1.)
+template <typename T> inline const float* as_float(const T* src, float* tmp, i64 n, i64 npad) {
+  row_to_float(src, tmp, n, npad);
+  return tmp;
+}
+
+// Ask for the row `ahead` keys on while this one is computed (decode is memory-bound).
+template <typename T> inline void prefetch_row(const T* row, i64 n) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (i64 b = 0; b < n * i64(sizeof(T)); b += 64) __builtin_prefetch(p + b);
+}
+
+inline bool all_finite(const float* x, i64 n) {
+  float z = 0.f;
+  for (i64 i = 0; i < n; ++i) z += x[i] * 0.f;            // NaN once any x is inf/NaN
+  return z == 0.f;
+}
+
+// ------------------------------------------------------------------ the call's parameters
+struct Args {
+  i64 B, Hq, Hkv, G, Nq, Nk, Dk, Dv, DKP, DVP;
+  i64 sq[3], sk[3], sv[3];          // strides (batch, head, row) of q, k, v; last dim is 1
+  float scale, softcap;             // softcap 0 = none
+  const float* alibi;               // (H_q,) slopes or null
+  float alibi_offset;               // distance |q + offset - k|
+  const float* bias; i64 sb[4];     // (B, H_q, N_q, N_k) broadcast strides, or null
+  double band_lo, band_hi;          // allowed <=> lo <= q - k <= hi
+  const i64* kv_len; i64 skl;       // (B,) or null; stride 0 when broadcast
+  const i64* q_len; i64 sql;
+  const i64* q_doc; i64 sqd[2];     // (B, N_q) document ids or null
+  const i64* k_doc; i64 skd[2];
+  const bool* mask; i64 sm[4];      // (B, H_q, N_q, N_k) broadcast strides, or null
+  i64 rows, n_qblocks, splits, split_len;
+  i64 NKP;                          // N_k rounded up to BK
+  bool cache_kt;                    // keep a head's transposed K per thread (see Buffers)
+};
+
+// One work item's rows and key range.
+struct Item {
+  i64 b, kvh, q0, nr;               // queries [q0, q0 + nr) of batch b, K/V head kvh
+  i64 kb, ke;                       // keys this item may visit, [kb, ke)
+};
+
+// ------------------------------------------------------------------ masks in closed form
+enum TileKind { EMPTY = 0, PARTIAL = 1, FULL = 2 };
+
+// The keys any row of [q0, q0+nr) may see under band and lengths, within [lo_k, hi_k).
+inline void key_range(const Args& a, Item& it, i64 lo_k, i64 hi_k) {
+  double kb = double(lo_k), ke = double(hi_k);
+  if (a.kv_len) ke = std::min(ke, double(a.kv_len[it.b * a.skl]));
+  kb = std::max(kb, double(it.q0) - a.band_hi);                  // k >= q - hi
+  ke = std::min(ke, double(it.q0 + it.nr - 1) - a.band_lo + 1);  // k <= q - lo
+  it.kb = i64(std::max(kb, double(lo_k)));
+  it.ke = i64(std::min(ke, double(hi_k)));
+}
+
+// Whether tile [k0, k0+n) is empty, full or partial for the item's rows.
+inline TileKind classify(const Args& a, const Item& it, i64 k0, i64 n) {
+  bool full = a.mask == nullptr;
+  double dmin = double(it.q0 - (k0 + n - 1)), dmax = double(it.q0 + it.nr - 1 - k0);
+  if (dmax < a.band_lo || dmin > a.band_hi) return EMPTY;
+  if (!(dmin >= a.band_lo && dmax <= a.band_hi)) full = false;
+  if (a.q_doc) {
+    const i64* qd = a.q_doc + it.b * a.sqd[0];
+    const i64* kd = a.k_doc + it.b * a.skd[0];
+    i64 qmin = qd[it.q0 * a.sqd[1]], qmax = qmin, kmin = kd[k0 * a.skd[1]], kmax = kmin;
+    for (i64 i = 0; i < it.nr; ++i) {
+      i64 d = qd[(it.q0 + i) * a.sqd[1]];
+      qmin = std::min(qmin, d); qmax = std::max(qmax, d);
+    }
+    for (i64 j = 0; j < n; ++j) {
+      i64 d = kd[(k0 + j) * a.skd[1]];
+      kmin = std::min(kmin, d); kmax = std::max(kmax, d);
+    }
+    if (qmax < kmin || kmax < qmin) return EMPTY;
+    if (!(qmin == qmax && kmin == kmax && qmin == kmin)) full = false;
+  }
+  return full ? FULL : PARTIAL;
+}
+
+// ------------------------------------------------------------------ the fused row pass
+// x (npad,) <- x * scale, soft-capped: c * tanh(x * scale / c). With fac, also the
+// derivative d(capped)/d(score) per key, scale * (1 - tanh^2) (the backward's chain rule).
+inline void scale_and_cap(const Args& a, float* x, i64 npad, float* fac) {
+  const vf sc = splat(a.scale);
+  if (a.softcap > 0.f) {
+    const vf c = splat(a.softcap), sc_c = splat(a.scale / a.softcap);
+    for (i64 j = 0; j < npad; j += W) {
+      const vf t = vtanh(load(x + j) * sc_c);
+      store(x + j, c * t);
+      if (fac) store(fac + j, sc - sc * t * t);
+    }
+  } else {
+    for (i64 j = 0; j < npad; j += W) store(x + j, load(x + j) * sc);
+    if (fac)
+      for (i64 j = 0; j < npad; j += W) store(fac + j, sc);
+  }
+}
+
+// x (npad,) of row (head h, query qi) against keys [k0, k0+n): ALiBi, bias, then the mask
+// (skipped on FULL tiles); x[n:npad] = -inf.
+inline void position_terms_and_mask(const Args& a, float* x, i64 n, i64 npad, i64 b, i64 h,
+                                    i64 qi, i64 k0, bool full) {
+  if (a.alibi) {                                    // x -= slope * |qi + off - (k0 + j)|
+    const vf slope = splat(a.alibi[h]);
+    const vf lane = iota();
+    for (i64 j = 0; j < npad; j += W) {
+      vf d = splat(float(qi - k0 - j) + a.alibi_offset) - lane;
+      d = select(d < 0.f, -d, d);
+      store(x + j, load(x + j) - slope * d);
+    }
+  }
+  if (a.bias) {
+    const float* br = a.bias + b * a.sb[0] + h * a.sb[1] + qi * a.sb[2] + k0 * a.sb[3];
+    const i64 s = a.sb[3];
+    for (i64 j = 0; j < n; ++j) x[j] += br[j * s];
+  }
+  if (!full) {
+    // band: allowed keys of this row are [qi - hi, qi - lo]
+    double lo_k = double(qi) - a.band_hi - double(k0), hi_k = double(qi) - a.band_lo - double(k0);
+    i64 jb = i64(std::clamp(lo_k, 0.0, double(n)));
+    i64 je = i64(std::clamp(std::floor(hi_k) + 1.0, 0.0, double(n)));
+    if (je < jb) je = jb;
+    for (i64 j = 0; j < jb; ++j) x[j] = NEG_INF;
+    for (i64 j = je; j < n; ++j) x[j] = NEG_INF;
+    if (a.q_doc) {
+      const i64 qd = a.q_doc[b * a.sqd[0] + qi * a.sqd[1]];
+      const i64* kd = a.k_doc + b * a.skd[0] + k0 * a.skd[1];
+      for (i64 j = 0; j < n; ++j) x[j] = kd[j * a.skd[1]] == qd ? x[j] : NEG_INF;
+    }
+    if (a.mask) {
+      const bool* mr = a.mask + b * a.sm[0] + h * a.sm[1] + qi * a.sm[2] + k0 * a.sm[3];
+      const i64 s = a.sm[3];
+      for (i64 j = 0; j < n; ++j) x[j] = mr[j * s] ? x[j] : NEG_INF;
+    }
+  }
+  for (i64 j = n; j < npad; ++j) x[j] = NEG_INF;
+}
+
+// The whole fused pass on one row of scores: scale, softcap, ALiBi, bias, mask.
+inline void score_terms(const Args& a, float* x, i64 n, i64 npad, i64 b, i64 h, i64 qi, i64 k0,
+                        bool full) {
+  scale_and_cap(a, x, npad, nullptr);
+  position_terms_and_mask(a, x, n, npad, b, h, qi, k0, full);
+}
+
+// Online softmax step on one row: x (npad,) -> P = e^(x - m_new) in place; updates the
+// running max m and sum l; returns alpha = e^(m_old - m_new), the factor for acc.
+inline float softmax_step(float* x, i64 npad, float& m, float& l) {
+  vf vm = splat(NEG_INF);
+  for (i64 j = 0; j < npad; j += W) {
+    vf v = load(x + j);
+    vm = v > vm ? v : vm;
+  }
+  const float m_new = std::max(m, hmax(vm));
+  const float shift = m_new == NEG_INF ? 0.f : m_new;     // a row with no key yet: P = 0
+  const vf vs = splat(shift);
+  vf sum = splat(0.f);
+  for (i64 j = 0; j < npad; j += W) {
+    vf p = vexp_neg(load(x + j) - vs);
+    store(x + j, p);
+    sum += p;
+  }
+  const float alpha = m == NEG_INF ? 0.f : std::exp(m - shift);
+  l = l * alpha + hsum(sum);
+  m = m_new;
+  return alpha;
+}
+
+}  // namespace
+}  // namespace attnkit_native

@@ -1,0 +1,301 @@
+// The forward pass: per-thread buffers, one work item (a query block of a K/V head over a
+// key range), the finish and the merge of key splits (see attention.cpp for the legend).
+#pragma once
+#include "common.h"
+
+namespace attnkit_native {
+namespace {
+
+// ------------------------------------------------------------------ per-thread buffers
+// kt holds Kᵀ for brgemm: one tile (D_k, BK), or — when cache_kt — the whole head
+// (D_k, NKP), filled tile by tile as the thread's items of that head need them. It is
+// allocated (uninitialised) on first use: the dot-product path never needs it.
+struct Buffers {
+  std::vector<float> q, s, acc, v, row, tmp4, m, l;
+  std::unique_ptr<float[]> kt;
+  std::vector<char> kt_done;        // (NKP / BK,) tiles of the cached head transposed
+  i64 kt_b = -1, kt_h = -1;         // the cached head
+  Buffers(const Args& a, i64 R)
+      : q(R * a.DKP), s(R * BK), acc(R * a.DVP), v(BK * a.DVP), row(std::max(a.DKP, a.DVP)),
+        tmp4(4 * std::max(a.DKP, a.DVP)), m(R), l(R) {}
+  float* kt_buffer(const Args& a) {
+    if (!kt) {
+      kt.reset(new float[a.Dk * (a.cache_kt ? a.NKP : BK)]);
+      kt_done.assign(a.cache_kt ? a.NKP / BK : 0, 0);
+    }
+    return kt.get();
+  }
+};
+
+// Qs (R, DKP) <- the item's query rows, G heads stacked, float32, zero padded.
+template <typename T> void gather_q(const Args& a, const T* q, const Item& it, Buffers& buf) {
+  for (i64 g = 0; g < a.G; ++g)
+    for (i64 i = 0; i < it.nr; ++i) {
+      const T* src = q + it.b * a.sq[0] + (it.kvh * a.G + g) * a.sq[1] + (it.q0 + i) * a.sq[2];
+      row_to_float(src, buf.q.data() + (g * it.nr + i) * a.DKP, a.Dk, a.DKP);
+    }
+}
+
+// kt (D_k, ld) at column 0 <- K rows [k0, k0 + n) transposed, in float32.
+template <typename T>
+void transpose_tile(const Args& a, const T* kh, i64 k0, i64 n, float* kt, i64 ld,
+                    Buffers& buf) {
+  float* row = buf.row.data();
+  for (i64 j = 0; j < n; ++j) {                          // kt[d, j] = k[k0 + j, d]
+    row_to_float(kh + (k0 + j) * a.sk[2], row, a.Dk, a.Dk);
+    for (i64 d = 0; d < a.Dk; ++d) kt[d * ld + j] = row[d];
+  }
+}
+
+// S (R, BK) <- Qs (R, D_k) . K_tileᵀ through brgemm on the transposed tile.
+template <typename T>
+void scores_gemm(const Args& a, const T* kh, const Item& it, i64 k0, i64 n, i64 R,
+                 Buffers& buf) {
+  float* kt = buf.kt_buffer(a);
+  i64 ld = BK;
+  if (a.cache_kt) {                                      // k0 is a multiple of BK here
+    if (buf.kt_b != it.b || buf.kt_h != it.kvh) {
+      std::fill(buf.kt_done.begin(), buf.kt_done.end(), 0);
+      buf.kt_b = it.b;
+      buf.kt_h = it.kvh;
+    }
+    if (!buf.kt_done[k0 / BK]) {
+      transpose_tile(a, kh, k0, std::min<i64>(BK, a.Nk - k0), kt + k0, a.NKP, buf);
+      buf.kt_done[k0 / BK] = 1;
+    }
+    kt += k0;
+    ld = a.NKP;
+  } else {
+    transpose_tile(a, kh, k0, n, kt, BK, buf);
+  }
+  at::native::cpublas::brgemm(R, n, a.Dk, a.DKP, ld, BK, false, buf.q.data(), kt, buf.s.data(),
+                              false);
+}
+
+// S (R, BK) <- one dot product per (row, key); four keys at a time (four independent
+// accumulators), each K row read once for all R rows.
+template <typename T>
+void scores_dot(const Args& a, const T* kh, i64 k0, i64 n, i64 R, Buffers& buf) {
+  float* tmp = buf.tmp4.data();                            // (4, DKP) converted K rows
+  i64 j = 0;
+  for (; j + 4 <= n; j += 4) {
+    const float* kj[4];
+    for (int u = 0; u < 4; ++u) {
+      if (k0 + j + u + 16 < a.Nk) prefetch_row(kh + (k0 + j + u + 16) * a.sk[2], a.Dk);
+      kj[u] = as_float(kh + (k0 + j + u) * a.sk[2], tmp + u * a.DKP, a.Dk, a.DKP);
+    }
+    for (i64 r = 0; r < R; ++r) {
+      const float* qr = buf.q.data() + r * a.DKP;
+      vf s0 = splat(0.f), s1 = s0, s2 = s0, s3 = s0;
+      for (i64 d = 0; d < a.DKP; d += W) {
+        const vf qd = load(qr + d);
+        s0 += qd * load(kj[0] + d); s1 += qd * load(kj[1] + d);
+        s2 += qd * load(kj[2] + d); s3 += qd * load(kj[3] + d);
+      }
+      float* sr = buf.s.data() + r * BK + j;
+      sr[0] = hsum(s0); sr[1] = hsum(s1); sr[2] = hsum(s2); sr[3] = hsum(s3);
+    }
+  }
+  for (; j < n; ++j) {
+    const float* kj = as_float(kh + (k0 + j) * a.sk[2], tmp, a.Dk, a.DKP);  // k_j (DKP,)
+    for (i64 r = 0; r < R; ++r) {
+      const float* qr = buf.q.data() + r * a.DKP;
+      vf acc = splat(0.f);
+      for (i64 d = 0; d < a.DKP; d += W) acc += load(qr + d) * load(kj + d);
+      buf.s[r * BK + j] = hsum(acc);
+    }
+  }
+}
+
+// acc (R, D_v) += P (R, [j]) . v_j for one key, rows with P == 0 skipped (the row of V is
+// read only when some row uses it, so NaN in masked V rows stays out).
+template <typename T>
+inline void value_one(const Args& a, const T* vh, i64 k0, i64 j, i64 R, Buffers& buf) {
+  const float* vj = nullptr;
+  for (i64 r = 0; r < R; ++r) {
+    const float p = buf.s[r * BK + j];
+    if (p == 0.f) continue;
+    if (!vj) vj = as_float(vh + (k0 + j) * a.sv[2], buf.tmp4.data(), a.Dv, a.DVP);
+    float* ar = buf.acc.data() + r * a.DVP;
+    const vf vp = splat(p);
+    for (i64 d = 0; d < a.DVP; d += W) store(ar + d, load(ar + d) + vp * load(vj + d));
+  }
+}
+
+// acc (R, D_v) += P (R, n) . V_tile (n, D_v), four keys per pass over acc where all their
+// P are nonzero, else key by key (value_one).
+template <typename T>
+void values_axpy(const Args& a, const T* vh, i64 k0, i64 n, i64 R, Buffers& buf) {
+  float* tmp = buf.tmp4.data();                            // (4, DVP) converted V rows
+  i64 j = 0;
+  for (; j + 4 <= n; j += 4) {
+    bool dense = true;
+    for (i64 r = 0; r < R && dense; ++r)
+      for (int u = 0; u < 4; ++u) dense = dense && buf.s[r * BK + j + u] != 0.f;
+    if (!dense) {
+      for (int u = 0; u < 4; ++u) value_one(a, vh, k0, j + u, R, buf);
+      continue;
+    }
+    const float* vj[4];
+    for (int u = 0; u < 4; ++u) {
+      if (k0 + j + u + 16 < a.Nk) prefetch_row(vh + (k0 + j + u + 16) * a.sv[2], a.Dv);
+      vj[u] = as_float(vh + (k0 + j + u) * a.sv[2], tmp + u * a.DVP, a.Dv, a.DVP);
+    }
+    for (i64 r = 0; r < R; ++r) {
+      const float* pr = buf.s.data() + r * BK + j;
+      const vf p0 = splat(pr[0]), p1 = splat(pr[1]), p2 = splat(pr[2]), p3 = splat(pr[3]);
+      float* ar = buf.acc.data() + r * a.DVP;
+      for (i64 d = 0; d < a.DVP; d += W)
+        store(ar + d, load(ar + d) + p0 * load(vj[0] + d) + p1 * load(vj[1] + d)
+                                   + p2 * load(vj[2] + d) + p3 * load(vj[3] + d));
+    }
+  }
+  for (; j < n; ++j) value_one(a, vh, k0, j, R, buf);
+}
+
+// acc (R, D_v) += P (R, n) . V_tile through brgemm (V converted to float32 when needed);
+// a tile holding inf/NaN takes the exact P == 0-skipping path instead.
+template <typename T>
+void values_gemm(const Args& a, const T* vh, i64 k0, i64 n, i64 R, Buffers& buf) {
+  const float* vt;
+  i64 ldv;
+  if constexpr (std::is_same_v<T, float>) {
+    vt = vh + k0 * a.sv[2];
+    ldv = a.sv[2];
+    for (i64 j = 0; j < n; ++j)
+      if (!all_finite(vt + j * ldv, a.Dv)) return values_axpy(a, vh, k0, n, R, buf);
+  } else {
+    for (i64 j = 0; j < n; ++j)
+      row_to_float(vh + (k0 + j) * a.sv[2], buf.v.data() + j * a.DVP, a.Dv, a.DVP);
+    if (!all_finite(buf.v.data(), n * a.DVP)) return values_axpy(a, vh, k0, n, R, buf);
+    vt = buf.v.data();
+    ldv = a.DVP;
+  }
+  at::native::cpublas::brgemm(R, a.Dv, n, BK, ldv, a.DVP, true, buf.s.data(), vt,
+                              buf.acc.data(), false);
+}
+
+// ------------------------------------------------------------------ one work item
+// Rows of the item over its keys: acc, m, l in buf (R = G * nr rows).
+template <typename T>
+void attend_item(const Args& a, const T* q, const T* k, const T* v, const Item& it,
+                 Buffers& buf) {
+  const i64 R = a.G * it.nr;
+  const bool gemm = R >= 16;                               // brgemm pays off from 16 rows
+  std::fill(buf.acc.begin(), buf.acc.begin() + R * a.DVP, 0.f);
+  std::fill(buf.m.begin(), buf.m.begin() + R, NEG_INF);
+  std::fill(buf.l.begin(), buf.l.begin() + R, 0.f);
+  if (it.ke <= it.kb || it.nr <= 0) return;
+  gather_q(a, q, it, buf);
+  const T* kh = k + it.b * a.sk[0] + it.kvh * a.sk[1];
+  const T* vh = v + it.b * a.sv[0] + it.kvh * a.sv[1];
+  // key tiles [k0, k0 + n) on the global grid of BK keys (keys before kb are masked)
+  for (i64 k0 = it.kb / BK * BK; k0 < it.ke; k0 += BK) {
+    const i64 n = std::min<i64>(BK, it.ke - k0), npad = round_up(n, W);
+    const TileKind kind = classify(a, it, k0, n);
+    if (kind == EMPTY) continue;
+    if (gemm) scores_gemm(a, kh, it, k0, n, R, buf); else scores_dot(a, kh, k0, n, R, buf);
+    for (i64 r = 0; r < R; ++r) {                          // row r: head h, query qi
+      const i64 h = it.kvh * a.G + r / it.nr, qi = it.q0 + r % it.nr;
+      float* x = buf.s.data() + r * BK;
+      score_terms(a, x, n, npad, it.b, h, qi, k0, kind == FULL);
+      const float alpha = softmax_step(x, npad, buf.m[r], buf.l[r]);
+      if (alpha != 1.f) {
+        float* ar = buf.acc.data() + r * a.DVP;
+        for (i64 d = 0; d < a.DVP; ++d) ar[d] *= alpha;
+      }
+    }
+    if (gemm) values_gemm(a, vh, k0, n, R, buf); else values_axpy(a, vh, k0, n, R, buf);
+  }
+}
+
+// out row (D_v,) = acc / l and lse = m + log l; l == 0 (no key) -> 0 and -inf.
+template <typename O>
+inline void finish_row(const float* acc, float m, float l, i64 Dv, O* out, float* lse) {
+  if (l == 0.f) {
+    for (i64 d = 0; d < Dv; ++d) out[d] = O(0.f);
+    *lse = NEG_INF;
+    return;
+  }
+  const float inv = 1.f / l;
+  for (i64 d = 0; d < Dv; ++d) out[d] = O(acc[d] * inv);
+  *lse = m + std::log(l);
+}
+
+// Partials (B, H_q, N_q, C, D_v) / (B, H_q, N_q, C) -> out, lse by log-sum-exp weights.
+template <typename O>
+void merge_splits(const Args& a, const float* po, const float* pl, O* out, float* lse) {
+  const i64 C = a.splits, rows = a.B * a.Hq * a.Nq;
+  at::parallel_for(0, rows, 16, [&](i64 begin, i64 end) {
+    std::vector<float> accv(a.Dv);
+    for (i64 r = begin; r < end; ++r) {                    // r = flat (b, h, qi)
+      const float* lr = pl + r * C;
+      float M = NEG_INF;
+      for (i64 c = 0; c < C; ++c) M = std::max(M, lr[c]);
+      std::fill(accv.begin(), accv.end(), 0.f);
+      float s = 0.f;
+      bool nan = false;
+      for (i64 c = 0; c < C; ++c) {
+        if (lr[c] != lr[c]) nan = true;
+        if (lr[c] == NEG_INF) continue;                    // an empty split adds nothing
+        const float w = std::exp(lr[c] - M);
+        s += w;
+        const float* o = po + (r * C + c) * a.Dv;
+        for (i64 d = 0; d < a.Dv; ++d) accv[d] += w * o[d];
+      }
+      if (nan) s = std::numeric_limits<float>::quiet_NaN();
+      O* orow = out + r * a.Dv;
+      if (s == 0.f) {
+        for (i64 d = 0; d < a.Dv; ++d) orow[d] = O(0.f);
+        lse[r] = NEG_INF;
+      } else {
+        for (i64 d = 0; d < a.Dv; ++d) orow[d] = O(accv[d] / s);
+        lse[r] = M + std::log(s);
+      }
+    }
+  });
+}
+
+// All items in parallel: item -> (b, kv head, query block (zig-zag), split).
+template <typename T>
+void run(const Args& a, const T* q, const T* k, const T* v, T* out, float* lse) {
+  const i64 C = a.splits, NQB = a.n_qblocks;
+  const i64 n_items = a.B * a.Hkv * NQB * C;
+  std::vector<float> po, pl;
+  if (C > 1) {
+    po.assign(a.B * a.Hq * a.Nq * C * a.Dv, 0.f);
+    pl.assign(a.B * a.Hq * a.Nq * C, NEG_INF);
+  }
+  at::parallel_for(0, n_items, 1, [&](i64 begin, i64 end) {
+    Buffers buf(a, a.G * a.rows);
+    for (i64 t = begin; t < end; ++t) {
+      const i64 c = t % C, zq = (t / C) % NQB, kvh = (t / (C * NQB)) % a.Hkv;
+      const i64 b = t / (C * NQB * a.Hkv);
+      // zig-zag over query blocks: contiguous thread ranges mix early (cheap, causal)
+      // and late (dear) blocks
+      const i64 qb = (zq % 2 == 0) ? zq / 2 : NQB - 1 - zq / 2;
+      Item it{b, kvh, qb * a.rows, 0, 0, 0};
+      i64 q_end = std::min(a.Nq, it.q0 + a.rows);
+      i64 valid = a.q_len ? std::min(q_end, a.q_len[b * a.sql]) : q_end;
+      it.nr = std::max<i64>(0, valid - it.q0);
+      key_range(a, it, c * a.split_len, std::min(a.Nk, (c + 1) * a.split_len));
+      attend_item(a, q, k, v, it, buf);
+      for (i64 g = 0; g < a.G; ++g)                        // rows [q0, q_end) of each head
+        for (i64 i = 0; i < q_end - it.q0; ++i) {
+          const i64 h = kvh * a.G + g, qi = it.q0 + i, r = g * it.nr + i;
+          const bool ok = i < it.nr;
+          const float* acc = buf.acc.data() + (ok ? r : 0) * a.DVP;
+          const float m = ok ? buf.m[r] : NEG_INF, l = ok ? buf.l[r] : 0.f;
+          const i64 flat = (b * a.Hq + h) * a.Nq + qi;
+          if (C == 1)
+            finish_row(acc, m, l, a.Dv, out + flat * a.Dv, lse + flat);
+          else
+            finish_row(acc, m, l, a.Dv, po.data() + (flat * C + c) * a.Dv, pl.data() + flat * C + c);
+        }
+    }
+  });
+  if (C > 1) merge_splits(a, po.data(), pl.data(), out, lse);
+}
+
+}  // namespace
+}  // namespace attnkit_native
