@@ -422,3 +422,11 @@ def test_gradients_through_a_problem() -> None:
         o, _ = native.forward(qf, kf, vf)
         g = torch.autograd.grad(o.sum(), qf, create_graph=True)[0]
         g.sum().backward()
+
+
+def test_missing_sources(fresh_loader, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(loader, "SOURCES", [fresh_loader / "gone.cpp"])
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        assert not native.available()
+    assert "sources are missing" in native.why_unavailable()

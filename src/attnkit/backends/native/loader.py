@@ -123,6 +123,11 @@ def _build() -> object:
     """Compile (or load the cached build of) attention.cpp; returns torch.ops.attnkit_native."""
     from torch.utils import cpp_extension
 
+    missing_src = [str(s) for s in SOURCES if not s.exists()]
+    if missing_src:
+        raise _Unavailable(f"the kernel's C++ sources are missing from this install "
+                           f"({', '.join(missing_src)}): reinstall attnkit with its package "
+                           "data (attnkit/backends/native/*.cpp, *.h)")
     level, flags = cpu_flags()
     compiler = _compiler()
     if compiler is None:
@@ -183,6 +188,8 @@ def load() -> object | None:
                 _state["ops"] = _build()
             except _Unavailable as e:
                 _state["reason"] = str(e)
+            except Exception as e:  # noqa: BLE001 — never worse than the Python path
+                _state["reason"] = f"loading the native kernel failed ({type(e).__name__}: {e})"
             if _state["reason"] and not _state["warned"]:
                 _state["warned"] = True
                 warnings.warn(f"attnkit native CPU kernel unavailable: {_state['reason']}. "
