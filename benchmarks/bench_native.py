@@ -102,6 +102,33 @@ def forward_rows(n: int, reps: int) -> None:
     row("ALiBi causal: native vs tiled", ratio(t, "tiled_alibi", "native_alibi"), "x speed")
 
 
+def backward_rows(n: int, reps: int) -> None:
+    H, D = 8, 64
+    q, k, v = (rand(1, H, n, D).requires_grad_() for _ in range(3))
+    dout = rand(1, H, n, D)
+    causal, slopes = (0, math.inf), alibi_slopes(H)
+
+    def fwd_bwd(fn: Callable[[], torch.Tensor]) -> Callable[[], None]:
+        return lambda: fn().backward(dout)
+
+    with torch.enable_grad():
+        t = rounds({
+            "sdpa": fwd_bwd(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)),
+            "tiled": fwd_bwd(lambda: ak.attention(q, k, v, is_causal=True, backend="tiled")),
+            "native": fwd_bwd(lambda: native.forward(q, k, v, band=causal)[0]),
+            "softcap": fwd_bwd(lambda: native.forward(q, k, v, band=causal, softcap=30.0)[0]),
+            "alibi": fwd_bwd(lambda: native.forward(q, k, v, band=causal,
+                                                    alibi_slopes=slopes)[0]),
+        }, reps)
+    print(f"forward+backward, causal, N={n} (fp32, B=1, H={H}, D={D})")
+    row("native vs torch SDPA", ratio(t, "sdpa", "native"), "x speed", "target >= 1.0")
+    row("native vs tiled (today)", ratio(t, "tiled", "native"), "x speed")
+    row("softcap=30: native, vs native plain", ratio(t, "native", "softcap"), "x plain",
+        "target >= 0.8")
+    row("ALiBi: native, vs native plain", ratio(t, "native", "alibi"), "x plain",
+        "target >= 0.8")
+
+
 def sgemm_rate(reps: int) -> float:
     a, b = rand(2048, 2048), rand(2048, 2048)
     return 2 * 2048**3 / median_time(lambda: a @ b, reps)
@@ -161,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sizes (< 1 minute)")
     ap.add_argument("--reps", type=int, default=None, help="timed runs per call (median)")
-    ap.add_argument("--only", choices=("forward", "window", "decode"), default=None)
+    ap.add_argument("--only", choices=("forward", "backward", "window", "decode"), default=None)
     args = ap.parse_args(argv)
     if not native.available():
         print(f"native kernel unavailable: {native.why_unavailable()}")
@@ -172,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     with torch.no_grad():
         if args.only in (None, "forward"):
             forward_rows(1024 if args.quick else 4096, reps)
+        if args.only in (None, "backward"):
+            backward_rows(512 if args.quick else 2048, reps)
         if args.only in (None, "window"):
             window_rows(2048 if args.quick else 8192, reps)
         if args.only in (None, "decode"):
