@@ -19,6 +19,8 @@ Quick use::
 
 from __future__ import annotations
 
+import sys as _sys
+
 from . import backends, cost, distributed, masks, scores
 from .api import attention
 from .explain import Trace, explain
@@ -28,11 +30,14 @@ from .layers import (
     MultiHeadLatentAttention,
     RMSNorm,
     TorchStyleMultiheadAttention,
+    rope,
 )
+
+_sys.modules[__name__ + ".rope"] = rope      # `import attnkit.rope` (it lives in layers/)
 
 __version__ = "0.1.0"
 
 __all__ = ["MultiHeadAttention", "MultiHeadLatentAttention", "KVCache", "RMSNorm",
-           "TorchStyleMultiheadAttention", "cost",
+           "TorchStyleMultiheadAttention", "cost", "rope",
            "attention", "explain", "Trace", "masks", "scores", "backends", "distributed",
            "__version__"]

@@ -11,6 +11,7 @@ What lives where::
     mha.py           MultiHeadAttention (MHA / GQA / MQA, qk_norm, tie_qk, softcap, dropout)
     mla.py           MultiHeadLatentAttention (absorbed and plain paths)
     norms.py         RMSNorm (QK-norm, MLA's latent norm)
+    rope.py          rotary position embeddings (attnkit.rope): tables, apply, RoPE settings
     torch_compat.py  from_torch, torch_masks_to_attnkit, TorchStyleMultiheadAttention
     shared.py        what MHA and MLA share on every call: the one input check, the cache
                      step (append, undone if the call fails), attention() + weights, the
@@ -49,16 +50,20 @@ Caution
   which is what decoding needs; without a cache it is top-left, exactly like torch.
 - A query with no allowed key gets output 0 (before W_O) where torch gives NaN.
 - MLA's key/value up-projections carry no bias (a bias would not absorb into the query).
+- ``rope`` (MultiHeadAttention only) rotates q and k before the cache append (the cache holds
+  rotated keys); decoding positions continue from the cache length. Not for cross-attention.
 - ``need_weights=True`` recomputes the weights with the reference (O(N_q·N_k) memory); the
   weights are the softmax before dropout.
 """
 
 from __future__ import annotations
 
+from . import rope
 from .cache import KVCache
 from .mha import MultiHeadAttention
 from .mla import MultiHeadLatentAttention
 from .norms import RMSNorm
+from .rope import RoPE
 from .torch_compat import TorchStyleMultiheadAttention, torch_masks_to_attnkit
 
 __all__ = [
@@ -66,6 +71,8 @@ __all__ = [
     "MultiHeadAttention",
     "MultiHeadLatentAttention",
     "RMSNorm",
+    "RoPE",
     "TorchStyleMultiheadAttention",
+    "rope",
     "torch_masks_to_attnkit",
 ]

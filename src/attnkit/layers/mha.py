@@ -8,18 +8,23 @@ Shape legend::
 
     x (B, N_q, d)  context, value (B, N_k, d_kv)
     q (B, H, N_q, d_k)  k (B, H_kv, N_k, d_k)  v (B, H_kv, N_k, d_v)  out (B, N_q, d)
+    positions (N_q,) or (B, N_q)   token positions for ``rope`` (default: cache length + 0 …)
 
 Caution
 -------
 - A query with no allowed key gets output 0 (before W_O) where torch gives NaN.
 - The cache and causal alignment rules are :mod:`attnkit.layers.cache`'s and
   :mod:`attnkit.layers.shared`'s.
+- ``rope`` rotates q and k after the head split (and after ``qk_norm``) and before the cache
+  append, so the cache holds rotated keys (as transformers' caches do). It is for
+  self-attention: with ``context=...`` it raises (keys from another sequence have no
+  positions in this one).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 from torch import nn
@@ -27,6 +32,7 @@ from torch import nn
 from .cache import KVCache
 from .common import check_options, head_dims, positive_int, split_heads
 from .norms import RMSNorm
+from .rope import RoPE, apply, positions_for
 from .shared import attend, cache_step, check_call, finish
 
 __all__ = ["MultiHeadAttention"]
@@ -48,6 +54,8 @@ class MultiHeadAttention(nn.Module):
         qk_proj   W_QK (H·d_k, d) — replaces q_proj and k_proj when ``tie_qk=True``
         q_norm, k_norm  RMSNorm gains (d_k,) — when ``qk_norm=True``
 
+    Rotary embeddings (``rope=``) have no parameters: ``layer.rope`` holds the setting.
+
     Args:
         d_model: input (and output) width d.
         n_heads: query heads H.
@@ -60,6 +68,9 @@ class MultiHeadAttention(nn.Module):
         softcap: ``c`` maps each scaled logit x to ``c·tanh(x/c)``.
         dropout: dropout on the attention weights (training mode only).
         tie_qk: one shared projection for Q and K (raw self-attention scores are symmetric).
+        rope: rotary position embeddings on q and k: ``True`` (θ = 10 000, Llama's "half"
+            style, every channel) or an :class:`attnkit.rope.RoPE` (``theta``, ``dims``,
+            ``style``, ``scaling``); ``None``/``False``: none.
     """
 
     cache_kind = "MultiHeadAttention"       # what a KVCache of this layer holds: k, v
@@ -78,6 +89,7 @@ class MultiHeadAttention(nn.Module):
         softcap: float | None = None,
         dropout: float = 0.0,
         tie_qk: bool = False,
+        rope: bool | RoPE | None = None,
     ) -> None:
         super().__init__()
         d_model = positive_int(d_model, "d_model")
@@ -103,6 +115,16 @@ class MultiHeadAttention(nn.Module):
         self.dropout = float(dropout)
         self.tie_qk, self.qk_norm = bool(tie_qk), bool(qk_norm)
         self.scale = 1.0 / math.sqrt(head_dim)
+        if rope is True:
+            rope = RoPE()
+        elif rope is False:
+            rope = None
+        if rope is not None and not isinstance(rope, RoPE):
+            raise TypeError(f"rope must be True, None or an attnkit.rope.RoPE(...), got "
+                            f"{type(rope).__name__}")
+        if rope is not None:
+            rope.rotated_dims(head_dim)                   # even, <= head_dim: checked now
+        self.rope: RoPE | None = rope
 
         if tie_qk:
             self.qk_proj = nn.Linear(d_model, n_heads * head_dim, bias=bias)
@@ -129,6 +151,8 @@ class MultiHeadAttention(nn.Module):
             opts.append(f"softcap={self.softcap}")
         if self.dropout:
             opts.append(f"dropout={self.dropout}")
+        if self.rope is not None:
+            opts.append(f"rope={self.rope}")
         return ", ".join(opts)
 
     # ------------------------------------------------------------------ projections
@@ -148,9 +172,40 @@ class MultiHeadAttention(nn.Module):
         """src (B, N_k, d_kv) → v (B, H_kv, N_k, d_v)."""
         return split_heads(self.v_proj(src), self.n_kv_heads)
 
-    # ------------------------------------------------------------------ forward
+    def rotate_qk(self, q: torch.Tensor, k: torch.Tensor, positions: Any,
+                  cache: KVCache | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary embeddings on q (B, H, N, d_k) and the new keys k (B, H_kv, N, d_k) at
+        ``positions`` (N,) / (B, N), default the cache length + 0 … N−1."""
+        assert self.rope is not None
+        n = q.shape[2]
+        if positions is None:
+            positions = positions_for(n, len(cache) if cache is not None else 0,
+                                      device=q.device)
+        elif isinstance(positions, torch.Tensor) and positions.dim() == 2 \
+                and positions.shape[0] not in (1, q.shape[0]):
+            raise ValueError(f"positions (B, N) = {tuple(positions.shape)} must have the batch "
+                             f"of x (B={q.shape[0]})")
+        table_dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+        cos, sin = self.rope.tables(positions, self.head_dim, dtype=table_dtype,
+                                    device=q.device)        # (N, R) or (B, N, R)
+        if cos.shape[-2] != n:
+            raise ValueError(f"positions give {cos.shape[-2]} tokens but x has N={n}: one "
+                             "position per token")
+        return apply(q, cos, sin, style=self.rope.style), apply(k, cos, sin,
+                                                                style=self.rope.style)
 
     # ------------------------------------------------------------------ forward
+    @overload
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None = ..., *,
+                value: torch.Tensor | None = ..., mask: Any = ..., is_causal: bool = ...,
+                cache: KVCache | None = ..., need_weights: Literal[False] = ...,
+                positions: Any = ...) -> torch.Tensor: ...
+    @overload
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None = ..., *,
+                value: torch.Tensor | None = ..., mask: Any = ..., is_causal: bool = ...,
+                cache: KVCache | None = ..., need_weights: Literal[True],
+                positions: Any = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
+
     def forward(
         self,
         x: torch.Tensor,
@@ -161,6 +216,7 @@ class MultiHeadAttention(nn.Module):
         is_causal: bool = False,
         cache: KVCache | None = None,
         need_weights: bool = False,
+        positions: Any = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attend from ``x`` (B, N_q, d) to ``context`` (B, N_k, d_kv), default ``x`` itself.
 
@@ -175,14 +231,27 @@ class MultiHeadAttention(nn.Module):
                 new tokens' K/V are appended and the queries attend to every cached token.
                 A cache belongs to the first layer that writes to it.
             need_weights: also return the attention weights ``(B, H, N_q, N_k)``.
+            positions: with ``rope``, the new tokens' positions ``(N_q,)`` or ``(B, N_q)``
+                (integers; e.g. left-padded batches); default the cache length + 0 … N_q−1.
 
         Returns ``out`` ``(B, N_q, d)`` (``(N_q, d)`` for unbatched input), or
         ``(out, weights)`` with ``need_weights=True``.
         """
         call = check_call(self, x, context, value, cache, mask, is_causal)
+        if positions is not None and self.rope is None:
+            raise ValueError("positions=... are for rotary embeddings: build the layer with "
+                             "rope=True (or rope=attnkit.rope.RoPE(...))")
+        if self.rope is not None and context is not None:
+            raise ValueError(
+                "rope applies to self-attention: keys from context=... have no positions in "
+                "x's sequence. Build the cross-attention layer without rope, or rotate q and "
+                "k yourself with attnkit.rope"
+            )
         q = self.project_q(call.x)                          # (B, H,    N_q, d_k)
         k = self.project_k(call.k_src)                      # (B, H_kv, N_k, d_k)
         v = self.project_v(call.v_src)                      # (B, H_kv, N_k, d_v)
+        if self.rope is not None:                           # before the cache append
+            q, k = self.rotate_qk(q, k, positions, cache)   # same shapes, rotated
         with cache_step(self, cache, k=k, v=v) as kv:       # (B, H_kv, N_cache, ·)
             o, weights = attend(q, kv["k"], kv["v"], mask=call.mask, is_causal=call.is_causal,
                                 scale=self.scale, softcap=self.softcap,
