@@ -369,3 +369,19 @@ def checked_score_mod(fn: ScoreMod, *, batch: int, heads: int, n_q: int, n_k: in
     score_mod.__wrapped__ = fn  # type: ignore[attr-defined]
     return score_mod
 
+
+# ---------------------------------------------------------------------- in-place soft-cap
+# For kernels that work in place on a score tile no autograd records (tiled's engines). The
+# same float operations as soft_cap — bit for bit the reference's values, at every cap.
+def soft_cap_(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """In place ``x ← cap · tanh(x / cap)`` (returns ``x``); :func:`soft_cap` without the
+    two temporaries. Exact to float rounding at any cap (no ``2σ(2x/c) − 1`` shortcut, whose
+    absolute error ``~cap · 1e-7`` swamps the logits at large caps)."""
+    return x.div_(cap).tanh_().mul_(cap)
+
+
+def soft_cap_grad(capped: torch.Tensor, cap: float) -> torch.Tensor:
+    """``∂ soft_cap(x, cap) / ∂x = 1 − tanh²(x / cap)``, written with the capped value
+    ``capped = soft_cap(x, cap)`` (a new tensor; one fused pass after the division)."""
+    t = capped / cap
+    return torch.addcmul(torch.ones((), dtype=t.dtype, device=t.device), t, t, value=-1.0)

@@ -36,7 +36,11 @@ Shape legend::
     out (B, H_q, N_q, D_v) lse (B, H_q, N_q)
 
 Numerical contract: float16/bfloat16 inputs are computed in float32 (one cast in, one cast
-out); a query with no allowed key gets output 0, LSE −∞ and zero gradients.
+out); a query with no allowed key gets output 0, LSE −∞ and zero gradients whatever its
+query holds; a query row holding NaN/±inf that has an allowed key gets NaN output and LSE;
+soft-capping is ``scores.soft_cap``'s formula (in place), exact to rounding at any cap.
+First derivatives only: every backward here refuses second derivatives with one attnkit
+error (``base.refuse_double_backward``).
 
 Caution
 -------
@@ -56,13 +60,22 @@ Caution
   distribution, not bit for bit.
 - Tile sizes (:func:`tile_sizes`) and counters (:func:`counting`) are per context (thread,
   asyncio task): concurrent calls never see each other's.
+- A non-finite query row is computed as a zero row and then marked NaN where it has a key:
+  its gradient is 0 (not NaN), and where ``softcap`` would map its ±inf logits to ±cap the
+  reference can return a finite value while tiled returns NaN.
+- The fused kernel adds its mask (−∞) to the logits: when finite inputs still give a
+  non-finite output (a logit overflowed to +∞), the call is recomputed on the general
+  engine, whose masked_fill keeps blocked positions out (slower, only then).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import torch
 
-from ..base import Backend, Capabilities, Problem
+from ..base import Backend, Capabilities, Problem, compute_dtype
 from .fused import fused_attention
 from .general import general_attention
 from .plan import COUNTERS, Block, Plan, Run, TileSizes, counting, plan, sizes, tile_sizes
@@ -76,6 +89,29 @@ def _fusable(p: Problem) -> bool:
             and not (p.bias is not None and p.bias.requires_grad and torch.is_grad_enabled()))
 
 
+def _nonfinite_query_rows(q: torch.Tensor) -> torch.Tensor | None:
+    """``(B, H_q, N_q)`` True where a query row holds NaN or ±inf; ``None`` when none does
+    (one reduction over q; the exact row test only when the sum is not finite)."""
+    with torch.no_grad():
+        if bool(torch.isfinite(q.sum(dtype=compute_dtype(q.dtype)))):
+            return None
+        bad = ~torch.isfinite(q).all(-1)
+    return bad if bool(bad.any()) else None
+
+
+def _attention(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
+    if _fusable(p):
+        out, lse = fused_attention(p)
+        with torch.no_grad():
+            if bool(torch.isfinite(out.sum(dtype=compute_dtype(p.dtype)))) or not bool(
+                    torch.isfinite(p.k).all() and torch.isfinite(p.v).all()):
+                return out, lse                 # (NaN/inf K/V rows: attention() screens them)
+        # Finite inputs, non-finite output: the fused kernel adds its mask (−∞) to the
+        # logits, so a blocked logit that overflowed to +∞ (huge finite q·k) leaks NaN. The
+        # general engine masks with masked_fill: blocked positions never reach the output.
+    return general_attention(p)
+
+
 class TiledBackend(Backend):
     """CPU: block-sparse online softmax with forward + backward and O(N) memory."""
 
@@ -86,6 +122,15 @@ class TiledBackend(Backend):
                                 hints=(("devices", "use backend='triton' on GPU"),))
 
     def forward(self, p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
-        if _fusable(p):
-            return fused_attention(p)
-        return general_attention(p)
+        bad = _nonfinite_query_rows(p.q)
+        if bad is None:
+            return _attention(p)
+        # A query row holding NaN/inf is computed as a zero row — a row with no allowed key
+        # then stays output 0, LSE −∞, gradient 0 whatever it held — and shows as NaN
+        # (output and LSE) where it does attend to a key: a non-finite input that is used.
+        q = torch.where(bad[..., None], torch.zeros((), dtype=p.q.dtype), p.q)
+        out, lse = _attention(dataclasses.replace(p, q=q))
+        hit = bad & (lse != -math.inf)                               # (B, H_q, N_q)
+        out = torch.where(hit[..., None], torch.full((), math.nan, dtype=out.dtype), out)
+        lse = torch.where(hit, torch.full((), math.nan, dtype=lse.dtype), lse)
+        return out, lse

@@ -25,6 +25,7 @@ import math
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from ...scores import soft_cap, soft_cap_, soft_cap_grad
 from ..base import Problem, compute_dtype, finish, refuse_double_backward, softmax_shift
 from .plan import Block, Plan, allowed_tile, bias_tile, count, plan, sizes
 
@@ -58,11 +59,8 @@ def _block(p: Problem, blk: Block, chunk_k: int, qb: torch.Tensor, k: torch.Tens
             count(runs=1)
             s = torch.bmm(qb, k[:, k0:k1].transpose(1, 2))          # (B·H_kv, G·bq, L)
             x = s.view(B, hq, bq, k1 - k0)                            # (B, H_q, bq, L)
-            if p.softcap is not None:
-                c = p.softcap
-                # c·tanh(x/c) = c·(2σ(2x/c) − 1): torch's sigmoid is ~2× faster than its tanh
-                x = x.mul_(2.0 / c).sigmoid_().mul_(2.0 * c).sub_(c) if ip \
-                    else c * torch.tanh(x / c)
+            if p.softcap is not None:                                   # c·tanh(x/c)
+                x = soft_cap_(x, p.softcap) if ip else soft_cap(x, p.softcap)
             if p.score_mod is not None:
                 ki = torch.arange(k0, k1, device=dev).view(1, 1, 1, -1)
                 x = p.score_mod(x, bi, hi, qi, ki)
@@ -162,10 +160,10 @@ class _ManualAttention(torch.autograd.Function):
                     k1 = min(k0 + chunk, run.k1)
                     L = k1 - k0
                     x = torch.bmm(qb, k[:, k0:k1].transpose(1, 2)).view(B, hq, bq, L)
-                    t = y = xr = None
+                    dcap = y = xr = None
                     if c is not None:
-                        t = x.mul_(2.0 / c).sigmoid_().mul_(2.0).sub_(1.0)   # tanh(x/c), kept
-                        x = t * c
+                        x = soft_cap_(x, c)                       # c·tanh(x/c), in place
+                        dcap = soft_cap_grad(x, c)                # 1 − tanh²(x/c), kept
                     if p.score_mod is not None:                   # autograd on the tile
                         with torch.enable_grad():
                             xr = x.detach().requires_grad_(True)
@@ -183,8 +181,8 @@ class _ManualAttention(torch.autograd.Function):
                     ds = dp.sub_(db).mul_(pr)
                     if y is not None and xr is not None:
                         (ds,) = torch.autograd.grad(y, xr, ds)
-                    if t is not None:
-                        ds.mul_(t.mul_(t).neg_().add_(1.0))       # × (1 − tanh²)
+                    if dcap is not None:
+                        ds.mul_(dcap)                             # × (1 − tanh²)
                     ds2 = ds.view(B * hkv, g * bq, L)
                     dqb.baddbmm_(ds2, k[:, k0:k1])
                     dk[:, k0:k1].baddbmm_(ds2.transpose(1, 2), qb)
