@@ -430,3 +430,13 @@ def test_missing_sources(fresh_loader, monkeypatch: pytest.MonkeyPatch) -> None:
         warnings.simplefilter("always")
         assert not native.available()
     assert "sources are missing" in native.why_unavailable()
+
+
+@needs_native
+def test_zero_length_queries_or_keys() -> None:
+    q, k, v = qkv(1, 2, 1, 5, 0, 8)
+    out, lse = native.forward(q.float(), k.float(), v.float())
+    assert out.shape == (1, 2, 5, 8) and (out == 0).all() and (lse == -math.inf).all()
+    q, k, v = qkv(1, 2, 1, 0, 7, 8)
+    out, lse = native.forward(q.float(), k.float(), v.float())
+    assert out.shape == (1, 2, 0, 8) and lse.shape == (1, 2, 0)

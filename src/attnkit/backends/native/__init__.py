@@ -165,6 +165,9 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float |
         raise RuntimeError("native.forward differentiates q, k and v only, not bias or "
                            "alibi_slopes: detach them, or use the tiled engine for their "
                            "gradients")
+    if Nq == 0 or Nk == 0:                                   # no query, or nothing to see
+        return (q.new_zeros(B, Hq, Nq, v.shape[3]),
+                torch.full((B, Hq, Nq), -math.inf, dtype=torch.float32))
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     shape4 = (B, Hq, Nq, Nk)
     if softcap is not None and not softcap > 0:

@@ -92,7 +92,8 @@ std::tuple<Tensor, Tensor> attend(
   a.splits = std::max<int64_t>(1, std::min(splits, a.Nk));
   a.split_len = round_up((a.Nk + a.splits - 1) / a.splits, BK);  // on the tile grid
   a.splits = (a.Nk + a.split_len - 1) / a.split_len;
-  a.cache_kt = a.Dk * a.NKP * 4 <= (16 << 20);
+  // a whole head's Kᵀ per thread while all threads' copies stay within 64 MB
+  a.cache_kt = a.Dk * a.NKP * 4 * std::max(1, at::get_num_threads()) <= (64 << 20);
   Tensor out = at::empty({a.B, a.Hq, a.Nq, a.Dv}, q.options());
   Tensor lse = at::empty({a.B, a.Hq, a.Nq}, q.options().dtype(at::kFloat));
   ATTNKIT_DISPATCH(q.scalar_type(),

@@ -211,9 +211,26 @@ inline void key_range(const Args& a, Item& it, i64 lo_k, i64 hi_k) {
   it.ke = i64(std::min(ke, double(hi_k)));
 }
 
-// Whether tile [k0, k0+n) is empty, full or partial for the item's rows.
+// A dense mask's bytes over the item's rows (all G heads) x keys [k0, k0+n): any / all.
+inline TileKind scan_mask(const Args& a, const Item& it, i64 k0, i64 n) {
+  bool any = false, all = true;
+  for (i64 g = 0; g < a.G; ++g)
+    for (i64 i = 0; i < it.nr; ++i) {
+      const bool* mr = a.mask + it.b * a.sm[0] + (it.kvh * a.G + g) * a.sm[1] +
+                       (it.q0 + i) * a.sm[2] + k0 * a.sm[3];
+      for (i64 j = 0; j < n; ++j) {
+        const bool m = mr[j * a.sm[3]];
+        any = any || m;
+        all = all && m;
+      }
+      if (any && !all) return PARTIAL;
+    }
+  return any ? FULL : EMPTY;
+}
+
+// Whether tile [k0, k0+n) is empty, full or partial for the item's rows (all G heads).
 inline TileKind classify(const Args& a, const Item& it, i64 k0, i64 n) {
-  bool full = a.mask == nullptr;
+  bool full = true;
   double dmin = double(it.q0 - (k0 + n - 1)), dmax = double(it.q0 + it.nr - 1 - k0);
   if (dmax < a.band_lo || dmin > a.band_hi) return EMPTY;
   if (!(dmin >= a.band_lo && dmax <= a.band_hi)) full = false;
@@ -231,6 +248,11 @@ inline TileKind classify(const Args& a, const Item& it, i64 k0, i64 n) {
     }
     if (qmax < kmin || kmax < qmin) return EMPTY;
     if (!(qmin == qmax && kmin == kmax && qmin == kmin)) full = false;
+  }
+  if (a.mask) {
+    const TileKind m = scan_mask(a, it, k0, n);
+    if (m == EMPTY) return EMPTY;
+    if (m == PARTIAL) full = false;
   }
   return full ? FULL : PARTIAL;
 }
