@@ -20,7 +20,7 @@ Shape legend (what transformers hands an attention function, and what it gets ba
                        float — added to the logits; -inf or ≤ finfo(dtype).min / 2 = blocked
     position_bias    float (B|1, H_q|1, N_q, N_k), added to the logits (T5-style models)
     → out            (B, N_q, H_q, D_v)     contiguous (the caller reshapes to (B, N_q, H_q·D_v))
-    → weights        None                   (attnkit never materialises the weights here)
+    → weights        None, or (B, H_q, N_q, N_k) with ``output_attentions=True``
 
 How the arguments are translated:
 
@@ -34,9 +34,25 @@ How the arguments are translated:
 - ``sliding_window``: transformers' mask builders already put the window into the mask, so
   with a mask it is not applied twice. Without a mask it becomes
   :func:`attnkit.masks.sliding_window` (causal: ``kv > q − w``; bidirectional: ``|q − kv| ≤ w``).
+- ``output_attentions=True``: the weights are computed a second time by attnkit's
+  reference (the textbook softmax, which materialises them: O(N_q·N_k) memory per layer and
+  slower than the fused path; the output itself still comes from the fast backend). They are
+  the weights before dropout, in the query's dtype.
 - Bookkeeping keywords the caller has already used (``position_ids``, ``use_cache``,
   ``cache_position``, ``encoder_hidden_states``, packed-sequence lengths, ...) are ignored,
   as transformers' own SDPA function ignores them.
+
+Building attnkit layers from a transformers model (no attention function involved)::
+
+    rope = rope_from_config(model.config)                 # an attnkit.rope.RoPE
+    layer = attention_from_llama(model.model.layers[0].self_attn)   # ak.MultiHeadAttention
+    out = layer(x, cache=ak.KVCache(), is_causal=True)    # = LlamaAttention's output
+
+``rope_from_config`` reads ``rope_parameters`` (``rope_type`` "default", "linear" and
+"llama3"; ``rope_theta``; ``partial_rotary_factor``); other rope types are refused with
+:class:`UnsupportedFeatureError`. ``attention_from_llama`` fits Llama-style attention
+(q/k/v/o projections, GQA, optional biases, RoPE; tested on Llama); layers with extra
+parts (QK-norm, sinks) are refused.
 
 Caution
 -------
@@ -48,10 +64,11 @@ Caution
   gets output 0 here, where eager averages all values uniformly. Only padding queries have
   such rows, and models never read their outputs.
 - Not supported yet, and refused with :class:`UnsupportedFeatureError` naming the feature,
-  rather than silently computed wrong: ``output_attentions=True`` (attention weights),
-  ``head_mask``, attention sinks (``s_aux`` / ``sinks``), flex ``BlockMask`` masks, and any
-  other keyword attnkit does not know (pass ``ignore_kwargs=`` to :func:`register` for a
-  keyword you know to be bookkeeping).
+  rather than silently computed wrong: ``head_mask``, attention sinks (``s_aux`` /
+  ``sinks``), flex ``BlockMask`` masks, and any other keyword attnkit does not know (pass
+  ``ignore_kwargs=`` to :func:`register` for a keyword you know to be bookkeeping).
+- ``output_attentions=True``: for a query with no allowed key (a padding query) the
+  weights are all 0, where eager's are uniform (see the float-mask note above).
 - Tested against transformers 5.x (BERT/MiniLM and Llama, with a KV cache); models that
   build their own masks without the mask interface are untested.
 """
@@ -76,10 +93,15 @@ except ImportError as _e:  # pragma: no cover - exercised only without the extra
 from .. import backends as _backends
 from .. import masks as _masks
 from ..api import attention as _attention
+from ..layers.mha import MultiHeadAttention
+from ..layers.rope import LinearScaling, Llama3Scaling, RoPE
+from ..layers.shared import attention_weights as _attention_weights
 
 __all__ = [
     "register",
     "make_attention_function",
+    "rope_from_config",
+    "attention_from_llama",
     "convert_mask",
     "UnsupportedFeatureError",
     "IGNORED_KWARGS",
@@ -100,10 +122,6 @@ IGNORED_KWARGS: frozenset[str] = frozenset({
 
 # Keywords naming features attnkit does not provide yet → why, and what to do instead.
 UNSUPPORTED_KWARGS: dict[str, str] = {
-    "output_attentions": "returning attention weights (output_attentions=True) is not "
-                         "supported: attnkit never materialises the weights here. Use "
-                         "attn_implementation='eager' to get them, or attnkit.explain() on "
-                         "one layer's q, k, v",
     "head_mask": "head_mask (scaling each head's weights) is not supported: mask the heads' "
                  "outputs instead, or use attn_implementation='eager'",
     "s_aux": "attention sinks (s_aux: a learned per-head logit in the softmax denominator) "
@@ -114,7 +132,7 @@ UNSUPPORTED_KWARGS: dict[str, str] = {
 
 # transformers' own implementations (snapshot before any registration of ours).
 _BUILTIN_NAMES: frozenset[str] = frozenset(AttentionInterface._global_mapping) | {"eager"}
-_OURS: dict[str, Callable[..., tuple[torch.Tensor, None]]] = {}
+_OURS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor | None]]] = {}
 
 
 class UnsupportedFeatureError(NotImplementedError):
@@ -206,14 +224,16 @@ def _window_mask(window: int, causal: bool, n_q: int) -> _masks.Mask:
 
 def make_attention_function(
     *, backend: str = "auto", ignore_kwargs: Iterable[str] = ()
-) -> Callable[..., tuple[torch.Tensor, None]]:
+) -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]]:
     """Build the function transformers calls for every attention layer.
 
     The returned ``fn(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
     is_causal=None, softcap=None, sliding_window=None, position_bias=None, **kwargs)``
-    returns ``(out (B, N_q, H_q, D_v), None)``; see the module docstring for the shapes and
-    the translation. ``backend`` is passed to :func:`attnkit.attention`; keywords named in
-    ``ignore_kwargs`` are accepted and ignored.
+    returns ``(out (B, N_q, H_q, D_v), None)`` — or ``(out, weights (B, H_q, N_q, N_k))``
+    when called with ``output_attentions=True`` (the weights by the reference: slower, see
+    the module docstring); see the module docstring for the shapes and the translation.
+    ``backend`` is passed to :func:`attnkit.attention`; keywords named in ``ignore_kwargs``
+    are accepted and ignored.
     """
     _backends.check_name(backend, what="attnkit backend")
     ignore = frozenset(ignore_kwargs)
@@ -231,7 +251,8 @@ def make_attention_function(
         sliding_window: int | None = None,
         position_bias: torch.Tensor | None = None,
         **kwargs: Any,
-    ) -> tuple[torch.Tensor, None]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        want_weights = not _absent(kwargs.pop("output_attentions", None))
         _check_kwargs(kwargs, ignore)
         if query.dim() != 4:
             raise ValueError(
@@ -253,7 +274,9 @@ def make_attention_function(
             mask = _with_bias(mask, position_bias, n_q, n_k)
         out = _attention(query, key, value, mask=mask, scale=scaling, softcap=softcap,
                          dropout_p=float(dropout or 0.0), backend=backend)
-        return out.transpose(1, 2).contiguous(), None
+        weights = _attention_weights(query, key, value, mask=mask, scale=scaling,
+                                     softcap=softcap) if want_weights else None
+        return out.transpose(1, 2).contiguous(), weights    # (B, N_q, H_q, D_v), (B, H_q, …)
 
     return attnkit_attention_forward
 
@@ -302,3 +325,107 @@ def register(
     AttentionMaskInterface.register(name, sdpa_mask)
     _OURS[name] = fn
     return name
+
+
+# ------------------------------------------------------------------ layers from a model
+def _head_dim(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def rope_from_config(config: Any, *, layer_type: str | None = None) -> RoPE:
+    """The :class:`attnkit.rope.RoPE` a transformers model config describes.
+
+    Reads ``config.rope_parameters`` (transformers 5; per-layer-type dicts need
+    ``layer_type``, e.g. ``"full_attention"``) or the older ``rope_theta`` / ``rope_scaling``
+    attributes: ``rope_type`` "default", "linear" (→ :class:`~attnkit.rope.LinearScaling`) and
+    "llama3" (→ :class:`~attnkit.rope.Llama3Scaling`); ``partial_rotary_factor`` → ``dims``.
+    Always the "half" style (transformers' ``rotate_half``). Other rope types raise
+    :class:`UnsupportedFeatureError` naming the type.
+    """
+    params = getattr(config, "rope_parameters", None)
+    if params is None:
+        params = dict(getattr(config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    if layer_type is not None:
+        if layer_type not in params:
+            raise ValueError(f"the config has no rope parameters for layer_type={layer_type!r}"
+                             f"; it has {sorted(params)}")
+        params = params[layer_type]
+    elif params and all(isinstance(v, dict) for v in params.values()):
+        raise ValueError(f"this config has rope parameters per layer type {sorted(params)}: "
+                         "pass layer_type=... (one of them)")
+    kind = params.get("rope_type", params.get("type", "default"))
+    theta = float(params.get("rope_theta", 10000.0))
+    head_dim = _head_dim(config)
+    factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    dims = int(head_dim * factor) if factor != 1.0 else None
+    scaling: LinearScaling | Llama3Scaling | None
+    if kind == "default":
+        scaling = None
+    elif kind == "linear":
+        scaling = LinearScaling(float(params["factor"]))
+    elif kind == "llama3":
+        scaling = Llama3Scaling(
+            factor=float(params["factor"]), low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position=int(params["original_max_position_embeddings"]))
+    else:
+        raise UnsupportedFeatureError(
+            f"attnkit (transformers): rope_type={kind!r} is not supported by attnkit.rope yet "
+            "(it has 'default', 'linear' and 'llama3'): keep transformers' own rotary "
+            "embedding for this model"
+        )
+    return RoPE(theta=theta, dims=dims, style="half", scaling=scaling)
+
+
+def attention_from_llama(attn: torch.nn.Module, config: Any = None) -> MultiHeadAttention:
+    """An :class:`attnkit.MultiHeadAttention` with the same weights and rotary embedding as
+    a Llama-style transformers attention module ``attn`` (``q_proj``, ``k_proj``,
+    ``v_proj``, ``o_proj``; GQA; biases where the model has them).
+
+    ``config`` defaults to ``attn.config``. Call the result with ``is_causal=True`` (and a
+    :class:`attnkit.KVCache` when decoding): it equals ``LlamaAttention`` with a causal mask
+    and the model's ``position_embeddings``. Same dtype, device and training mode as ``attn``.
+    """
+    config = getattr(attn, "config", None) if config is None else config
+    names = ("q_proj", "k_proj", "v_proj", "o_proj")
+    if config is None or not all(isinstance(getattr(attn, n, None), torch.nn.Linear)
+                                 for n in names):
+        raise TypeError(
+            f"attention_from_llama needs a Llama-style attention module with nn.Linear "
+            f"{', '.join(names)} and a config (attn.config or config=...), got "
+            f"{type(attn).__name__}"
+        )
+    extra = [n for n in ("q_norm", "k_norm", "sinks") if getattr(attn, n, None) is not None]
+    if extra:
+        raise UnsupportedFeatureError(
+            f"attnkit (transformers): {type(attn).__name__} has {', '.join(extra)}, which "
+            "attention_from_llama does not convert (it builds plain Llama-style attention)"
+        )
+    head_dim = _head_dim(config)
+    projs = [getattr(attn, n) for n in names]
+    has_bias = any(p.bias is not None for p in projs)
+    layer = MultiHeadAttention(
+        config.hidden_size, config.num_attention_heads, n_kv_heads=config.num_key_value_heads,
+        head_dim=head_dim, bias=has_bias, dropout=float(getattr(config, "attention_dropout", 0.0)),
+        rope=rope_from_config(config),
+    )
+    w = attn.q_proj.weight
+    layer.to(device=w.device, dtype=w.dtype)
+    scaling = getattr(attn, "scaling", None)
+    if scaling is not None:
+        layer.scale = float(scaling)
+    with torch.no_grad():
+        for mine, theirs in zip((layer.q_proj, layer.k_proj, layer.v_proj, layer.out_proj),
+                                projs, strict=True):
+            if mine.weight.shape != theirs.weight.shape:
+                raise ValueError(
+                    f"{type(attn).__name__}'s projection weight {_shape(theirs.weight)} does "
+                    f"not match the config's shape {_shape(mine.weight)}: pass the model's "
+                    "own config"
+                )
+            mine.weight.copy_(theirs.weight)
+            if mine.bias is not None:
+                mine.bias.copy_(theirs.bias if theirs.bias is not None else 0.0)
+    layer.train(attn.training)
+    return layer
