@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from .masks import EMPTY, FULL, PARTIAL, Mask, band_of, block_sizes, documents_of, lengths_of
+from .core import EMPTY, FULL, PARTIAL, Mask, band_of, block_sizes, documents_of, lengths_of
 
 __all__ = ["sparsity", "allowed_pairs", "draw"]
 

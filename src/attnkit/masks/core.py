@@ -1,38 +1,6 @@
-"""Masks: where a query may attend.
+"""The :class:`Mask` class, its specs and their readers, evaluation and block maps.
 
-A :class:`Mask` is a small function of the indices ``(b, h, q_idx, kv_idx)`` that answers
-True where the query may attend to the key, composed with ``&``, ``|`` and ``~``.
-Every mask also knows how to summarise itself into *blocks* — the unit the fast engines
-schedule on:
-
-- ``FULL``   (2): every pair in the block may attend — the engine skips the mask work;
-- ``PARTIAL``(1): some may — the engine evaluates the mask on that tile;
-- ``EMPTY``  (0): none may — the engine skips the tile entirely.
-
-Shape legend::
-
-    B    batch (all leading dimensions of the inputs, flattened)
-    H    heads (query heads, H_q)
-    N_q  number of queries        N_k  number of keys
-    b, h, q_idx, kv_idx           integer index tensors that broadcast against each other
-
-Builders: :func:`causal`, :func:`sliding_window`, :func:`padding`, :func:`document`,
-:func:`prefix_lm`, :func:`from_fn`, :func:`from_tensor`, :func:`full` (they live in
-``mask_builders.py`` and are imported from here). Sparsity and drawing live in
-``mask_summary.py``. ``from_fn`` gets FlexAttention's per-pair semantics from
-:func:`attnkit.scores.flex_semantics`, the one helper for mask_mods and score_mods.
-
-Caution
--------
-- Block summaries of ``&``, ``|`` and document masks are conservative: a block may be
-  reported PARTIAL where it is in fact EMPTY or FULL. That costs speed, never correctness;
-  :meth:`Mask.block_map` with ``exact=True`` evaluates those PARTIAL blocks (band, padding
-  and prefix rules are exact already).
-- ``from_fn`` masks and ``from_tensor`` masks have no rules: they are summarised by
-  evaluating them, one block row at a time (O(N_k · block_q) memory). A ``from_fn`` function
-  that needs per-pair evaluation (chained indexing) runs through ``torch.vmap``, which costs
-  a fraction of a millisecond per evaluation (see :mod:`attnkit.scores`).
-- A mask must return bool: a number is refused, never rounded into allowed/blocked.
+See :mod:`attnkit.masks` for the concepts (FULL / PARTIAL / EMPTY blocks) and the builders.
 """
 
 from __future__ import annotations
@@ -56,14 +24,6 @@ __all__ = [
     "block_sizes",
     "lengths_of",
     "documents_of",
-    "causal",
-    "sliding_window",
-    "padding",
-    "document",
-    "prefix_lm",
-    "from_fn",
-    "from_tensor",
-    "full",
 ]
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
@@ -502,7 +462,7 @@ class Mask:
         their block map (only PARTIAL blocks are evaluated); ``from_fn`` and tensor masks by
         evaluation, a few rows at a time.
         """
-        from .mask_summary import sparsity
+        from .summary import sparsity
 
         _check_sizes(n_q, n_k)
         return sparsity(self, n_q, n_k, self._default_batch(batch), self._default_heads(heads))
@@ -519,7 +479,7 @@ class Mask:
         (like FlexAttention's ``to_string(grid_size=...)``): █ every pair of the block may
         attend, ▒ some may, ░ none may — the text stays small at any size.
         """
-        from .mask_summary import draw
+        from .summary import draw
 
         return draw(self, n_q, n_k, b=b, h=h, grid=grid)
 
@@ -601,6 +561,8 @@ def _as_mask(x: object, op: str) -> Mask:
     if isinstance(x, Mask):
         return x
     if isinstance(x, torch.Tensor) and x.dtype == torch.bool:
+        from .builders import from_tensor  # builders import core: resolved at call time
+
         return from_tensor(x)
     raise TypeError(
         f"mask algebra '{op}' needs two Masks (or a bool tensor), got {type(x).__name__}: "
@@ -659,16 +621,3 @@ def _by_rows(n_rows: int, n_cols: int, per_row: int, dtype: torch.dtype,
         out[:, :, r0:r1] = t
     assert out is not None
     return out
-
-
-# The builders live in mask_builders.py (they use only the public constructor above).
-from .mask_builders import (  # noqa: E402  (after Mask: the builders build Masks)
-    causal,
-    document,
-    from_fn,
-    from_tensor,
-    full,
-    padding,
-    prefix_lm,
-    sliding_window,
-)

@@ -18,8 +18,8 @@ from collections.abc import Callable
 
 import torch
 
-from .masks import Band, Documents, Lengths, Mask
-from .scores import flex_semantics
+from ..scores import flex_semantics
+from .core import Band, Documents, Lengths, Mask
 
 __all__ = ["causal", "sliding_window", "padding", "document", "prefix_lm", "from_fn",
            "from_tensor", "full"]
