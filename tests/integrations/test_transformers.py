@@ -17,6 +17,7 @@ Skipped, with the reason, where the ``attnkit[transformers]`` extra is not insta
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -110,6 +111,19 @@ def _eager(q, k, v, mask=None, scaling=None, softcap=None):  # noqa: ANN001, ANN
     return (x.softmax(-1) @ v).transpose(1, 2)
 
 
+def _eager_weights(q, k, v, mask=None, scaling=None, softcap=None):  # noqa: ANN001, ANN202
+    """The weights of transformers' eager formula in float64: (B, H_q, N_q, N_k)."""
+    g = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(g, 1)
+    x = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scaling is None else scaling)
+    if softcap is not None:
+        x = softcap * torch.tanh(x / softcap)
+    if mask is not None:
+        x = x + mask
+    return x.softmax(-1)
+
+
+DT64 = torch.float64
 FN = akt.make_attention_function()
 
 
@@ -250,7 +264,6 @@ def test_position_bias_matches_stock_sdpa(mask_kind: str) -> None:
 
 # ------------------------------------------------------------------ refusals
 @pytest.mark.parametrize(("kw", "named"), [
-    ({"output_attentions": True}, "output_attentions"),
     ({"head_mask": torch.ones(4)}, "head_mask"),
     ({"s_aux": torch.zeros(4)}, "s_aux"),
     ({"sinks": torch.zeros(4)}, "sinks"),
@@ -260,6 +273,38 @@ def test_unsupported_features_raise_naming_the_feature(kw: dict[str, Any], named
     q, k, v = _qkv()
     with pytest.raises(akt.UnsupportedFeatureError, match=named):
         FN(_Module(), q, k, v, None, **kw)
+
+
+@pytest.mark.parametrize("case", ["causal GQA", "padding mask", "bias + softcap", "decode"])
+def test_output_attentions_returns_the_eager_weights(case: str) -> None:
+    n_q = 1 if case == "decode" else 5
+    q, k, v = _qkv(n_q=n_q, n_k=7)
+    mask, kw = None, {}
+    allowed = sdpa_mask(2, n_q, 7, attention_mask=_padding([7, 4], 7).bool(),
+                        allow_is_causal_skip=False)
+    if case == "causal GQA":
+        allowed = torch.ones(7, 7, dtype=torch.bool).tril()[None, None, 2:]
+    elif case == "padding mask":
+        mask = _as_eager(allowed)
+    elif case == "bias + softcap":
+        mask = torch.randn(2, 1, n_q, 7, dtype=DT64) + _as_eager(allowed)
+        kw = {"softcap": 2.0}
+    elif case == "decode":
+        allowed = torch.ones(1, 1, 1, 7, dtype=torch.bool)
+    module = _Module(is_causal=case == "causal GQA", groups=2)
+    if case == "causal GQA":                         # no mask: the module's causal flag
+        q, k, v = _qkv(n_q=7, n_k=7)
+        allowed = torch.ones(7, 7, dtype=torch.bool).tril()[None, None]
+    out, weights = FN(module, q, k, v, mask, output_attentions=True, **kw)
+    eager_mask = _as_eager(allowed) if mask is None else mask
+    want_w = _eager_weights(q, k, v, eager_mask, softcap=kw.get("softcap"))
+    assert weights.shape == want_w.shape == (2, 4, q.shape[2], 7) and weights.dtype == DT64
+    torch.testing.assert_close(weights, want_w, rtol=0, atol=1e-12)
+    torch.testing.assert_close(out, _eager(q, k, v, eager_mask, softcap=kw.get("softcap")),
+                               rtol=0, atol=1e-12)
+    plain, none = FN(module, q, k, v, mask, **kw)
+    assert none is None
+    torch.testing.assert_close(plain, out, rtol=0, atol=0)
 
 
 def test_absent_features_and_bookkeeping_pass() -> None:
@@ -358,10 +403,30 @@ def test_sentence_transformers_pipeline_runs_attnkit_and_matches_our_recipe(
     assert (got - stock).abs().max().item() <= 1e-5
 
 
-def test_minilm_refuses_output_attentions(minilm: tuple[Any, dict[str, torch.Tensor]]) -> None:
-    model, batch = minilm
-    with torch.no_grad(), pytest.raises(akt.UnsupportedFeatureError, match="output_attentions"):
-        model(**batch, output_attentions=True)
+def test_minilm_output_attentions_match_eager(minilm: tuple[Any, dict[str, torch.Tensor]]
+                                              ) -> None:
+    """output_attentions=True returns eager's weights: to 1e-12 with the model in float64;
+    in float32, layer 0 (identical inputs) to 1e-6, later layers within float32 drift."""
+    model32, batch = minilm
+    model64 = copy.deepcopy(model32).double()
+    n = batch["input_ids"].shape[1]
+    for model, first, rest in ((model64, 1e-12, 1e-12), (model32, 1e-6, 1e-4)):
+        with torch.no_grad():
+            ours = model(**batch, output_attentions=True)
+            try:
+                model.set_attn_implementation("eager")
+                theirs = model(**batch, output_attentions=True)
+            finally:
+                model.set_attn_implementation(NAME)
+        assert len(ours.attentions) == len(theirs.attentions) == model.config.num_hidden_layers
+        for i, (a, b) in enumerate(zip(ours.attentions, theirs.attentions, strict=True)):
+            assert a.shape == b.shape == (len(SENTENCES), model.config.num_attention_heads, n, n)
+            assert a.dtype == b.dtype
+            torch.testing.assert_close(a, b, rtol=0, atol=first if i == 0 else rest)
+        pad = batch["attention_mask"] == 0                              # (B, N) padded keys
+        assert bool((ours.attentions[0].transpose(1, 3)[pad] == 0).all())  # get no weight
+    torch.testing.assert_close(ours.last_hidden_state, theirs.last_hidden_state, rtol=0,
+                               atol=1e-3)
 
 
 # ------------------------------------------------------------------ small decoders, KV cache
@@ -423,6 +488,22 @@ def test_llama_unpadded_generate_uses_the_causal_flag(
     assert prefill and all(c["mask"] is not None and "causal" in c["mask"].name
                            for c in prefill)
     assert all(c["mask"] is None for c in calls if c["q"].shape[2] == 1)
+
+
+def test_llama_output_attentions_match_eager_on_real_tokens(llama: Any) -> None:
+    ids, mask = LEFT_PADDED
+    got = {}
+    with torch.no_grad():
+        for impl in (NAME, "eager"):
+            llama.set_attn_implementation(impl)
+            got[impl] = llama(input_ids=ids, attention_mask=mask, output_attentions=True)
+    real = mask.bool()                         # padding queries: eager uniform, attnkit 0
+    for a, b in zip(got[NAME].attentions, got["eager"].attentions, strict=True):
+        assert a.shape == b.shape == (2, 4, 7, 7)
+        torch.testing.assert_close(a.transpose(1, 2)[real], b.transpose(1, 2)[real],
+                                   rtol=0, atol=1e-6)
+    torch.testing.assert_close(got[NAME].logits[real], got["eager"].logits[real], rtol=0,
+                               atol=1e-5)
 
 
 def test_llama_gradients_match_in_training(llama: Any) -> None:
