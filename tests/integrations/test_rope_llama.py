@@ -162,3 +162,19 @@ def test_attention_from_llama_refuses_what_it_does_not_convert() -> None:
     hf.q_norm = torch.nn.Identity()
     with pytest.raises(akt.UnsupportedFeatureError, match="q_norm"):
         akt.attention_from_llama(hf)
+
+
+def test_interleaved_style_equals_gptj_rotary_functions() -> None:
+    """GPT-J: rotate_every_two on the first rotary_dim channels, sin/cos repeat-interleaved."""
+    gptj = pytest.importorskip("transformers.models.gptj.modeling_gptj")
+    torch.manual_seed(2)
+    rotary_dim, n = 8, 12
+    x = torch.randn(2, n, 3, 16, dtype=DT)                       # GPT-J's layout (B, N, H, D)
+    pos = torch.arange(5, 5 + n)
+    sincos = gptj.create_sinusoidal_positions(64, rotary_dim).to(DT)[pos][None]  # (1, N, R)
+    sin, cos = torch.split(sincos, rotary_dim // 2, dim=-1)
+    want = torch.cat([gptj.apply_rotary_pos_emb(x[..., :rotary_dim], sin, cos),
+                      x[..., rotary_dim:]], dim=-1)                 # (B, N, H, D)
+    got = ak.rope.RoPE(dims=rotary_dim, style="interleaved")(x.transpose(1, 2), pos)
+    # GPT-J's table is float32-computed: float32 agreement
+    torch.testing.assert_close(got.transpose(1, 2), want, rtol=0, atol=1e-5)
