@@ -17,13 +17,16 @@ Shape legend::
     b, h, q_idx, kv_idx           integer index tensors that broadcast against each other
 
 Builders: :func:`causal`, :func:`sliding_window`, :func:`padding`, :func:`document`,
-:func:`prefix_lm`, :func:`from_fn`, :func:`from_tensor`, :func:`full` .
+:func:`prefix_lm`, :func:`from_fn`, :func:`from_tensor`, :func:`full`, :func:`band`; and
+flash-attn's: :func:`window` (``window_size=(left, right)``), :func:`varlen` (packed
+``cu_seqlens``) and :func:`cache_lengths` (per-sequence KV-cache lengths).
 
 What lives where::
 
     masks/core.py      Mask (evaluate, to_dense, block_map, algebra & | ~), the specs Band /
                        Lengths / Documents and their readers band_of / lengths_of / documents_of
     masks/builders.py  the builders above (public constructor only)
+    masks/varlen.py    varlen and cache_lengths (their specs and closed-form block rules)
     masks/summary.py   sparsity (closed form for band, padding, documents) and drawing (exact
                        when small, a coarse block grid when large)
  ``from_fn`` gets FlexAttention's per-pair semantics from
@@ -45,6 +48,7 @@ Caution
 from __future__ import annotations
 
 from .builders import (
+    band,
     causal,
     document,
     from_fn,
@@ -53,9 +57,11 @@ from .builders import (
     padding,
     prefix_lm,
     sliding_window,
+    window,
 )
 from .core import *  # noqa: F403
 from .core import __all__ as _core_all
+from .varlen import cache_lengths, varlen
 
 __all__ = [*_core_all, "causal", "sliding_window", "padding", "document", "prefix_lm",
-           "from_fn", "from_tensor", "full"]
+           "from_fn", "from_tensor", "full", "band", "window", "varlen", "cache_lengths"]

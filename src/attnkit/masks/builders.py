@@ -1,5 +1,6 @@
 """The mask builders of :mod:`attnkit.masks` (import them from there): causal, sliding
-window, padding, document, prefix-LM, ``from_fn`` and ``from_tensor`` masks, each a
+window, flash-attn's two-sided window, band, padding, document, prefix-LM, ``from_fn`` and
+``from_tensor`` masks, each a
 :class:`~attnkit.masks.Mask` with its function, its block rules and, where it has one, its
 spec (``Band`` / ``Lengths`` / ``Documents``) — built with the public constructor only.
 
@@ -21,7 +22,7 @@ import torch
 from ..scores import flex_semantics
 from .core import Band, Documents, Lengths, Mask
 
-__all__ = ["causal", "sliding_window", "padding", "document", "prefix_lm", "from_fn",
+__all__ = ["causal", "sliding_window", "window", "band", "padding", "document", "prefix_lm", "from_fn",
            "from_tensor", "full"]
 
 
@@ -88,6 +89,72 @@ def sliding_window(size: int, causal: bool = True, align: str = "top_left") -> M
     kind = "causal" if causal else "two-sided"
     where = ", bottom_right" if align == "bottom_right" else ""
     return _band(lo, size - 1, align, f"sliding_window({size}, {kind}{where})")
+
+
+def _bound(x: object, what: str) -> float:
+    if isinstance(x, bool) or not isinstance(x, numbers.Real) or (
+            not isinstance(x, numbers.Integral) and not math.isinf(x)):
+        raise ValueError(f"band {what} must be an integer or ±math.inf, got {x!r}")
+    return x if math.isinf(x) else int(x)
+
+
+def band(lo: float, hi: float, align: str = "top_left") -> Mask:
+    """A band of diagonals: allowed ⇔ ``lo <= (q_idx + offset) - kv_idx <= hi``.
+
+    ``offset`` is 0 for ``align="top_left"`` and ``N_k - N_q`` for ``"bottom_right"``;
+    ``lo``/``hi`` are integers or ``∓math.inf`` (unbounded). ``causal()`` is
+    ``band(0, inf)``; ``sliding_window(w)`` is ``band(0, w - 1)``. The spec is
+    :class:`Band`, so every engine computes it in closed form. ``band(-1, 2).to_string(5, 5)``
+    (rows: queries, columns: keys)::
+
+        ██░░░
+        ███░░
+        ████░
+        ░████
+        ░░███
+    """
+    if align not in ("top_left", "bottom_right"):
+        raise ValueError(f"align must be 'top_left' or 'bottom_right', got {align!r}")
+    lo, hi = _bound(lo, "lo"), _bound(hi, "hi")
+    if lo > hi or lo == math.inf or hi == -math.inf:
+        raise ValueError(f"band needs lo <= hi (finite, or lo=-inf / hi=inf for unbounded), got "
+                         f"lo={lo}, hi={hi}: such a band allows no pair")
+    where = ", bottom_right" if align == "bottom_right" else ""
+    return _band(lo, hi, align, f"band({lo}, {hi}{where})")
+
+
+def window(left: int, right: int, align: str = "bottom_right") -> Mask:
+    """flash-attn's ``window_size=(left, right)``: a query sees ``left`` keys before its own
+    position and ``right`` after it (``-1`` = unbounded on that side).
+
+    Query i sees keys ``j`` with ``i + offset - left <= j <= i + offset + right``, where
+    ``offset`` is ``N_k - N_q`` for ``align="bottom_right"`` (flash-attn's alignment, the
+    default: the last query lines up with the last key) and 0 for ``"top_left"`` (torch's
+    ``is_causal`` alignment). ``window(left, 0)`` is flash-attn's ``causal=True,
+    window_size=(left, ...)``; ``window(-1, 0)`` is ``causal("bottom_right")``;
+    ``window(-1, -1)`` allows everything. It is a band — spec ``Band(-right, left)`` — so
+    every engine computes it in closed form and skips the tiles outside it.
+
+    Shapes: the mask applies to any ``N_q × N_k``; it does not depend on batch or head.
+    ``window(2, 1).to_string(4, 6)`` (bottom-right, offset 2) and
+    ``window(2, 1, "top_left").to_string(4, 6)`` (rows: queries, columns: keys)::
+
+        ████░░          ██░░░░
+        ░████░          ███░░░
+        ░░████          ████░░
+        ░░░███          ░████░
+    """
+    for what, x in (("left", left), ("right", right)):
+        if not isinstance(x, numbers.Integral) or isinstance(x, bool) or x < -1:
+            raise ValueError(
+                f"window {what} size must be an integer >= 0, or -1 for unbounded (flash-attn's "
+                f"window_size), got {what}={x!r}"
+            )
+    left, right = int(left), int(right)
+    hi = math.inf if left == -1 else left
+    lo = -math.inf if right == -1 else -right
+    where = ", top_left" if align == "top_left" else ""
+    return _band(lo, hi, align, f"window({left}, {right}{where})")
 
 
 def _lengths(x: object, what: str) -> torch.Tensor:
