@@ -125,7 +125,7 @@ def _ids(x: object, B: int, n: int, what: str) -> torch.Tensor:
 def _auto_splits(items: int, n_k: int) -> int:
     """Key splits so that there are a few work items per thread (decode-sized calls)."""
     threads = max(1, torch.get_num_threads())
-    if items >= 2 * threads:
+    if items >= 2 * threads or items == 0:
         return 1
     return max(1, min(math.ceil(4 * threads / items), n_k // 256))
 

@@ -21,6 +21,9 @@ Caution
   that includes only ATen's core headers, ``ATen/native/CPUBlas.h`` and ``torch/library.h``).
   It prints one line when it starts and one with the time it took, on stderr.
 - Builds of concurrent processes are serialised by torch's lock file in the build folder.
+- Threads come from torch's intra-op pool (``at::parallel_for``), which needs OpenMP in the
+  extension's own build: on Linux it is built with ``-fopenmp``; elsewhere it runs on one
+  thread.
 """
 
 from __future__ import annotations
@@ -41,8 +44,12 @@ __all__ = ["load", "reason", "reset", "cpu_flags", "cache_dir", "build_key", "SO
 
 SOURCES: list[Path] = [Path(__file__).with_name("attention.cpp")]
 _OPT_FLAGS = ["-O3", "-fno-math-errno"]
+# at::parallel_for is an inline template: without OpenMP in *this* build it runs serially.
+# (The library then uses the libgomp.so.1 torch has already loaded.)
+_OMP_FLAGS = ["-fopenmp"] if sys.platform.startswith("linux") else []
 _lock = threading.Lock()
-_state: dict[str, object] = {"tried": False, "ops": None, "reason": None, "warned": False}
+_state: dict[str, object] = {"tried": False, "ops": None, "reason": None, "warned": False,
+                             "loaded_key": None}
 
 
 class NativeUnavailableWarning(UserWarning):
@@ -89,7 +96,7 @@ def build_key(flags: list[str], compiler: str) -> str:
     """Hash of everything a build depends on (torch, Python, source, flags, compiler)."""
     h = hashlib.sha256()
     h.update(f"{torch.__version__}|{sys.version_info[:2]}|{compiler}|".encode())
-    h.update(" ".join(_OPT_FLAGS + flags).encode())
+    h.update(" ".join(_OPT_FLAGS + _OMP_FLAGS + flags).encode())
     for src in SOURCES:                                  # the .cpp and the headers beside it
         h.update(src.read_bytes())
         for header in sorted(src.parent.glob("*.h")):
@@ -137,6 +144,10 @@ def _build() -> object:
     if missing:
         raise _Unavailable(missing)
     key = build_key(flags, compiler)
+    if _state.get("loaded_key") is not None:
+        # One library per process: a second TORCH_LIBRARY("attnkit_native") would abort.
+        # A build that changed since (new source, flags) takes effect in a new process.
+        return torch.ops.attnkit_native
     folder = cache_dir() / "native" / key
     folder.mkdir(parents=True, exist_ok=True)
     name = f"attnkit_native_{key}"
@@ -149,7 +160,9 @@ def _build() -> object:
     os.environ["CXX"] = compiler
     try:
         cpp_extension.load(name=name, sources=[str(s) for s in SOURCES],
-                           extra_cflags=_OPT_FLAGS + flags, build_directory=str(folder),
+                           extra_cflags=[*_OPT_FLAGS, *_OMP_FLAGS, *flags],
+                           extra_ldflags=list(_OMP_FLAGS),  # (torch appends to these lists)
+                           build_directory=str(folder),
                            is_python_module=False, verbose=False)
     except Exception as e:  # noqa: BLE001 — any build failure means "unavailable"
         tail = " | ".join(str(e).strip().splitlines()[-4:])[-600:]
@@ -160,6 +173,7 @@ def _build() -> object:
             os.environ.pop("CXX", None)
         else:
             os.environ["CXX"] = env_cxx
+    _state["loaded_key"] = key
     if first:
         print(f"attnkit: native CPU kernel built in {time.perf_counter() - t0:.1f} s",
               file=sys.stderr, flush=True)
