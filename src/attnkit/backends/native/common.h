@@ -154,9 +154,11 @@ template <> inline void row_to_float<at::Half>(const at::Half* src, float* dst, 
 }
 #endif
 
-// A row as float32 (npad,) in tmp. (Copying float32 rows too measured faster than
-// reading them in the FMA loops: the copy streams from memory, the FMAs read L1.)
+// A row as float32 (npad,): src itself for unpadded float32 rows, else converted into tmp.
 template <typename T> inline const float* as_float(const T* src, float* tmp, i64 n, i64 npad) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (n == npad) return src;
+  }
   row_to_float(src, tmp, n, npad);
   return tmp;
 }
