@@ -219,5 +219,7 @@ def test_exports_and_return_annotations() -> None:
 
     assert ak.rope is rope_module and ak.rope.RoPE is RoPE
     assert ak.TorchStyleMultiheadAttention is ak.layers.TorchStyleMultiheadAttention
-    overloads = typing.get_overloads(ak.MultiHeadAttention.forward)
-    assert [typing.get_type_hints(f)["return"] for f in overloads][0] is torch.Tensor
+    for layer in (ak.MultiHeadAttention, ak.MultiHeadLatentAttention):
+        returns = [typing.get_type_hints(f)["return"]
+                   for f in typing.get_overloads(layer.forward)]
+        assert returns == [torch.Tensor, tuple[torch.Tensor, torch.Tensor]], layer

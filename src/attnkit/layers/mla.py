@@ -19,7 +19,7 @@ Caution
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 from torch import nn
@@ -120,6 +120,17 @@ class MultiHeadLatentAttention(nn.Module):
         if self.latent_norm:
             c = self.kv_norm(c)
         return c[:, None]
+
+    @overload
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None = ..., *, mask: Any = ...,
+                is_causal: bool = ..., cache: KVCache | None = ...,
+                need_weights: Literal[False] = ..., absorb: bool | None = ...
+                ) -> torch.Tensor: ...
+    @overload
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None = ..., *, mask: Any = ...,
+                is_causal: bool = ..., cache: KVCache | None = ...,
+                need_weights: Literal[True], absorb: bool | None = ...
+                ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def forward(
         self,
