@@ -1,43 +1,25 @@
 """The HTML page: self-contained, complete, and working in a real (headless) Chromium.
 
 The browser tests need Debian's chromium and chromium-driver (``.ci/setup-system`` installs
-them) and selenium (requirements-dev.txt); they skip only where chromium is absent.
+them) and selenium (requirements-dev.txt); they skip only where chromium is absent. They share
+one driver (the session fixture ``browser`` of conftest.py).
 """
 
 from __future__ import annotations
 
 import io
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
+from webpage import FLAGS, find_chromium, needs_chromium
 
 import attnkit as ak
 from attnkit.explain.common import fmt
 from attnkit.explain.examples import EXAMPLES
 from attnkit.explain.html import render_html
-
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         "--disable-dev-shm-usage", "--hide-scrollbars", "--window-size=1200,1600"]
-
-
-def find_chromium() -> str | None:
-    for name in ("chromium", "chromium-browser"):
-        path = shutil.which(name)
-        if path:
-            return path
-    return None
-
-
-needs_chromium = pytest.mark.skipif(
-    find_chromium() is None,
-    reason="chromium is not installed: apt-get install chromium chromium-driver "
-           "(.ci/setup-system does this in CI)")
 
 
 def cells(page: str, step: str) -> list[list[str]]:
@@ -130,32 +112,6 @@ def test_page_in_chromium_dump_dom(tmp_path):
     assert re.search(r'<pre id="js-errors" hidden=""></pre>', dom), "the page logged errors"
     for text in ("소프트맥스", "가중합", "W = softmax_keys(L)", "학교에"):
         assert text in dom, text
-
-
-@pytest.fixture(scope="module")
-def browser(tmp_path_factory):
-    chromium = find_chromium()
-    if chromium is None:
-        pytest.skip("chromium is not installed: apt-get install chromium chromium-driver "
-                    "(.ci/setup-system does this in CI)")
-    driver_path = shutil.which("chromedriver")
-    if driver_path is None:
-        pytest.skip("chromedriver is not installed: apt-get install chromium-driver")
-    import os
-
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    os.environ.setdefault("SE_OFFLINE", "true")          # selenium must not download anything
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = chromium
-    for flag in FLAGS:
-        opts.add_argument(flag)
-    opts.add_argument(f"--user-data-dir={tmp_path_factory.mktemp('profile')}")
-    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(options=opts, service=Service(executable_path=driver_path))
-    yield driver
-    driver.quit()
 
 
 def test_page_in_chromium_with_selenium(browser, tmp_path):

@@ -40,6 +40,13 @@ PAGE_CELLS = 40_000                # page: a trace above this many cells is show
 PAGE_GRID = (8, 48)                # … of at most g × g cells a heatmap, g in this range
 PLOT_GRID = 256                    # plot: at most this many blocks per axis
 
+# The one colour scale (page and playground; the plot draws matplotlib's Blues and RdBu_r, whose
+# ends these are): weights 0 → 1 white → dark blue; every other matrix diverges at 0,
+# positive red and negative blue.
+WEIGHTS_RGB = (0.031, 0.188, 0.420)     # Blues' end, #08306b
+POS_RGB = (0.404, 0.0, 0.122)           # RdBu_r's red end, #67001f
+NEG_RGB = (0.020, 0.188, 0.380)         # RdBu_r's blue end, #053061
+
 
 # ---------------------------------------------------------------------------- numbers
 

@@ -33,6 +33,9 @@ import numpy as np
 
 from .common import (
     MAX_HEADS,
+    NEG_RGB,
+    POS_RGB,
+    WEIGHTS_RGB,
     axis_labels,
     block_labels,
     block_sizes,
@@ -47,6 +50,9 @@ from .common import (
     split_heads,
 )
 from .guard import check_decimals
+from .live import CSS as PLAY_CSS
+from .live import JS as PLAY_JS
+from .live import playground
 from .remarks import remarks
 from .strings import STRINGS, check_lang, mask_label, step_formula, step_name, step_what
 
@@ -116,6 +122,11 @@ table.hm td:hover{outline:2px solid #111}
  border-radius:6px;font:12px ui-monospace,monospace;display:none;z-index:10}
 #js-errors{color:#b00020;white-space:pre-wrap}
 footer{color:var(--mute);font-size:12px;margin:20px 0}
+html[lang=ko] body{word-break:keep-all;overflow-wrap:anywhere}
+@media (max-width:600px){main{padding:10px}section.trace{padding:12px 10px}
+ header h1{font-size:21px}.formula{font-size:16px;padding:8px 10px}
+ .flow-wrap{overflow-x:auto}.flow-wrap svg.flow{min-width:640px}
+ .steps-wrap{overflow-x:auto}table.steps th,table.steps td{padding:3px 6px}}
 """
 
 JS = """
@@ -176,17 +187,16 @@ def _mix(a: tuple[float, ...], b: tuple[float, ...], t: float) -> tuple[float, f
 
 
 _WHITE = (1.0, 1.0, 1.0)
-_BLUE = (0.03, 0.19, 0.42)       # weights, and positive values
-_ORANGE = (0.70, 0.22, 0.05)     # negative values
 
 
 def cell_color(v: float, kind: str, vmax: float) -> tuple[str, bool]:
-    """(background hex, dark?) for a value: weights 0..1 white→blue; others diverge at 0."""
+    """(background hex, dark?) for a value: weights 0..1 white→blue; others diverge at 0
+    (positive red, negative blue — the plot's Blues and RdBu_r)."""
     if kind == "weights":
         t = min(max(v, 0.0), 1.0) ** 0.8
-        return _hex(_mix(_WHITE, _BLUE, t)), t > 0.5
+        return _hex(_mix(_WHITE, WEIGHTS_RGB, t)), t > 0.5
     t = min(abs(v) / vmax, 1.0) if vmax > 0 else 0.0
-    return _hex(_mix(_WHITE, _BLUE if v >= 0 else _ORANGE, t * 0.9)), t > 0.55
+    return _hex(_mix(_WHITE, POS_RGB if v >= 0 else NEG_RGB, t * 0.9)), t > 0.55
 
 
 def heatmap(m: np.ndarray, rows: Sequence[str], cols: Sequence[str], kind: str, step: str,
@@ -343,8 +353,10 @@ def _section(trace: Trace, lang: str, idx: int, decimals: int) -> str:
     out.append(f'<div class="legend">{E(t["page_options"])}: {E("   ·   ".join(opts))}</div>')
     if grid is not None:
         out.append(f'<div class="legend pooled">{E(t["page_pooled"].format(g=grid))}</div>')
-    out.append(f"<h3>{E(t['page_flow'])}</h3>" + flow_svg(trace, lang, anchor))
-    out.append(f"<h3>{E(t['page_table'])}</h3>" + _step_table(trace, lang))
+    out.append(f"<h3>{E(t['page_flow'])}</h3><div class=\"flow-wrap\">"
+               + flow_svg(trace, lang, anchor) + "</div>")
+    out.append(f"<h3>{E(t['page_table'])}</h3><div class=\"steps-wrap\">"
+               + _step_table(trace, lang) + "</div>")
     n_heads = n_matrices(trace.scores)
     heads = split_heads(trace.scores, lang, limit=MAX_HEADS)
     many = n_heads > 1
@@ -404,6 +416,7 @@ def _section(trace: Trace, lang: str, idx: int, decimals: int) -> str:
     if notes:
         out.append(f'<h3>{E(t["remarks"])}</h3><ul class="notes">'
                    + "".join(f"<li>{E(n.strip())}</li>" for n in notes) + "</ul>")
+    out.append(playground(trace, lang, idx, decimals))
     out.append("</section>")
     return "".join(out)
 
@@ -420,10 +433,11 @@ def render_html(traces: Trace | Sequence[Trace], lang: str = "en", decimals: int
     return (
         f'<!doctype html><html lang="{lang}"><head><meta charset="utf-8">'
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
-        f"<title>{E(title)}</title><style>{CSS}</style><script>{ERROR_HOOK}</script></head>"
+        f"<title>{E(title)}</title><style>{CSS}{PLAY_CSS}</style>"
+        f"<script>{ERROR_HOOK}</script></head>"
         f"<body><main><header><h1>{E(t['page_doc_title'])}</h1>"
         f'<div class="formula">{FORMULA_HTML}</div>'
         f'<div class="legend">{E(t["page_legend"])}</div></header>{body}'
         f'<pre id="js-errors" hidden></pre><footer>{E(t["page_generated"])}</footer></main>'
-        f'<div id="tip"></div><script>{JS}</script></body></html>\n'
+        f'<div id="tip"></div><script>{PLAY_JS}</script><script>{JS}</script></body></html>\n'
     )

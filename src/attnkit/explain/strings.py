@@ -99,6 +99,28 @@ STRINGS: dict[str, dict[str, str]] = {
                        "the exact values of the corners.",
         "page_block": "each cell: the mean of a block of {br} × {bc}",
         "page_more_heads": "… {n} more heads are not shown: the page shows the first {m}",
+        # ---- the page's playground (live.py)
+        "play_title": "Try it: change the inputs and watch every step",
+        "play_help": "Edit any cell of Q, K or V, move the slider, or change the mask: the "
+                     "page recomputes every step itself (no network). Tab moves between the "
+                     "controls; arrow keys move the slider; Enter or Space blocks a cell.",
+        "play_first_head": "(the first head)",
+        "play_factor": "multiply the logits by",
+        "play_pad": "padding: keys that count",
+        "play_reset": "reset",
+        "play_mask": "The mask M (click a cell to block or unblock that key)",
+        "play_mask_help": "0 = may attend, −∞ = blocked. The mask setting above and the "
+                          "cells you block both apply.",
+        "play_mode_none": "none", "play_mode_causal": "causal (no future keys)",
+        "play_mode_padding": "padding",
+        "play_cell": "{m} row {r}, column {c}",
+        "play_block_cell": "block or unblock key {c} for query {r}",
+        "play_f_scores": "S = Q Kᵀ", "play_f_scaled": "X = S · scale",
+        "play_f_logits": "L = X + M", "play_f_weights": "W = softmax_keys(L)",
+        "play_f_output": "O = W V",
+        "play_none": "No playground for this trace: the page recomputes only traces of at most "
+                     "{n} queries, keys and features with finite inputs and without score_mod or a "
+                     "float bias.",
         # ---- the heatmaps (PNG)
         "plot_weights": "weights W = softmax(L)", "plot_scores": "raw scores S = Q Kᵀ",
         "plot_scaled": "scaled X = S · scale", "plot_logits": "logits L = X + M",
@@ -192,6 +214,29 @@ STRINGS: dict[str, dict[str, str]] = {
                        "정확한 값은 텍스트 출력에 있습니다.",
         "page_block": "셀 하나 = {br} × {bc} 블록의 평균",
         "page_more_heads": "… 헤드 {n}개 더 있음: 이 페이지에는 처음 {m}개만 보여 줍니다",
+        # ---- the page's playground (live.py)
+        "play_title": "직접 해 보기: 입력을 바꾸고 모든 단계를 지켜보세요",
+        "play_help": "Q, K, V의 셀을 고치거나, 슬라이더를 움직이거나, Mask를 바꿔 보세요. "
+                     "페이지가 모든 단계를 스스로 다시 계산합니다 (네트워크 없음). Tab 키로 "
+                     "컨트롤 사이를 옮기고, 화살표 키로 슬라이더를 움직이고, Enter나 Space로 "
+                     "셀을 가립니다.",
+        "play_first_head": "(첫 번째 헤드)",
+        "play_factor": "로짓에 곱할 값",
+        "play_pad": "패딩: 실제로 쓰는 키 개수",
+        "play_reset": "처음으로",
+        "play_mask": "Mask M (셀을 누르면 그 키를 가리거나 다시 엽니다)",
+        "play_mask_help": "0 = 볼 수 있음, −∞ = 가려짐. 위의 Mask 설정과 직접 가린 셀이 "
+                          "함께 적용됩니다.",
+        "play_mode_none": "없음", "play_mode_causal": "인과(causal): 미래 키를 가림",
+        "play_mode_padding": "패딩",
+        "play_cell": "{m}의 {r} 행, {c} 열",
+        "play_block_cell": "쿼리 {r}에서 키 {c}를 가리거나 다시 열기",
+        "play_f_scores": "S = Q Kᵀ", "play_f_scaled": "X = S · scale",
+        "play_f_logits": "L = X + M", "play_f_weights": "W = softmax_keys(L)",
+        "play_f_output": "O = W V",
+        "play_none": "이 trace에는 직접 해 보기가 없습니다: 페이지가 다시 계산하는 것은 쿼리, 키, "
+                     "특징이 각각 {n}개 이하이고, 입력이 모두 유한하며, score_mod나 실수 bias가 "
+                     "없는 trace뿐입니다.",
         # ---- the heatmaps (PNG)
         "plot_weights": "가중치 W = softmax(L)", "plot_scores": "원점수 S = Q Kᵀ",
         "plot_scaled": "스케일된 점수 X = S · scale", "plot_logits": "로짓 L = X + M",
