@@ -1,27 +1,23 @@
 """``attnkit bench``: the CPU engine side by side with its peers, in one run.
 
-For every case the same inputs go to:
-
-- **attnkit** — ``attnkit.attention(..., backend="auto")`` (the ``tiled``/``decode`` engines);
-- **sdpa** — torch's ``scaled_dot_product_attention`` (its default CPU kernel); for a
-  structured mask it is given the equivalent dense bool mask (``is_causal`` for causal);
-- **flex** — ``torch.nn.attention.flex_attention`` compiled with ``torch.compile``
-  (forward only; compile time reported apart; when it cannot compile, the reason is shown);
-- **naive** — the materialised formula ``softmax(QKᵀ·scale + M) V`` (skipped when its
-  N_q × N_k scores would not fit comfortably);
-- **baseline** — for an option's cost (softcap, ALiBi): attnkit on the same call without it.
+For every case the same inputs go to **attnkit** (``attention(..., backend="auto")``: the
+``tiled``/``decode`` engines) and its peers: **sdpa** — torch's
+``scaled_dot_product_attention`` (default CPU kernel; a structured mask becomes the
+equivalent dense bool mask, causal becomes ``is_causal``); **flex** — FlexAttention compiled
+with ``torch.compile`` (forward only; compile time apart; when it cannot compile, the reason
+is shown); **naive** — the materialised ``softmax(QKᵀ·scale + M) V`` (skipped when its
+scores would not fit comfortably); **baseline** — for an option's cost (softcap, ALiBi),
+attnkit on the same call without it.
 
 Columns: median time of the case's runs; ``speedup (>1 = attnkit faster)`` = peer time ÷
 attnkit time; ``eff`` = useful FLOPs ÷ time ÷ the sgemm FLOP/s measured in this same case
 (decode: bytes of K and V read ÷ time ÷ the read bandwidth measured in it, ``bw``);
 ``peak MB`` = peak resident memory during the call beyond what was resident before it (RSS
 sampled every 0.5 ms; large allocations are returned to the OS at once); ``peer`` names what
-the row ran.
-
-While it runs, a progress line per case goes to stderr (case i of n, elapsed, time left).
-At the end: the **noise verdict** (:func:`noise`: the spread of the sgemm/bandwidth
-yardsticks interleaved with every case), the targets met or missed, and on request
-``--json PATH`` (one flat record per case and implementation) and ``--plot OUT.png``.
+the row ran. Progress (case i of n, elapsed, time left) goes to stderr. At the end: the
+**noise verdict** (:func:`noise`, from the yardsticks interleaved with every case), the
+targets met or missed, and on request ``--json PATH`` (one flat record per case and
+implementation) and ``--plot OUT.png``.
 
 Shape legend: B batch, H heads, N sequence length, D head width; every case is float32.
 
@@ -38,7 +34,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import datetime
-import importlib
+import importlib.util
 import json
 import math
 import os
@@ -374,7 +370,8 @@ def _format_rows(c: Case) -> list[tuple[str, str]]:
         rows.append((r["impl"], f"{r['median_s'] * 1e3:10.1f} {speed:>{_SPEED_W}} {eff:>9} "
                                 f"{peak:>8}  {peer}"))
     fl = c.results["flops_s"]
-    rows.append(("", f"(yardsticks in this case: sgemm {fl / 1e9:.1f} GFLOP/s"  # type: ignore
+    rows.append(("", f"(yardsticks in this case: sgemm {fl / 1e9:.1f} GFLOP/s "  # type: ignore
+                     f"±{_spread(c.results['sgemm_samples']):.0f}%"  # type: ignore[arg-type]
                      + (f", read {c.results['bw'] / 1e9:.1f} GB/s)"  # type: ignore[operator]
                         if "read_samples" in c.results else ")")))
     return rows
@@ -383,53 +380,29 @@ def _format_rows(c: Case) -> list[tuple[str, str]]:
 def _cases(size: str) -> list[Case]:
     """The target rows of the CPU-engine issue at ``size``: "full" (~10 min), "quick" (smaller
     N, < 1 min) or "tiny" (a smoke test of the command itself, seconds; not a measurement)."""
-    if size == "tiny":
-        small = {"sgemm_n": 128, "read_mb": 4, "repeat": 2}
-        return [
-            Case("dense fwd N=64", 64, 64, d=16, heads=2, **small),
-            Case("causal fwd+bwd N=64", 64, 64, d=16, heads=2, mask="causal", backward=True,
-                 peers=("sdpa", "naive"), **small),
-            Case("decode 1x256 D=16", 1, 256, d=16, heads=2, peers=("sdpa",), **small),
-            Case("baseline causal fwd+bwd N=64", 64, 64, d=16, heads=2, mask="causal",
-                 backward=True, peers=(), **small),
-            Case("softcap fwd+bwd N=64", 64, 64, d=16, heads=2, mask="causal", backward=True,
-                 softcap=30.0, peers=(), baseline="baseline causal fwd+bwd N=64", **small),
-        ]
-    if size == "quick":
-        return [
-            Case("dense fwd N=1024", 1024, 1024),
-            Case("causal fwd N=1024", 1024, 1024, mask="causal"),
-            Case("sliding 256 fwd N=2048", 2048, 2048, mask="sliding:256"),
-            Case("document 8x256 fwd N=2048", 2048, 2048, mask="document:256"),
-            Case("causal fwd+bwd N=1024", 1024, 1024, mask="causal", backward=True,
-                 peers=("sdpa", "naive")),
-            Case("sliding 256 fwd+bwd N=2048", 2048, 2048, mask="sliding:256", backward=True,
-                 peers=("sdpa",)),
-            Case("decode 1x8192 D=128", 1, 8192, d=128, peers=("sdpa", "naive")),
-            Case("baseline causal fwd+bwd N=1024", 1024, 1024, mask="causal", backward=True,
-                 peers=()),
-            Case("softcap fwd+bwd N=1024", 1024, 1024, mask="causal", backward=True,
-                 softcap=30.0, peers=(), baseline="baseline causal fwd+bwd N=1024"),
-            Case("alibi fwd+bwd N=1024", 1024, 1024, mask="causal", backward=True,
-                 score_mod="alibi", peers=(), baseline="baseline causal fwd+bwd N=1024"),
-        ]
+    n, nl, w, nb, nd, r = {"full": (4096, 8192, 512, 2048, 32768, 5),
+                           "quick": (1024, 2048, 256, 1024, 8192, 3),
+                           "tiny": (64, 128, 16, 64, 256, 2)}[size]
+    kw: dict = {"d": 16, "heads": 2, "sgemm_n": 128, "read_mb": 4} if size == "tiny" else {}
+    rd = {"repeat": r} if size != "tiny" else {"repeat": 2}
+    base = f"baseline causal fwd+bwd N={n}"
+    causal_bwd = {"mask": "causal", "backward": True, "peers": (), **kw}
     return [
-        Case("dense fwd N=4096", 4096, 4096, repeat=5),
-        Case("causal fwd N=4096", 4096, 4096, mask="causal", repeat=5),
-        Case("sliding 512 fwd N=8192", 8192, 8192, mask="sliding:512"),
-        Case("document 16x512 fwd N=8192", 8192, 8192, mask="document:512"),
-        Case("causal fwd+bwd N=2048", 2048, 2048, mask="causal", backward=True, repeat=5,
-             peers=("sdpa", "naive")),
-        Case("sliding 512 fwd+bwd N=8192", 8192, 8192, mask="sliding:512", backward=True,
-             peers=("sdpa",)),
-        Case("decode 1x32768 D=128", 1, 32768, d=128, repeat=9, peers=("sdpa", "naive")),
-        Case("causal fwd N=32768", 32768, 32768, mask="causal", repeat=1, peers=()),
-        Case("baseline causal fwd+bwd N=4096", 4096, 4096, mask="causal", backward=True,
-             peers=()),
-        Case("softcap fwd+bwd N=4096", 4096, 4096, mask="causal", backward=True,
-             softcap=30.0, peers=(), baseline="baseline causal fwd+bwd N=4096"),
-        Case("alibi fwd+bwd N=4096", 4096, 4096, mask="causal", backward=True,
-             score_mod="alibi", peers=(), baseline="baseline causal fwd+bwd N=4096"),
+        Case(f"dense fwd N={n}", n, n, **rd, **kw),
+        Case(f"causal fwd N={n}", n, n, mask="causal", **rd, **kw),
+        Case(f"sliding {w} fwd N={nl}", nl, nl, mask=f"sliding:{w}", **kw),
+        Case(f"document {nl // w}x{w} fwd N={nl}", nl, nl, mask=f"document:{w}", **kw),
+        Case(f"causal fwd+bwd N={nb}", nb, nb, mask="causal", backward=True, **rd,
+             peers=("sdpa", "naive"), **kw),
+        Case(f"sliding {w} fwd+bwd N={nl}", nl, nl, mask=f"sliding:{w}", backward=True,
+             peers=("sdpa",), **kw),
+        Case(f"decode 1x{nd} D={kw.get('d', 128)}", 1, nd, repeat=9 if size == "full" else 3,
+             peers=("sdpa", "naive"), **{"d": 128, **kw}),
+        *([Case("causal fwd N=32768", 32768, 32768, mask="causal", repeat=1, peers=())]
+          if size == "full" else []),
+        Case(base, n, n, **causal_bwd),
+        Case(f"softcap fwd+bwd N={n}", n, n, softcap=30.0, baseline=base, **causal_bwd),
+        Case(f"alibi fwd+bwd N={n}", n, n, score_mod="alibi", baseline=base, **causal_bwd),
     ]
 
 
@@ -490,24 +463,26 @@ def _summary(cases: list[Case], noise_pct: float) -> list[str]:
 
 
 # ---------------------------------------------------------------------------- noise, output
+def _spread(xs: list[float]) -> float:
+    """Half the 10–90 % range (the full range below 10 samples), in % of the median."""
+    xs = sorted(xs)
+    if len(xs) < 2:
+        return 0.0
+    lo, hi = (xs[0], xs[-1]) if len(xs) < 10 else (
+        xs[int(0.1 * (len(xs) - 1))], xs[math.ceil(0.9 * (len(xs) - 1))])
+    return 50.0 * (hi - lo) / statistics.median(xs)
+
+
 def noise(cases: list[Case]) -> dict[str, object]:
     """How steady the machine was: the spread of the interleaved yardsticks over the run.
 
-    ``pct`` is half the 10–90 % range of the sgemm samples (every run of every case;
-    all samples when fewer than 10), relative to their median — the ± by which a machine
-    that changed speed between two measurements can move a ratio. Above ``BUSY_PCT`` the
-    verdict says the machine was busy."""
-    def spread(xs: list[float]) -> float:
-        xs = sorted(xs)
-        if len(xs) < 2:
-            return 0.0
-        lo, hi = (xs[0], xs[-1]) if len(xs) < 10 else (
-            xs[int(0.1 * (len(xs) - 1))], xs[math.ceil(0.9 * (len(xs) - 1))])
-        return 50.0 * (hi - lo) / statistics.median(xs)
-
+    ``pct`` is :func:`_spread` of the sgemm samples (every run of every case) or of the read
+    samples, whichever is larger — the ± by which a machine that changed speed between two
+    measurements can move a ratio. Above ``BUSY_PCT`` the verdict says the machine was busy.
+    (Each JSON row also carries its own case's spread, ``yardsticks.case_spread_pct``.)"""
     sg = [x for c in cases for x in c.results.get("sgemm_samples", [])]  # type: ignore
     rd = [x for c in cases for x in c.results.get("read_samples", [])]  # type: ignore
-    pct = max(spread(sg), spread(rd))
+    pct = max(_spread(sg), _spread(rd))
     busy = pct > BUSY_PCT
     if not sg:
         verdict = "no yardstick samples (no case ran)"
@@ -535,7 +510,9 @@ def _write_json(path: str, meta: dict[str, object], cases: list[Case]) -> None:
                          **{k: meta[k] for k in ("date", "torch", "threads")}})
             continue
         yard = {"sgemm_flops": c.results["flops_s"],
-                "read_bw": c.results["bw"] if "read_samples" in c.results else None}
+                "read_bw": c.results["bw"] if "read_samples" in c.results else None,
+                "case_spread_pct": round(max(_spread(c.results.get(k, []))  # type: ignore
+                                             for k in ("sgemm_samples", "read_samples")), 2)}
         for r in c.results["records"]:  # type: ignore[union-attr]
             rows.append({**r, "yardsticks": yard, "date": meta["date"], "torch": meta["torch"],
                          "threads": meta["threads"],
@@ -545,18 +522,11 @@ def _write_json(path: str, meta: dict[str, object], cases: list[Case]) -> None:
         f.write("\n")
 
 
-def _need_matplotlib() -> None:
-    try:
-        importlib.import_module("matplotlib")
-    except ImportError:
-        raise _Usage("--plot needs matplotlib, which is not installed: "
-                     'pip install "attnkit[plot]"') from None
-
-
 def _plot(path: str, cases: list[Case], meta: dict[str, object]) -> None:
     """A horizontal bar chart: per case, attnkit's speedup against each peer (log scale, the
     bars grow from 1 — right of the line attnkit is faster)."""
     from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter, NullFormatter
 
     short = {"sdpa": "torch SDPA", "flex": "FlexAttention (compiled)", "naive": "naive formula",
              "baseline": "the same call without the option"}
@@ -564,7 +534,7 @@ def _plot(path: str, cases: list[Case], meta: dict[str, object]) -> None:
                       if r["impl"] in short and r["ratio"]}) for c in cases]
     data = [(n, v) for n, v in data if v]
     used = [p for p in short if any(p in v for _, v in data)]
-    fig = Figure(figsize=(9, 1.6 + 0.35 * max(1, len(data)) * max(1, len(used))),
+    fig = Figure(figsize=(9, 1.6 + 0.25 * max(1, len(data)) * max(1, len(used))),
                  layout="constrained")
     ax = fig.subplots()
     h = 0.8 / max(1, len(used))
@@ -580,7 +550,11 @@ def _plot(path: str, cases: list[Case], meta: dict[str, object]) -> None:
     ax.axvline(1.0, color="black", lw=1)
     ax.set_xscale("log")
     xs = [x for _, v in data for x in v.values()] + [1.0]
-    ax.set_xlim(min(xs) / 2, max(xs) * 2)
+    lo, hi = min(xs) / 2, max(xs) * 2
+    ax.set_xlim(lo, hi)
+    ax.set_xticks([m * 10.0**e for e in range(-3, 4) for m in (1, 2, 5) if lo <= m * 10.0**e <= hi])
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}×"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_yticks(range(len(data)), [n for n, _ in data])
     ax.invert_yaxis()
     ax.set_xlabel("speedup = peer time / attnkit time  (>1 = attnkit faster; log scale)")
@@ -603,12 +577,6 @@ def _weight(c: Case) -> float:
     per = 4.0 * c.batch * c.heads * c.n_q * c.n_k * c.d * (3.5 if c.backward else 1.0)
     return (c.repeat + 1) * (per * (1 + len(c.peers)) + 2 * c.sgemm_n**3
                              + (c.read_mb * 2**20 if c.name.startswith("decode") else 0))
-
-
-def _progress(i: int, n: int, c: Case, elapsed: float, eta: float | None) -> None:
-    left = "time left: estimating" if eta is None else f"about {eta:.0f} s left"
-    print(f"[bench] case {i} of {n}: {c.name} — {elapsed:.0f} s elapsed, {left}",
-          file=sys.stderr, flush=True)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -659,8 +627,9 @@ def run_cli(argv: list[str]) -> int:
             raise _Usage(f"--only {args.only!r} matches no case; --list prints the names")
         _check_out(args.json, "--json")
         _check_out(args.plot, "--plot")
-        if args.plot:
-            _need_matplotlib()
+        if args.plot and importlib.util.find_spec("matplotlib") is None:
+            raise _Usage('--plot needs matplotlib, which is not installed: '
+                         'pip install "attnkit[plot]"')
     except _Usage as e:
         print(f"attnkit bench: {e}", file=sys.stderr)
         return 2
@@ -685,8 +654,8 @@ def run_cli(argv: list[str]) -> int:
         flex = (None, "not in --quick (torch.compile takes 5-120 s per mask on a 2-core box)")
     else:
         flex = _flex_fn()
-    print("B=1, H=8, D=64 unless noted; float32. Each row: median time of the case's runs, "
-          "implementations interleaved run by run.\n"
+    print("float32, B=1; sizes in each case's heading. Each row: the median time of the case's "
+          "runs, implementations interleaved run by run.\n"
           "speedup = peer time / attnkit time (>1 = attnkit faster); eff = useful FLOP/s / "
           "the sgemm FLOP/s measured in the same case (decode: K/V bytes read per s / the "
           "read bandwidth, 'bw').")
@@ -697,13 +666,14 @@ def run_cli(argv: list[str]) -> int:
     rate = flops_s * 0.5                       # FLOPs per second, until a case has been timed
     t_cases = 0.0
     for i, c in enumerate(cases):
-        elapsed = time.perf_counter() - t_start
-        _progress(i + 1, len(cases), c, elapsed,
-                  sum(weights[i:]) / rate + (0 if flex[0] is None else 30.0 * (i == 0)))
-        print(f"\n{c.name}  (N_q={c.n_q}, N_k={c.n_k}, D={c.d}, mask={c.mask}"
+        eta = sum(weights[i:]) / rate + (0 if flex[0] is None else 30.0 * (i == 0))
+        print(f"[bench] case {i + 1} of {len(cases)}: {c.name} — "
+              f"{time.perf_counter() - t_start:.0f} s elapsed, about {eta:.0f} s left",
+              file=sys.stderr, flush=True)
+        print(f"\n{c.name}  (N_q={c.n_q}, N_k={c.n_k}, H={c.heads}, D={c.d}, mask={c.mask}"
               f"{', softcap' if c.softcap else ''}{', ' + c.score_mod if c.score_mod else ''}"
               f", median of {c.repeat} run{'s' if c.repeat != 1 else ''})")
-        print(header)
+        print(header, flush=True)
         t0 = time.perf_counter()
         try:
             rows = run_case(c, bw, flex, naive_limit_gb=1.5,
@@ -729,7 +699,7 @@ def run_cli(argv: list[str]) -> int:
         print(line)
     print(f"\ntotal {total:.0f} s")
     meta = {"date": date, "command": "attnkit bench " + " ".join(argv),
-            "attnkit": _version(), "torch": torch.__version__,
+            "attnkit": sys.modules["attnkit"].__version__, "torch": torch.__version__,
             "threads": torch.get_num_threads(), "python": sys.version.split()[0],
             "cpu": platform.processor() or platform.machine(),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
@@ -742,12 +712,6 @@ def run_cli(argv: list[str]) -> int:
         _plot(args.plot, cases, meta)
         print(f"attnkit bench: wrote {args.plot}", file=sys.stderr)
     return 0
-
-
-def _version() -> str:
-    from . import __version__
-
-    return __version__
 
 
 if __name__ == "__main__":
