@@ -63,13 +63,21 @@ def test_softcap_float32_within_twice_the_reference_error_at_any_cap(cap, mask):
     assert_low_precision_close(again, low.detach(), exact.detach(), factor=2.0)
 
 
-def test_soft_cap_in_place_is_the_reference_formula():
-    x = torch.randn(1000) * 50
-    for cap in (1.0, 30.0, 1e3, 1e8):
-        assert torch.equal(ak.scores.soft_cap_(x.clone(), cap), ak.scores.soft_cap(x, cap))
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_soft_cap_in_place_is_the_formula_to_a_few_ulp(dtype):
+    x = torch.cat([torch.randn(10000, dtype=dtype) * 10.0 ** torch.randint(-8, 9, (10000,)),
+                   torch.tensor([0.0, -0.0, 1e-30, -1e-30, 1e30, -1e30, math.inf, -math.inf],
+                                dtype=dtype)])
+    for cap in (1.0, 30.0, 1e3, 1e8, 1e30):
+        exact = cap * torch.tanh(x.double() / cap)
+        got = ak.scores.soft_cap_(x.clone(), cap)
+        assert got.dtype == dtype and torch.isfinite(got).all()
+        fi = torch.finfo(dtype)                 # (x / cap underflows like the formula's)
+        torch.testing.assert_close(got.double(), exact, rtol=8 * fi.eps, atol=4 * cap * fi.tiny)
         xr = x.clone().requires_grad_(True)
         (g,) = torch.autograd.grad(ak.scores.soft_cap(xr, cap).sum(), xr)
         torch.testing.assert_close(ak.scores.soft_cap_grad(ak.scores.soft_cap(x, cap), cap), g)
+    assert ak.scores.soft_cap_(torch.tensor([math.nan], dtype=dtype), 5.0).isnan().all()
 
 
 # ---------------------------------------------------------------------------- NaN / inf queries

@@ -53,11 +53,18 @@ def _block(p: Problem, blk: Block, chunk_k: int, qb: torch.Tensor, k: torch.Tens
     lsum = torch.zeros((B, hq, bq, 1), dtype=qb.dtype, device=dev)           # running sum
     acc = torch.zeros((B * hkv, g * bq, v.shape[-1]), dtype=qb.dtype, device=dev)
     ip = not torch.is_grad_enabled()          # nothing recorded: work in place on the tile
+    # in place, every chunk's scores reuse one buffer (a fresh 16 MB tensor per chunk costs
+    # its page faults every time)
+    longest = max(min(chunk_k, r.k1 - r.k0) for r in blk.runs) if blk.runs else 0
+    scratch = qb.new_empty(B * hkv * g * bq * longest) if ip else None
     for run in blk.runs:
         for k0 in range(run.k0, run.k1, chunk_k):
             k1 = min(k0 + chunk_k, run.k1)
             count(runs=1)
-            s = torch.bmm(qb, k[:, k0:k1].transpose(1, 2))          # (B·H_kv, G·bq, L)
+            kt = k[:, k0:k1].transpose(1, 2)                          # (B·H_kv, D_k, L)
+            s = (torch.bmm(qb, kt) if scratch is None else torch.bmm(         # (B·H_kv, G·bq, L)
+                qb, kt, out=scratch[: B * hkv * g * bq * (k1 - k0)].view(B * hkv, g * bq,
+                                                                          k1 - k0)))
             x = s.view(B, hq, bq, k1 - k0)                            # (B, H_q, bq, L)
             if p.softcap is not None:                                   # c·tanh(x/c)
                 x = soft_cap_(x, p.softcap) if ip else soft_cap(x, p.softcap)
