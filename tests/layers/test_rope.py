@@ -223,3 +223,11 @@ def test_exports_and_return_annotations() -> None:
         returns = [typing.get_type_hints(f)["return"]
                    for f in typing.get_overloads(layer.forward)]
         assert returns == [torch.Tensor, tuple[torch.Tensor, torch.Tensor]], layer
+
+
+def test_rotation_compiles_without_graph_breaks() -> None:
+    rope = RoPE(theta=5e5, scaling=Llama3Scaling(original_max_position=64))
+    x = torch.randn(2, 4, 9, 16)
+    compiled = torch.compile(lambda t, p: rope(t, p), fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(x, torch.arange(3, 12)), rope(x, torch.arange(3, 12)),
+                               rtol=0, atol=0)

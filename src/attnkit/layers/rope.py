@@ -48,7 +48,8 @@ Caution
   the result is at least as precise as the usual in-dtype formula. transformers computes
   its tables in float32: against it, expect agreement to ~1e-7 relative in the tables, not
   to float64 precision.
-- Positions are integers (fractional positions come from ``LinearScaling``), ≥ 0.
+- Positions are integers (fractional positions come from ``LinearScaling``), ≥ 0; the
+  ≥ 0 check reads values, so it runs in eager mode only (not under ``torch.compile``).
 - Only the rotation is provided: NTK/YaRN/LongRoPE scalings and "attention_factor"
   multipliers of cos/sin are not (yet).
 """
@@ -192,7 +193,7 @@ def positions_for(n: int, offset: int | torch.Tensor = 0, *,
                 or offset.dtype == torch.bool:
             raise ValueError(f"offset as a tensor must be a 1-D integer tensor (B,) of per-"
                              f"sequence cache lengths, got {tuple(offset.shape)} {offset.dtype}")
-        if offset.numel() and bool(offset.min() < 0):
+        if not torch.compiler.is_compiling() and offset.numel() and bool(offset.min() < 0):
             raise ValueError(f"offsets must be >= 0 (a cache length), got {offset.tolist()}")
         steps = torch.arange(n, device=offset.device, dtype=torch.int64)
         return offset.to(torch.int64)[:, None] + steps[None]                  # (B, n)
@@ -219,7 +220,8 @@ def _check_positions(positions: Any, n: int | None = None) -> torch.Tensor:
         want = "(N,) or (B, N)" if n is None else f"({n},) or (B, {n})"
         raise ValueError(f"positions must have shape {want} — one per token — got "
                          f"{tuple(positions.shape)}")
-    if positions.numel() and bool(positions.min() < 0):
+    if not torch.compiler.is_compiling() and positions.numel() and bool(positions.min() < 0):
+        # a value check: eager only (under torch.compile it would break the graph)
         raise ValueError(f"positions must be >= 0, got a minimum of {int(positions.min())}")
     return positions
 
