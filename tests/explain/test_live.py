@@ -1,6 +1,6 @@
 """The page's playground: the page recomputes every step itself, and shows Python's digits.
 
-A real headless Chromium (one driver for the session, conftest.py) moves the slider with the
+A real headless Chromium (the run's one driver, webpage.shared_driver) moves the slider with the
 keyboard, edits a Q cell, switches the mask to causal and blocks cells by click and by Enter;
 after each change every number on the page (S, X, L, W with its row sums, O) is compared with
 ``ak.explain`` on the same inputs, printed by the same rules (``cell_formatter``, ``fmt``).
@@ -12,8 +12,9 @@ import json
 import re
 
 import numpy as np
+import pytest
 import torch
-from webpage import needs_chromium
+from webpage import needs_chromium, shared_driver
 
 import attnkit as ak
 from attnkit.explain.common import cell_formatter, fmt
@@ -32,6 +33,12 @@ out.scale=sec.querySelector('.pl-scale').getAttribute('data-v');
 out.q=[].map.call(sec.querySelectorAll('input.pl-in[data-m="q"]'),function(i){return i.value;});
 return out;
 """
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    """The run's one headless Chromium (webpage.shared_driver)."""
+    return shared_driver(str(tmp_path_factory.getbasetemp() / "chromium-profile"))
 
 
 def _same(shown: str, want: str) -> bool:

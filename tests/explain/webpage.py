@@ -1,4 +1,10 @@
-"""Shared by the browser tests: where Chromium is, its flags, and one driver per session.
+"""Shared by the browser tests: where Chromium is, its flags, and one driver per run.
+
+Each browser test module has a ``browser`` fixture that calls :func:`shared_driver`::
+
+    @pytest.fixture(scope="module")
+    def browser(tmp_path_factory):
+        return shared_driver(str(tmp_path_factory.getbasetemp() / "chromium-profile"))
 
 The browser tests need Debian's chromium and chromium-driver (``.ci/setup-system`` installs
 them) and selenium (requirements-dev.txt); they skip only where chromium is absent.
@@ -6,6 +12,7 @@ them) and selenium (requirements-dev.txt); they skip only where chromium is abse
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 from collections.abc import Iterator
@@ -29,6 +36,19 @@ def find_chromium() -> str | None:
 
 
 needs_chromium = pytest.mark.skipif(find_chromium() is None, reason=MISSING)
+
+
+_DRIVER: list[Any] = []
+
+
+def shared_driver(profile: str) -> Any:
+    """One headless Chromium for the whole run (every browser test module asks for it here;
+    it quits when the test process exits)."""
+    if not _DRIVER:
+        gen = start_driver(profile)
+        _DRIVER.append(next(gen))
+        atexit.register(gen.close)
+    return _DRIVER[0]
 
 
 def start_driver(profile: str) -> Iterator[Any]:
