@@ -22,7 +22,7 @@ from __future__ import annotations
 import sys as _sys
 
 from . import backends, cost, distributed, masks, scores
-from .api import attention
+from .api import attention, scaled_dot_product_attention
 from .explain import Trace, explain
 from .layers import (
     KVCache,
@@ -39,5 +39,6 @@ __version__ = "0.1.0"
 
 __all__ = ["MultiHeadAttention", "MultiHeadLatentAttention", "KVCache", "RMSNorm",
            "TorchStyleMultiheadAttention", "cost", "rope",
-           "attention", "explain", "Trace", "masks", "scores", "backends", "distributed",
+           "attention", "scaled_dot_product_attention", "explain", "Trace", "masks", "scores",
+           "backends", "distributed",
            "__version__"]

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from dataclasses import dataclass
 from typing import Any, Literal, overload
 
@@ -42,12 +43,13 @@ import torch
 
 from . import backends as _backends
 from . import masks as _masks
+from . import ops as _ops
 from . import scores as _scores
 from .backends.base import Problem
 from .backends.base import compute_dtype as _compute_dtype
 from .scores import ScoreMod
 
-__all__ = ["attention", "prepare", "Prepared"]
+__all__ = ["attention", "scaled_dot_product_attention", "prepare", "Prepared", "check_inputs"]
 
 
 @dataclass
@@ -129,10 +131,12 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             f"(N_k={k.shape[-2]}) and v {_shape(v)} (N_k={v.shape[-2]}): every key needs a value"
         )
     if q.dim() >= 3:
-        if not (q.shape[:-3] == k.shape[:-3] == v.shape[:-3]):
+        lead = q.shape[:-3]
+        if not all(n in (m, 1) for t in (k, v) for m, n in zip(lead, t.shape[:-3], strict=True)):
             raise ValueError(
-                f"q, k, v must have the same leading (batch) dims, got q {_shape(q)}, "
-                f"k {_shape(k)}, v {_shape(v)}: expand them to one batch shape"
+                f"q, k, v must have the same leading (batch) dims, or k and v a size of 1 in a "
+                f"batch dim (broadcast over the queries' batch, as in FlexAttention), got q "
+                f"{_shape(q)}, k {_shape(k)}, v {_shape(v)}: expand them to one batch shape"
             )
         if k.shape[-3] != v.shape[-3]:
             raise ValueError(
@@ -177,11 +181,7 @@ def _check_in_range(x: float, name: str, dtype: torch.dtype) -> float:
     return x
 
 
-def _normalise_mask(
-    mask: Any, is_causal: bool, full_shape: tuple[int, ...], lead: tuple[int, ...],
-    device: torch.device, two_d: bool = False, dtype: torch.dtype = torch.float32,
-) -> tuple[_masks.Mask | None, torch.Tensor | None]:
-    """→ (structured mask or None, finite additive bias or None) in the (B, H, N_q, N_k) frame."""
+def _check_causal_flag(mask: Any, is_causal: Any) -> None:
     if not isinstance(is_causal, (bool, np.bool_)):
         raise TypeError(
             f"is_causal must be True or False, got {is_causal!r} ({type(is_causal).__name__})"
@@ -191,6 +191,19 @@ def _normalise_mask(
             "give either mask=... or is_causal=True, not both: combine them as "
             "mask=attnkit.masks.causal() & your_mask"
         )
+
+
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """The shape / dtype / device checks of a call on q, k, v (tensors, fake ones too)."""
+    _check_qkv(q, k, v)
+
+
+def _normalise_mask(
+    mask: Any, is_causal: bool, full_shape: tuple[int, ...], lead: tuple[int, ...],
+    device: torch.device, two_d: bool = False, dtype: torch.dtype = torch.float32,
+) -> tuple[_masks.Mask | None, torch.Tensor | None]:
+    """→ (structured mask or None, finite additive bias or None) in the (B, H, N_q, N_k) frame."""
+    _check_causal_flag(mask, is_causal)
     if is_causal:
         return _masks.causal(), None
     if mask is None:
@@ -283,7 +296,7 @@ def prepare(
         lead: tuple[int, ...] = ()
     else:
         lead = tuple(q.shape[:-3])
-        q4, k4, v4 = (t.reshape(math.prod(lead), *t.shape[-3:]) for t in (q, k, v))
+        q4, k4, v4 = (_flatten_batch(t, lead) for t in (q, k, v))
     full_shape = (*lead, q4.shape[1], q4.shape[2], k4.shape[2])
     structured, bias = _normalise_mask(mask, is_causal, full_shape, lead, q.device, two_d,
                                        q.dtype)
@@ -331,6 +344,17 @@ def prepare(
     return Prepared(p, lead, two_d, q_np)
 
 
+def _flatten_batch(t: torch.Tensor, lead: tuple[int, ...]) -> torch.Tensor:
+    """(…lead', H, N, D) → (B, H, N, D) with B = prod(lead). K/V with batch 1 (lead' all 1)
+    become a stride-0 ``expand`` view: one copy of K/V serves every batch element."""
+    rest = t.shape[-3:]
+    if tuple(t.shape[:-3]) == lead:
+        return t.reshape(math.prod(lead), *rest)
+    if all(n == 1 for n in t.shape[:-3]):
+        return t.reshape(1, *rest).expand(math.prod(lead), *rest)
+    return t.expand(*lead, *rest).reshape(math.prod(lead), *rest)   # partly broadcast: copies
+
+
 def _is_empty(p: Problem) -> bool:
     """No score to compute: zero batch, query heads, queries or keys (never sent to a
     backend — zero-size kernels launch with a zero grid or divide by zero)."""
@@ -351,8 +375,13 @@ def _empty_result(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _bad_kv_rows(p: Problem) -> torch.Tensor:
-    """(B, H_kv, N_k) True where a K or V row holds NaN or ±inf."""
-    return ~(torch.isfinite(p.k).all(-1) & torch.isfinite(p.v).all(-1))
+    """(B, H_kv, N_k) True where a K or V row holds NaN or ±inf (K/V broadcast over the
+    batch, stride 0, are read once)."""
+    def once(t: torch.Tensor) -> torch.Tensor:
+        return t[:1] if t.shape[0] > 1 and t.stride(0) == 0 else t
+
+    bad = ~(torch.isfinite(once(p.k)).all(-1) & torch.isfinite(once(p.v)).all(-1))
+    return bad.expand(p.batch, *bad.shape[1:])
 
 
 def _run(p: Problem, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -462,9 +491,159 @@ def attention(
     A query with no allowed key gets output 0 (never NaN).
     """
     _backends.check_name(backend)
+    if torch.compiler.is_compiling():       # torch.compile / torch.export: one operator
+        return _traced(q, k, v, mask=mask, is_causal=is_causal, scale=scale, softcap=softcap,
+                       score_mod=score_mod, dropout_p=dropout_p, backend=backend,
+                       return_lse=return_lse)
     prep = prepare(q, k, v, mask=mask, is_causal=is_causal, scale=scale, softcap=softcap,
                    score_mod=score_mod, dropout_p=dropout_p)
     out, lse = _run(prep.problem, backend)
     if return_lse:
         return prep.restore(out), prep.restore(lse)
     return prep.restore(out)
+
+
+def _traced(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: float | None,
+            softcap: float | None, score_mod: ScoreMod | None, dropout_p: float, backend: str,
+            return_lse: bool) -> Any:
+    """:func:`attention` while torch.compile / torch.export trace: one ``attnkit::attention``
+    operator node (see :mod:`attnkit.ops`), or — for what an operator argument cannot carry —
+    the eager call outside the graph, with one warning per call site."""
+    options = dict(mask=mask, is_causal=is_causal, scale=scale, softcap=softcap,
+                   score_mod=score_mod, dropout_p=dropout_p, backend=backend,
+                   return_lse=return_lse)
+    reason: str | None = None
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        reason = "NumPy inputs"
+    elif score_mod is not None:
+        reason = "a Python score_mod"
+    else:
+        _check_causal_flag(mask, is_causal)
+        args = _ops.op_args(_masks.causal() if is_causal else mask, q.shape[-2], k.shape[-2])
+        if isinstance(args, str):
+            reason = args
+    if reason is not None:
+        warnings.warn(
+            f"attnkit.attention under torch.compile/export: {reason} cannot be an operator "
+            "argument, so this call runs eagerly outside the graph (a graph break; "
+            "fullgraph=True fails). Use the mask builders causal / sliding_window / padding / "
+            "document (and &) or a mask tensor to stay in the graph", UserWarning,
+            stacklevel=3)
+        return _ops.eager_fallback(q, k, v, **options)
+    seed = torch.randint(0, 2**62, (), dtype=torch.int64) if dropout_p > 0 else None
+    out, lse = _ops.attention_op(
+        q, k, v, args.tensor, args.bands, args.kv_lengths, args.q_lengths, args.doc_ids,
+        args.doc_kv_ids, scale, softcap, float(dropout_p), seed, backend)
+    return (out, lse) if return_lse else out
+
+
+def scaled_dot_product_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
+    *, scale: float | None = None, enable_gqa: bool = False,
+) -> torch.Tensor:
+    """``torch.nn.functional.scaled_dot_product_attention``'s call, with torch's semantics:
+    replacing ``F.scaled_dot_product_attention`` by this is a one-line change.
+
+    Shapes (torch's)::
+
+        query (..., H_q, L, E)   key (..., H_kv, S, E)   value (..., H_kv, S, E_v)
+        attn_mask broadcastable to (..., H_q, L, S)      → out (..., H_q, L, E_v)
+
+    As in torch: leading dims of query, key and value broadcast against each other (2-D and
+    3-D inputs too; K/V with batch 1 are not copied per batch element); ``attn_mask`` is
+    bool (True = take part in attention) or float (added to the logits) of query's dtype or
+    float32, at least 2-D; ``is_causal`` is top-left causal (query i sees keys 0..i) and may
+    not be combined with ``attn_mask``; ``scale`` and ``enable_gqa`` are keyword-only;
+    without ``enable_gqa`` the head counts must match or one of them be 1; with it H_q must
+    be a multiple of H_kv. A query whose mask row allows no key gets 0 (torch ≥ 2.5; older
+    torch gave NaN); a float mask row holding NaN or +inf gives NaN, as in torch.
+    ``dropout_p`` in [0, 1] (1 gives zeros) drops weights with attnkit's own draw: same
+    statistics as torch's, not the same pattern.
+
+    Where this is stricter than torch: a non-finite ``scale`` (or one so large that the
+    logits overflow) is refused rather than giving NaN; K/V of different lengths S, or
+    ``dropout_p`` outside [0, 1], are refused on every input (some torch kernels accept
+    them silently). Errors are attnkit's (ValueError / TypeError with the shapes seen), not
+    torch's RuntimeError.
+    """
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"scaled_dot_product_attention(): argument '{name}' must be Tensor, "
+                            f"not {type(t).__name__}")
+        if t.dim() < 2:
+            raise ValueError(
+                "scaled_dot_product_attention: query, key and value must be at least 2-D "
+                f"(..., L, E), got query {_shape(query)}, key {_shape(key)}, value "
+                f"{_shape(value)}")
+    if not isinstance(enable_gqa, (bool, np.bool_)):
+        raise TypeError(f"enable_gqa must be True or False, got {enable_gqa!r}")
+    if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, numbers.Real) \
+            or not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"dropout_p must be a number in [0, 1], got {dropout_p!r}")
+    if attn_mask is not None:
+        _check_sdpa_mask(attn_mask, query)
+    if attn_mask is not None and is_causal:
+        _check_causal_flag(attn_mask, is_causal)        # torch refuses both (math kernel)
+    q, k, v = query, key, value
+    if max(t.dim() for t in (q, k, v)) > 2:
+        q, k, v = _sdpa_broadcast(q, k, v, enable_gqa)
+    poison = None
+    if attn_mask is not None and attn_mask.dtype.is_floating_point:
+        attn_mask, poison = _sdpa_poison(attn_mask)
+    out = attention(q, k, v, mask=attn_mask, is_causal=is_causal, scale=scale,
+                    dropout_p=float(dropout_p) if dropout_p < 1 else 0.0)
+    if dropout_p == 1:
+        out = out * 0.0                                 # every weight dropped
+    if poison is not None:                              # (..., L, 1): NaN rows, as in torch
+        out = torch.where(poison, torch.full_like(out, torch.nan), out)
+    return out
+
+
+def _check_sdpa_mask(m: Any, q: torch.Tensor) -> None:
+    if not isinstance(m, torch.Tensor):
+        raise TypeError("scaled_dot_product_attention(): argument 'attn_mask' must be Tensor, "
+                        f"not {type(m).__name__}")
+    if m.dtype != torch.bool and m.dtype not in (q.dtype, torch.float32):
+        raise TypeError(
+            f"attn_mask must be bool (True = attend) or float of query's dtype {q.dtype} (or "
+            f"float32), got {m.dtype} (as torch's SDPA): cast it with attn_mask.to(q.dtype)")
+    if m.dim() < 2:
+        raise ValueError(f"attn_mask must be at least 2-D (L, S), got shape {_shape(m)}")
+
+
+def _sdpa_broadcast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """torch's broadcasting of SDPA's inputs: ranks padded on the left to one rank ≥ 3,
+    leading dims broadcast; q is expanded where K/V have the larger size, K/V stay as they
+    are (attention() broadcasts K/V of batch 1 without a copy)."""
+    r = max(t.dim() for t in (q, k, v))
+    q, k, v = (t.reshape((1,) * (r - t.dim()) + tuple(t.shape)) for t in (q, k, v))
+    try:
+        lead = torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
+    except RuntimeError:
+        raise ValueError(
+            f"the leading (batch) dims of query {_shape(q)}, key {_shape(k)} and value "
+            f"{_shape(v)} do not broadcast: give each dim one size or 1") from None
+    h_q, h_kv = q.shape[-3], k.shape[-3]
+    h = h_q
+    if not enable_gqa and h_q != h_kv:
+        if h_q == 1:
+            h = h_kv                                    # one query head against many
+        elif h_kv != 1:
+            raise ValueError(
+                f"query has H_q={h_q} heads and key/value H_kv={h_kv} (query {_shape(q)}, key "
+                f"{_shape(k)}): torch's SDPA broadcasts them only when they are equal or one "
+                "is 1; pass enable_gqa=True for grouped-query attention")
+    if tuple(q.shape[:-3]) != tuple(lead) or h != h_q:
+        q = q.expand(*lead, h, *q.shape[-2:])
+    return q, k, v
+
+
+def _sdpa_poison(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A float mask with NaN / +inf entries: torch's result is NaN on those query rows.
+    → (the mask with them zeroed, (..., L, 1) True on those rows), or (mask, None)."""
+    bad = torch.isnan(m) | (m == torch.inf)
+    if not torch.compiler.is_compiling() and not bool(bad.any()):
+        return m, None
+    return torch.where(bad, torch.zeros_like(m), m), bad.any(-1, keepdim=True)
