@@ -102,3 +102,32 @@ def test_site_builds_strict(tmp_path):
                        text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     assert (tmp_path / "site" / "masks" / "index.html").exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mkdocs") is None, reason="MkDocs not installed")
+def test_strict_build_fails_on_a_stale_docstring_or_a_broken_reference(tmp_path):
+    """The site's own mkdocstrings settings, on a two-page site: one page documents a function
+    whose docstring names a parameter it no longer has, the other refers to a missing name."""
+    import yaml
+
+    cfg = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
+    for key in ("nav", "hooks", "exclude_docs"):
+        cfg.pop(key, None)
+    handler = cfg["plugins"][1]["mkdocstrings"]["handlers"]["python"]
+    handler["paths"] = [str(tmp_path / "src")]
+    handler["options"]["extensions"] = [str(DOCS / "griffe_rst.py") + ":RstRoles"]
+    cfg.update(docs_dir=str(tmp_path / "docs"), site_dir=str(tmp_path / "site"))
+    (tmp_path / "src" / "stale").mkdir(parents=True)
+    (tmp_path / "src" / "stale" / "__init__.py").write_text(
+        'def f(a: int) -> int:\n    """Twice a.\n\n    Args:\n        b: renamed to a.\n    """\n'
+        "    return 2 * a\n")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.md").write_text("# stale\n\n::: stale.f\n")      # built first
+    (tmp_path / "docs" / "b.md").write_text("# missing\n\n::: stale.g\n")
+    (tmp_path / "mkdocs.yml").write_text(yaml.safe_dump(cfg))
+    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f",
+                        str(tmp_path / "mkdocs.yml")], capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert r.returncode != 0
+    assert "'b' does not appear in the function signature" in r.stderr, r.stderr
+    assert "stale.g could not be found" in r.stderr, r.stderr
