@@ -94,17 +94,21 @@ inline vf vexp_neg(vf x) {
 // tanh(x) to a few ulp over the whole range: an odd polynomial below 0.625, where
 // 1 - 2/(e^2x + 1) would cancel (Cephes' tanhf), so c * tanh(x / c) stays accurate for
 // caps up to 1e8; one division per lane (tanh(9) rounds to 1, so e^2f stays finite).
-inline vf vtanh(vf x) {
-  vf f = select(x < 0.f, -x, x);
-  vf z = f * f;
+// The odd polynomial alone: tanh(x) for |x| < 0.625 (either sign).
+inline vf vtanh_small(vf x) {
+  const vf z = x * x;
   vf p = splat(-5.70498872745e-3f);
   p = p * z + 2.06390887954e-2f;
   p = p * z - 5.37397155531e-2f;
   p = p * z + 1.33314422036e-1f;
   p = p * z - 3.33332819422e-1f;
-  vf small = p * z * f + f;
-  vf big = 1.f - 2.f / (vexp_core(select(f > 9.f, splat(9.f), f) * 2.f) + 1.f);
-  vf r = select(f >= 0.625f, big, small);
+  return p * z * x + x;
+}
+
+inline vf vtanh(vf x) {
+  const vf f = select(x < 0.f, -x, x);
+  const vf big = 1.f - 2.f / (vexp_core(select(f > 9.f, splat(9.f), f) * 2.f) + 1.f);
+  const vf r = select(f >= 0.625f, big, vtanh_small(f));
   return select(x < 0.f, -r, r);                           // NaN -> NaN through both forms
 }
 
@@ -266,8 +270,16 @@ inline void scale_and_cap(const Args& a, float* x, i64 npad, float* fac) {
   const vf sc = splat(a.scale);
   if (a.softcap > 0.f) {
     const vf c = splat(a.softcap), sc_c = splat(a.scale / a.softcap);
+    vf amax = splat(0.f);                        // a row whose |x * scale / c| < 0.625
+    for (i64 j = 0; j < npad; j += W) {          // (the usual case) needs the polynomial only
+      const vf v = load(x + j);
+      const vf av = select(v < 0.f, -v, v);
+      amax = av > amax ? av : amax;
+    }
+    const bool small = hmax(amax) * (a.scale / a.softcap) < 0.625f;
     for (i64 j = 0; j < npad; j += W) {
-      const vf t = vtanh(load(x + j) * sc_c);
+      const vf y = load(x + j) * sc_c;
+      const vf t = small ? vtanh_small(y) : vtanh(y);
       store(x + j, c * t);
       if (fac) store(fac + j, sc - sc * t * t);
     }
