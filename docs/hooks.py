@@ -42,11 +42,11 @@ def run_blocks(markdown: str, name: str = "<docs>") -> list[str]:
 
 
 def cli_help(command: str = "") -> str:
-    """``attnkit [command] --help``, as its parser prints it (100 columns wide)."""
+    """``attnkit [command] --help``, as its parser prints it (80 columns wide)."""
     from attnkit.cli import main
 
     old = os.environ.get("COLUMNS")
-    os.environ["COLUMNS"] = "100"
+    os.environ["COLUMNS"] = "80"
     buf = io.StringIO()
     try:
         with contextlib.redirect_stdout(buf), contextlib.suppress(SystemExit):

@@ -577,7 +577,9 @@ def _weight(c: Case) -> float:
 
 def _parser() -> argparse.ArgumentParser:
     names = ", ".join(c.name for c in _cases("full"))
-    ap = argparse.ArgumentParser(prog="attnkit bench", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="attnkit bench", description="The CPU engine side by "
+                                 "side with torch SDPA, FlexAttention and the naive formula, "
+                                 "in one run; speedup = peer time / attnkit time.")
     ap.add_argument("--quick", action="store_true", help="small sizes, finishes in < 1 minute")
     ap.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # the tests' size
     ap.add_argument("--threads", type=int, default=None,
