@@ -75,15 +75,16 @@ void scores_gemm(const Args& a, const T* kh, const Item& it, i64 k0, i64 n, i64 
 constexpr i64 AHEAD = 48;  // rows prefetched ahead on the decode path (measured: 16..64)
 
 // S (R, BK) <- one dot product per (row, key); four keys at a time (four independent
-// accumulators), each K row read once for all R rows.
+// accumulators), each K row read once for all R rows; the tile's V rows are prefetched.
 template <typename T>
-void scores_dot(const Args& a, const T* kh, i64 k0, i64 n, i64 R, Buffers& buf) {
+void scores_dot(const Args& a, const T* kh, const T* vh, i64 k0, i64 n, i64 R, Buffers& buf) {
   float* tmp = buf.tmp4.data();                            // (4, DKP) converted K rows
   i64 j = 0;
   for (; j + 4 <= n; j += 4) {
     const float* kj[4];
     for (int u = 0; u < 4; ++u) {
       if (k0 + j + u + AHEAD < a.Nk) prefetch_row(kh + (k0 + j + u + AHEAD) * a.sk[2], a.Dk);
+      prefetch_row(vh + (k0 + j + u) * a.sv[2], a.Dv);     // this tile's V, used next
       kj[u] = as_float(kh + (k0 + j + u) * a.sk[2], tmp + u * a.DKP, a.Dk, a.DKP);
     }
     for (i64 r = 0; r < R; ++r) {
@@ -196,7 +197,7 @@ void attend_item(const Args& a, const T* q, const T* k, const T* v, const Item& 
     const i64 n = std::min<i64>(BK, it.ke - k0), npad = round_up(n, W);
     const TileKind kind = classify(a, it, k0, n);
     if (kind == EMPTY) continue;
-    if (gemm) scores_gemm(a, kh, it, k0, n, R, buf); else scores_dot(a, kh, k0, n, R, buf);
+    if (gemm) scores_gemm(a, kh, it, k0, n, R, buf); else scores_dot(a, kh, vh, k0, n, R, buf);
     for (i64 r = 0; r < R; ++r) {                          // row r: head h, query qi
       const i64 h = it.kvh * a.G + r / it.nr, qi = it.q0 + r % it.nr;
       float* x = buf.s.data() + r * BK;
