@@ -27,6 +27,12 @@ API (what ``tiled`` and ``decode`` call)::
     decode(q, k, v, **the same options) -> (out, lse)        N_q <= 16, keys split
     supports(p: Problem) -> list[str]    forward_problem(p: Problem) -> (out, lse)
 
+Wiring an engine (``supports`` is empty only when the kernel is available)::
+
+    from . import native
+    if not native.supports(p):
+        out, lse = native.forward_problem(p)   # differentiable in q, k, v (and lse)
+
 Score terms, in attnkit's fixed order: ``x = s·scale → softcap·tanh(x/softcap) →
 x − slope_h·|q + alibi_offset − k| → x + bias → mask``. All masks given are ANDed:
 ``band=(lo, hi)`` allows ``lo <= q − k <= hi`` (``masks.band_of`` gives it with the alignment
@@ -40,8 +46,9 @@ Caution
   ALiBi slopes that require grad are refused. The backward keeps one float32 dQ buffer
   per thread (threads × the size of q).
 - float32, bfloat16 and float16 on CPU; float64 is refused (accumulation is float32).
-- The first call in a fresh environment compiles the kernel (~10 s, see ``loader``); it is
-  cached afterwards. ``ATTNKIT_NATIVE=0`` turns the kernel off.
+- The first call in a fresh environment compiles the kernel (~10 s of one core on a quiet
+  machine, up to ~40 s on a loaded one; see ``loader``); later processes load the cached
+  build. ``ATTNKIT_NATIVE=0`` turns the kernel off.
 - ALiBi reaches :func:`forward_problem` as ``scores.alibi(H_q)`` or as any score_mod that
   carries ``score_mod.spec`` with ``slopes`` (H_q,) (and optionally ``offset``); any other
   Python score_mod is refused by :func:`supports`.
