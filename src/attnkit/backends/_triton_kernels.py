@@ -164,7 +164,7 @@ def _logits(
 
 
 @triton.jit
-def _fwd_kernel(
+def fwd_kernel(
     Q, K, V, O, Lse,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
     sob, soh, son, sod, slb, slh, sln,
@@ -244,7 +244,7 @@ def _fwd_kernel(
 
 
 @triton.jit
-def _bwd_delta_kernel(
+def bwd_delta_kernel(
     O, DO, DLse, Delta,
     sob, soh, son, sod, sdob, sdoh, sdon, sdod, slb, slh, sln, sdlb, sdlh, sdln,
     H_Q, N_Q, D_V,
@@ -272,7 +272,7 @@ def _bwd_delta_kernel(
 
 
 @triton.jit
-def _bwd_dq_kernel(
+def bwd_dq_kernel(
     Q, K, V, DO, DQ, Lse, Delta, DBias,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
     sdob, sdoh, sdon, sdod, sdqb, sdqh, sdqn, sdqd, slb, slh, sln, sdbb, sdbh, sdbn, sdbk,
@@ -353,7 +353,7 @@ def _bwd_dq_kernel(
 
 
 @triton.jit
-def _bwd_dkdv_kernel(
+def bwd_dkdv_kernel(
     Q, K, V, DO, DK, DV, Lse, Delta,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
     sdob, sdoh, sdon, sdod, sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd, slb, slh, sln,

@@ -347,7 +347,7 @@ def _run_forward(
 
     def launch(bm: int, bn: int, warps: int, stages: int) -> None:
         margs, flags = _mask_args(L, N_q, N_k, bm, bn, lse)
-        kern._fwd_kernel[(_cdiv(N_q, bm) * B * H_q,)](
+        kern.fwd_kernel[(_cdiv(N_q, bm) * B * H_q,)](
             q, k, v, out, lse,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(), *margs,
             H_q, H_q // H_kv, N_q, N_k, D_k, D_v, *_scalars(L),
@@ -372,7 +372,7 @@ def _run_backward(
     # Δ_i = Σ_d dO_id O_id − dLSE_i  (dS = P ∘ (dP − Δ); the LSE's own gradient enters here)
     delta = torch.empty_like(lse)
     bm = L.bwd[0]
-    kern._bwd_delta_kernel[(_cdiv(N_q, bm) * B * H_q,)](
+    kern.bwd_delta_kernel[(_cdiv(N_q, bm) * B * H_q,)](
         out, d_out, d_lse if d_lse is not None else lse, delta,
         *out.stride(), *d_out.stride(), *lse.stride(),
         *(d_lse.stride() if d_lse is not None else (0, 0, 0)), H_q, N_q, D_v,
@@ -387,7 +387,7 @@ def _run_backward(
 
     def launch_dq(bm: int, bn: int, warps: int, stages: int) -> None:
         margs, flags = _mask_args(L, N_q, N_k, bm, bn, lse)
-        kern._bwd_dq_kernel[(_cdiv(N_q, bm) * B * H_q,)](
+        kern.bwd_dq_kernel[(_cdiv(N_q, bm) * B * H_q,)](
             q, k, v, d_out, dq, lse, delta, dbias if dbias is not None else lse,
             *q.stride(), *k.stride(), *v.stride(), *d_out.stride(), *dq.stride(),
             *lse.stride(), *(_broadcast_strides(dbias) if dbias is not None else (0,) * 4),
@@ -398,7 +398,7 @@ def _run_backward(
 
     def launch_dkdv(bm: int, bn: int, warps: int, stages: int) -> None:
         margs, flags = _mask_args(L, N_q, N_k, bm, bn, lse)
-        kern._bwd_dkdv_kernel[(_cdiv(N_k, bn) * B * H_kv,)](
+        kern.bwd_dkdv_kernel[(_cdiv(N_k, bn) * B * H_kv,)](
             q, k, v, d_out, dk, dv, lse, delta,
             *q.stride(), *k.stride(), *v.stride(), *d_out.stride(), *dk.stride(),
             *dv.stride(), *lse.stride(), *margs, H_kv, H_q // H_kv, N_q, N_k, D_k, D_v,
