@@ -22,8 +22,8 @@ import torch
 from ..scores import flex_semantics
 from .core import Band, Documents, Lengths, Mask
 
-__all__ = ["causal", "sliding_window", "window", "band", "padding", "document", "prefix_lm", "from_fn",
-           "from_tensor", "full"]
+__all__ = ["causal", "sliding_window", "window", "band", "padding", "document", "prefix_lm",
+           "from_fn", "from_tensor", "full"]
 
 
 def _band(lo: float, hi: float, align: str, name: str) -> Mask:

@@ -20,7 +20,8 @@ What each publishes (``m.conjuncts()``, each term's ``spec``)::
     varlen(cu, causal=True), cu_q == cu_k Documents & Band(0, inf)           (all in closed form)
       (any window whose per-sequence offset is the same for every sequence: Documents & Band)
     varlen(cu_q, cu_k, causal=True)       Documents & varlen-local term      (term: no spec, exact
-      with a per-sequence offset          block rules inside one sequence; evaluated on tiles)
+      with a per-sequence offset          block rules when no sequence is empty; conservative
+                                          where one is; evaluated on PARTIAL tiles)
     cache_lengths(L)                      Lengths(L) & per-batch causal term (term: no spec,
                                                                               exact block rules)
 
@@ -106,18 +107,6 @@ def _positions(cu: torch.Tensor, anchor_end: bool) -> tuple[torch.Tensor, torch.
 def _ends(x: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor):  # noqa: ANN202
     """First and last entry of ``x`` (B, N) in each block ``[starts, ends)`` → (B, n)."""
     return x[:, starts.reshape(-1)], x[:, ends.reshape(-1) - 1]
-
-
-def _extent(x: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor):  # noqa: ANN202
-    """Min and max of ``x`` (B, N) in consecutive equal blocks ``[starts, ends)`` (the last
-    may be shorter) → (B, n)."""
-    s, e = starts.reshape(-1), ends.reshape(-1)
-    n, block, s0 = s.numel(), int(e[0] - s[0]), int(s[0])
-    seg = x[:, s0:int(e[-1])]                                                 # (B, covered)
-    pad = n * block - seg.shape[1]
-    seg = torch.cat([seg, seg[:, -1:].expand(seg.shape[0], pad)], dim=1)      # (B, n·block)
-    seg = seg.view(x.shape[0], n, block)
-    return seg.amin(-1), seg.amax(-1)
 
 
 def _q4(t: torch.Tensor) -> torch.Tensor:
@@ -267,17 +256,35 @@ def varlen(
         return ok & (d >= lo) & (d <= hi)
 
     def local_rules(qs, qe, ks, ke, n_q, n_k):  # noqa: ANN001, ANN202
-        any_, all_ = doc_rules(qs, qe, ks, ke, n_q, n_k)
-        pq_lo, pq_hi = (_q4(t) for t in _extent(pos_q.to(qs.device), qs, qe))
-        pk_lo, pk_hi = (_k4(t) for t in _extent(pos_k.to(qs.device), ks, ke))
-        # inside one sequence positions are contiguous, so these are exact there; across
-        # sequences "any" is conservative (a pair needs d = pos_q − pos_k in [lo, hi])
-        any_ = any_ & (pq_hi - pk_lo >= lo) & (pq_lo - pk_hi <= hi)
-        all_ = all_ & (pq_lo - pk_hi >= lo) & (pq_hi - pk_lo <= hi)
-        return any_, all_
+        check(n_q, n_k)
+        dev = qs.device
+        fq, lq = (_q4(t) for t in _ends(ids_q.to(dev), qs, qe))             # (B, 1, nbq, 1)
+        fk, lk = (_k4(t) for t in _ends(ids_k.to(dev), ks, ke))             # (B, 1, 1, nbk)
+        a, z = torch.maximum(fq, fk), torch.minimum(lq, lk)   # sequences both tiles touch
+        bb = torch.arange(nb, device=dev).view(-1, 1, 1, 1)
+        cq, ck, aq, ak = (t.to(dev) for t in (cu_q, cu_k, anchor_q, anchor_k))
+
+        def pairs(x):  # noqa: ANN001, ANN202
+            """Tiles' pairs inside sequence x (B, 1, nbq, nbk): (any allowed, all allowed)."""
+            x = x.clamp(0, cq.shape[1] - 2)
+            q0, q1 = torch.maximum(qs, cq[bb, x]), torch.minimum(qe, cq[bb, x + 1])
+            k0, k1 = torch.maximum(ks, ck[bb, x]), torch.minimum(ke, ck[bb, x + 1])
+            # positions are contiguous inside a sequence: d = pos_q − pos_k spans an interval
+            d_lo = (q0 - aq[bb, x]) - (k1 - 1 - ak[bb, x])
+            d_hi = (q1 - 1 - aq[bb, x]) - (k0 - ak[bb, x])
+            return ((q0 < q1) & (k0 < k1) & (d_hi >= lo) & (d_lo <= hi),
+                    (d_lo >= lo) & (d_hi <= hi))
+
+        any_a, all_a = pairs(a)
+        any_z, _ = pairs(z)
+        single = (fq == lq) & (fk == lk) & (fq == fk)
+        # a sequence strictly between a and z lies whole in both tiles; a non-empty one has
+        # an allowed pair (d = 0 is allowed), an empty one makes "any" conservative
+        any_ = (a <= z) & (any_a | any_z | (z - a >= 2))
+        return any_, single & all_a
 
     local = Mask(local_fn, name=f"varlen-local({lo}, {hi})", blocks=local_rules, batch=batch,
-                 natural=(tot_q, tot_k), checks=(check,))
+                 natural=(tot_q, tot_k), checks=(check,), exact_rules=no_gaps)
     m = docs & local
     m.name = name
     return m
