@@ -5,7 +5,11 @@
     attnkit explain --q Q --k K --v V     your own inputs (.npy, .json or .csv)
           [--causal | --mask FILE] [--scale X] [--softcap C] [--heads N]
           [--lang en|ko] [--html OUT.html] [--plot OUT.png]
+    attnkit explain --model minilm [--text "..."] [--layer L --head H --token T]
+          [--pad-to N] [--lang] [--html] [--plot]
+                                          a real model's attention (every layer × head)
     attnkit examples [--lang ko]          the built-in examples, one per line
+    attnkit --version                     the installed version
     attnkit bench ... / attnkit cost ...  handed to attnkit.bench / attnkit.cost
 
 Bad input (an unreadable file, shapes that don't fit, an unknown example) prints one line
@@ -51,6 +55,7 @@ class _Parser(argparse.ArgumentParser):
 def _build_parser() -> _Parser:
     parser = _Parser(prog="attnkit", description="Attention, explained: "
                      "O = softmax(Q Kᵀ · scale + M) V, step by step.")
+    parser.add_argument("--version", action="version", version=f"attnkit {_version()}")
     sub = parser.add_subparsers(dest="cmd", metavar="{explain,examples,bench,cost}")
     ex = sub.add_parser("explain", help="walk through an attention call step by step",
                         description="Walk through softmax(Q Kᵀ · scale + M) V step by step. "
@@ -78,11 +83,66 @@ def _build_parser() -> _Parser:
     ex.add_argument("--plot-steps", metavar="LIST", default="weights",
                     help="what --plot draws, comma-separated from scores, scaled, logits, "
                          "weights (default weights)")
+    ex.add_argument("--model", metavar="NAME_OR_PATH",
+                    help="a Hugging Face encoder: 'minilm' (built in, offline) or a folder")
+    ex.add_argument("--text", help="with --model: the text (default: the course's pronoun "
+                    "sentence)")
+    ex.add_argument("--layer", type=int, help="with --model: the layer to walk through (from 1)")
+    ex.add_argument("--head", type=int, help="with --model: the head to walk through (from 1)")
+    ex.add_argument("--token", help="with --model: the query token (a token, or its position "
+                    "from 1)")
+    ex.add_argument("--pad-to", type=int, metavar="N",
+                    help="with --model: pad the text to N tokens (shows the padding mask)")
     exs = sub.add_parser("examples", help="list the built-in examples")
     exs.add_argument("--lang", choices=LANGS, default="en", help="language (default en)")
     for name, text in DELEGATED.items():
         sub.add_parser(name, help=text, add_help=False)
     return parser
+
+
+def _version() -> str:
+    """The installed distribution's version (importlib.metadata), else the package's own."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("attnkit")
+    except PackageNotFoundError:                  # running from a source tree, not installed
+        from . import __version__
+
+        return __version__
+
+
+def _model(args: argparse.Namespace) -> int:
+    """``attnkit explain --model``: a real model's attention, as text (and --html, --plot)."""
+    from .explain.model import ModelError, explain_model
+
+    given = [f"--{n}" for n in ("example", "q", "k", "v", "mask", "heads", "scale", "softcap")
+             if getattr(args, n) is not None] + (["--causal"] if args.causal else [])
+    if given:
+        raise InputError("model_only", opts=", ".join(given))
+    _check_output(args.html, "write_html")
+    _check_output(args.plot, "write_plot")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()         # no "Loading weights" bar on the terminal
+    except ImportError:
+        pass
+    try:
+        mt = explain_model(args.model, args.text, layer=args.layer, head=args.head,
+                           token=args.token, pad_to=args.pad_to)
+        sys.stdout.write(mt.to_text(args.lang, decimals=args.decimals))
+        sys.stdout.flush()
+        if args.html:
+            mt.to_html(args.html, lang=args.lang)
+            print(f"attnkit: wrote {args.html}", file=sys.stderr)
+        if args.plot:
+            mt.plot(args.plot, lang=args.lang)
+            print(f"attnkit: wrote {args.plot}", file=sys.stderr)
+    except ModelError as e:
+        print(f"attnkit explain: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _delegate(name: str, rest: list[str]) -> int:
@@ -160,6 +220,12 @@ def _check_output(path: str | None, key: str) -> None:
 def _explain(args: argparse.Namespace) -> int:
     if args.decimals < 0 or args.decimals > 12:
         raise InputError("decimals", d=args.decimals)
+    if args.model is not None:
+        return _model(args)
+    used = [f"--{n.replace('_', '-')}" for n in ("text", "layer", "head", "token", "pad_to")
+            if getattr(args, n) is not None]
+    if used:
+        raise InputError("needs_model", opts=", ".join(used))
     from .explain.plot import WHAT
 
     plot_what = tuple(w.strip() for w in args.plot_steps.split(",") if w.strip())

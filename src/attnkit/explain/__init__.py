@@ -18,6 +18,9 @@ What lives where::
     plot.py      the PNG renderer (matplotlib, imported only when used)
     examples.py  the course's built-in worked examples
     inputs.py    a learner's own Q, K, V and mask read from files (the command line's)
+    live.py      the page's playground: the page's own script recomputes every step
+    model.py     a real model's attention (explain_model): every layer's captured Q, K, V
+    modelview.py its renderers: the layer × head grid and one head's five steps
 
 Caution
 -------
@@ -33,4 +36,13 @@ from __future__ import annotations
 from .guard import ExplainError
 from .trace import Step, Trace, explain
 
-__all__ = ["explain", "Trace", "Step", "ExplainError"]
+
+def explain_model(model: str = "minilm", text: str | None = None, **options):  # noqa: ANN201
+    """A real model's attention on one text (see :func:`attnkit.explain.model.explain_model`;
+    imported on first use, since it needs transformers)."""
+    from .model import explain_model as run
+
+    return run(model, text, **options)
+
+
+__all__ = ["explain", "explain_model", "Trace", "Step", "ExplainError"]

@@ -59,7 +59,8 @@ from .strings import STRINGS, check_lang, mask_label, step_formula, step_name, s
 if TYPE_CHECKING:
     from .trace import Trace
 
-__all__ = ["render_html", "heatmap", "flow_svg", "cell_color"]
+__all__ = ["render_html", "section_html", "heatmap", "flow_svg", "cell_color", "CSS", "JS",
+           "ERROR_HOOK"]
 
 CSS = """
 :root{--ink:#1d2330;--mute:#5b6475;--line:#d9dee8;--card:#fff;--bg:#f4f6fa;--acc:#2463eb}
@@ -419,6 +420,11 @@ def _section(trace: Trace, lang: str, idx: int, decimals: int) -> str:
     out.append(playground(trace, lang, idx, decimals))
     out.append("</section>")
     return "".join(out)
+
+
+def section_html(trace: Trace, lang: str = "en", idx: int = 0, decimals: int = 3) -> str:
+    """One trace's section of the page (for pages that embed a trace, e.g. a model's head)."""
+    return _section(trace, lang, idx, check_decimals(decimals))
 
 
 def render_html(traces: Trace | Sequence[Trace], lang: str = "en", decimals: int = 3) -> str:

@@ -117,6 +117,9 @@ MESSAGES: dict[str, dict[str, str]] = {
         "unknown_example": "unknown example {name!r}; choose one of {names} (see `attnkit "
                            "examples`)",
         "example_and_q": "give either --example or your own --q/--k/--v, not both",
+        "model_only": "{opts}: not with --model (a model makes its own Q, K, V, scale and "
+                      "mask); drop them, or drop --model",
+        "needs_model": "{opts}: only with --model NAME (e.g. --model minilm)",
         "api": "{msg}{files}",
         "write_html": "cannot write --html {path}: {err}",
         "write_plot": "cannot write --plot {path}: {err}",
@@ -200,6 +203,9 @@ MESSAGES: dict[str, dict[str, str]] = {
         "unknown_example": "알 수 없는 예제 {name!r}; {names} 중 하나를 고르세요 "
                            "(`attnkit examples` 참고)",
         "example_and_q": "--example과 직접 준 --q/--k/--v 중 하나만 주세요",
+        "model_only": "{opts}: --model과 함께 쓸 수 없습니다 (모델이 Q, K, V, scale, Mask를 "
+                      "스스로 만듭니다). 이 옵션을 빼거나 --model을 빼세요",
+        "needs_model": "{opts}: --model NAME과 함께만 씁니다 (예: --model minilm)",
         "api": "입력이 맞지 않습니다 (라이브러리 메시지): {msg}{files}",
         "write_html": "--html {path}에 쓸 수 없습니다: {err}",
         "write_plot": "--plot {path}에 쓸 수 없습니다: {err}",

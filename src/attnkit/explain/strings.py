@@ -99,6 +99,27 @@ STRINGS: dict[str, dict[str, str]] = {
                        "the exact values of the corners.",
         "page_block": "each cell: the mean of a block of {br} × {bc}",
         "page_more_heads": "… {n} more heads are not shown: the page shows the first {m}",
+        # ---- a real model (model.py, modelview.py)
+        "m_title": "{model} on a real sentence: every layer × head",
+        "m_about": "{layers} layers × {heads} heads, d_model = {d}, d_h = {dh}. Q, K, V are "
+                   "the model's own (captured while attnkit ran every attention layer).",
+        "m_text": "text", "m_tokens": "tokens ({n})", "m_layer": "layer",
+        "m_padding": "{p} padding tokens at the end: the mask blocks them as keys",
+        "m_grid": "Where query {tok} looks in every layer × head (the key with the largest "
+                  "weight, and that weight; * = the head walked through below)",
+        "m_grid_page": "Every layer × head: the weights over the tokens (rows = queries, "
+                       "columns = keys; click a head to walk through it)",
+        "m_focus": "Layer {l}, head {h}, query {tok}: the five steps with this head's numbers",
+        "m_key": "key", "m_s": "1. q·k", "m_x": "2. × scale", "m_m": "3. mask",
+        "m_w": "4. softmax",
+        "m_scale": "scale = {scale} = 1/√d_h (d_h = {dh})",
+        "m_sum": "the weights sum to {s}",
+        "m_mix": "5. mixing: o = Σ_j w_j v_j — {dv} numbers, the first {m} shown:",
+        "m_top": "largest weights: {items}",
+        "m_strongest": "In this model, query {a} gives key {b} the most weight in layer {l}, "
+                       "head {h} ({w}); other heads look elsewhere.",
+        "m_head_note": "The full matrices of this head (d_h = {dh} is too wide for the "
+                       "page's playground; try the playground with a small example):",
         # ---- the page's playground (live.py)
         "play_title": "Try it: change the inputs and watch every step",
         "play_help": "Edit any cell of Q, K or V, move the slider, or change the mask: the "
@@ -214,6 +235,27 @@ STRINGS: dict[str, dict[str, str]] = {
                        "정확한 값은 텍스트 출력에 있습니다.",
         "page_block": "셀 하나 = {br} × {bc} 블록의 평균",
         "page_more_heads": "… 헤드 {n}개 더 있음: 이 페이지에는 처음 {m}개만 보여 줍니다",
+        # ---- a real model (model.py, modelview.py)
+        "m_title": "실제 문장에서 본 {model}: 모든 레이어 × 헤드",
+        "m_about": "레이어 {layers}개 × 헤드 {heads}개, d_model = {d}, d_h = {dh}. Q, K, V는 "
+                   "모델 자신의 값입니다 (attnkit이 모든 어텐션 레이어를 계산하는 동안 담아 둠).",
+        "m_text": "문장", "m_tokens": "토큰 ({n}개)", "m_layer": "레이어",
+        "m_padding": "끝의 패딩 토큰 {p}개: Mask가 Key 자리에서 가립니다",
+        "m_grid": "Query {tok}의 시선: 레이어 × 헤드마다 가중치가 가장 큰 Key와 그 가중치 "
+                  "(* = 아래에서 풀어 보는 헤드)",
+        "m_grid_page": "모든 레이어 × 헤드: 토큰 사이의 가중치 (행 = Query, 열 = Key; 헤드를 "
+                       "누르면 그 헤드를 풀어 봅니다)",
+        "m_focus": "레이어 {l}, 헤드 {h}, Query {tok}: 이 헤드의 실제 값으로 본 다섯 단계",
+        "m_key": "Key", "m_s": "1. q·k", "m_x": "2. × scale", "m_m": "3. Mask",
+        "m_w": "4. Softmax",
+        "m_scale": "scale = {scale} = 1/√d_h (d_h = {dh})",
+        "m_sum": "가중치의 합 = {s}",
+        "m_mix": "5. 섞기: o = Σ_j w_j v_j — 값 {dv}개 가운데 처음 {m}개:",
+        "m_top": "가중치가 큰 Key: {items}",
+        "m_strongest": "이 모델에서 Query {a}의 가중치가 Key {b}에 가장 많이 가는 곳은 "
+                       "레이어 {l}, 헤드 {h}입니다 ({w}). 다른 헤드는 다른 곳을 봅니다.",
+        "m_head_note": "이 헤드의 전체 행렬 (d_h = {dh}는 페이지의 직접 해 보기에 넣기에는 "
+                       "너무 넓습니다. 직접 해 보기는 작은 예제로 해 보세요):",
         # ---- the page's playground (live.py)
         "play_title": "직접 해 보기: 입력을 바꾸고 모든 단계를 지켜보세요",
         "play_help": "Q, K, V의 셀을 고치거나, 슬라이더를 움직이거나, Mask를 바꿔 보세요. "

