@@ -617,3 +617,103 @@ def test_backend_output_and_lse_dtypes(backend, dtype):
     assert out.dtype == dtype and out.shape == (1, 2, 5, 3)
     assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     assert lse.shape == (1, 2, 5)
+
+
+# ============================================================== K/V batch broadcast (issue 13)
+def _kv_batch_masks(b: int, nq: int, nk: int) -> dict[str, object]:
+    g = torch.Generator().manual_seed(7)
+    return {
+        "none": None,
+        "padding": masks.padding([nk, 3, nk - 5][:b], q_lengths=[nq, nq - 1, 2][:b]),
+        "causal_br": masks.causal("bottom_right"),
+        "document": masks.document(torch.randint(0, 2, (b, nq), generator=g).sort(1).values,
+                                   torch.randint(0, 2, (b, nk), generator=g).sort(1).values),
+        "bool": torch.rand(b, 1, nq, nk, generator=g) > 0.4,
+    }
+
+
+@pytest.mark.parametrize("kind", ["none", "padding", "causal_br", "document", "bool"])
+@pytest.mark.parametrize("nq", [4, 37])
+def test_backend_kv_batch_one_broadcasts_like_an_explicit_repeat(backend, kind, nq):
+    b, nk = 3, 41
+    q = randn(b, 4, nq, 16)
+    k1, v1 = randn(1, 2, nk, 16), randn(1, 2, nk, 8)
+    m = _kv_batch_masks(b, nq, nk)[kind]
+    ref = ak.attention(q, k1.repeat(b, 1, 1, 1), v1.repeat(b, 1, 1, 1), mask=m,
+                       backend="reference")
+    out = run_backend(backend, q, k1, v1, mask=m)
+    torch.testing.assert_close(out, ref, **TOL)
+
+
+@pytest.mark.parametrize("kind", ["padding", "bool"])
+def test_backend_kv_batch_one_gradients(backend, kind):
+    b, nq, nk = 3, 9, 13
+    q = randn(b, 2, nq, 8).requires_grad_()
+    k1, v1 = randn(1, 1, nk, 8).requires_grad_(), randn(1, 1, nk, 8).requires_grad_()
+    m = _kv_batch_masks(b, nq, nk)[kind]
+    out = run_backend(backend, q, k1, v1, mask=m)
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k1, v1), g)
+    ref = ak.attention(q, k1.expand(b, -1, -1, -1).clone(), v1.expand(b, -1, -1, -1).clone(),
+                       mask=m, backend="reference")
+    want = torch.autograd.grad(ref, (q, k1, v1), g)
+    assert got[1].shape == k1.shape
+    for a, w in zip(got, want, strict=True):
+        torch.testing.assert_close(a, w, **TOL)
+
+
+def test_kv_batch_broadcast_over_several_leading_dims():
+    q = randn(2, 3, 2, 5, 8)
+    k, v = randn(1, 1, 2, 6, 8), randn(1, 3, 2, 6, 8)          # fully / partly broadcast
+    ref = ak.attention(q, k.expand(2, 3, -1, -1, -1), v.expand(2, 3, -1, -1, -1))
+    torch.testing.assert_close(ak.attention(q, k, v), ref, **TOL)
+
+
+def test_query_batch_one_against_larger_kv_batch_is_refused():
+    with pytest.raises(ValueError, match=r"leading \(batch\) dims.*q \(1, 2, 5, 8\)"):
+        ak.attention(randn(1, 2, 5, 8), randn(3, 2, 6, 8), randn(3, 2, 6, 8))
+
+
+class _BigAllocations(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records ops whose output owns at least ``n`` elements of storage."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n, self.hits = n, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        for o in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(o, torch.Tensor) and \
+                    o.untyped_storage().nbytes() >= self.n * o.element_size():
+                self.hits.append(str(func))
+        return out
+
+
+@pytest.mark.parametrize("kind", ["none", "padding", "causal_br"])
+def test_backend_kv_batch_one_is_never_materialised_per_batch(backend, kind):
+    # K/V reach the backend as a stride-0 view, and the forward allocates nothing of the
+    # size of K repeated over the batch (the reference, the readable oracle, may)
+    if backend == "reference":
+        pytest.skip("the reference materialises by design")
+    b, nq, nk, d = 3, 4, 512, 32
+    q = randn(b, 4, nq, d, dtype=torch.float32)
+    k1, v1 = randn(1, 2, nk, d, dtype=torch.float32), randn(1, 2, nk, d, dtype=torch.float32)
+    m = _kv_batch_masks(b, nq, nk)[kind]
+    skip_unless_supported(backend, q, k1, v1, mask=m)
+    seen = []
+    chosen = ak.backends.get(backend)
+    original = chosen.forward
+
+    def spy(p):  # noqa: ANN001, ANN202
+        seen.append((p.k.shape[0], p.k.stride(0), p.k.data_ptr() == k1.data_ptr()))
+        return original(p)
+
+    chosen.forward = spy
+    try:
+        with _BigAllocations(b * k1.numel()) as mode:
+            ak.attention(q, k1, v1, mask=m, backend=backend)
+    finally:
+        del chosen.forward
+    assert seen == [(b, 0, True)]
+    assert mode.hits == []
