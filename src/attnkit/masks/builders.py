@@ -37,8 +37,17 @@ def _band(lo: float, hi: float, align: str, name: str) -> Mask:
     br = align == "bottom_right"
 
     def fn(b, h, q, k, n_q, n_k):  # noqa: ANN001, ANN202
-        d = q - k + ((n_k - n_q) if br else 0)
-        return (d >= lo) & (d <= hi)
+        # lo <= q + off - k <= hi, as k <= q + (off - lo) and k >= q + (off - hi): the shifts
+        # are per query (small), each bound is one broadcast comparison; ±inf is no bound
+        off = (n_k - n_q) if br else 0
+        out = k <= q + (off - lo) if lo != -math.inf else None
+        if hi != math.inf:
+            upper = k >= q + (off - hi)
+            out = upper if out is None else out & upper
+        if out is None:
+            return torch.ones((), dtype=torch.bool, device=q.device).expand(
+                torch.broadcast_shapes(q.shape, k.shape))
+        return out
 
     def blocks(qs, qe, ks, ke, n_q, n_k):  # noqa: ANN001, ANN202
         off = (n_k - n_q) if br else 0

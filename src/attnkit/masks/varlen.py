@@ -249,11 +249,20 @@ def varlen(
         m.name = name
         return m
 
+    # allowed ⇔ same sequence and lo <= pos_q − pos_k <= hi, as one interval test on codes
+    # id·M + pos (|pos| <= N < M/2, so codes of different sequences never fall in the interval)
+    M = 4 * (max(tot_q, tot_k) + 1)
+    code_k = ids_k * M + pos_k                                               # (B|1, N_k)
+    code_q = ids_q * M + pos_q                                               # (B|1, N_q)
+    first = code_q - hi if hi != math.inf else ids_q * M - M // 2            # (B|1, N_q)
+    last = code_q - lo if lo != -math.inf else ids_q * M + M // 2
+    first, last = torch.maximum(first, ids_q * M - M // 2), torch.minimum(last, ids_q * M + M // 2)
+
     def local_fn(b, h, q, k, n_q, n_k):  # noqa: ANN001, ANN202
         check(n_q, n_k)
-        bb, ok = same(b, q, k)
-        d = pos_q.to(q.device)[bb, q] - pos_k.to(q.device)[bb, k]
-        return ok & (d >= lo) & (d <= hi)
+        bb = b if nb > 1 else torch.zeros_like(b)
+        ck = code_k.to(q.device)[bb, k]                                      # (B, 1, 1, N_k)
+        return (ck >= first.to(q.device)[bb, q]) & (ck <= last.to(q.device)[bb, q])
 
     def local_rules(qs, qe, ks, ke, n_q, n_k):  # noqa: ANN001, ANN202
         check(n_q, n_k)
