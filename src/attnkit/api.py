@@ -5,7 +5,8 @@
 Shape legend (PyTorch SDPA's layout)::
 
     q    (..., H_q,  N_q, D_k)     or 2-D (N_q, D_k): one head, no batch
-    k    (..., H_kv, N_k, D_k)     H_q must be a multiple of H_kv (GQA / MQA)
+    k    (..., H_kv, N_k, D_k)     H_q must be a multiple of H_kv (GQA / MQA); a leading
+                                   dim of k / v may be 1 against q's (K/V batch broadcast)
     v    (..., H_kv, N_k, D_v)     D_v may differ from D_k; N_q may differ from N_k
     mask broadcastable to (..., H_q, N_q, N_k)
     out  (..., H_q,  N_q, D_v)     lse (..., H_q, N_q)
@@ -20,8 +21,19 @@ gradients); a zero-width head (D_k or D_v = 0) is widened by one zero column. ``
 (:func:`attnkit.scores.checked_score_mod`: FlexAttention's per-score semantics, result cast
 back to the score dtype, one error for a bad result) — every backend calls that wrapper.
 
+:func:`scaled_dot_product_attention` is torch's ``F.scaled_dot_product_attention`` call
+on top of :func:`attention`. While ``torch.compile`` / ``torch.export`` trace
+(``torch.compiler.is_compiling()``), :func:`attention` becomes one ``attnkit::attention``
+operator node (:mod:`attnkit.ops`); eager calls never go through the operator.
+
 Caution
 -------
+- K/V broadcast over the batch: a leading dim of size 1 in K/V against q's is a stride-0
+  view — never copied when every leading dim of K/V is 1; K/V broadcast in some leading
+  dims only (``(B1, 1)`` against ``(B1, B2)``) are expanded with a copy.
+- Under torch.compile, a Python ``score_mod``, ``from_fn`` masks and masks combined with
+  ``|`` / ``~`` run eagerly outside the graph (one warning per call site); see
+  :mod:`attnkit.ops`.
 - NaN/inf in K or V rows: rows no query may attend to never reach the output. A query that
   *does* attend to such a row gets NaN (the honest answer). Finding those queries after the
   fact evaluates the mask densely (O(N_q·N_k) bools) — only on calls whose K/V hold NaN/inf.
@@ -488,7 +500,9 @@ def attention(
         return_lse: also return the natural-log log-sum-exp of the masked logits
             (−inf for a query with no allowed key).
 
-    A query with no allowed key gets output 0 (never NaN).
+    A query with no allowed key gets output 0 (never NaN). K/V whose leading (batch) dims
+    are 1 broadcast against q's without a copy (as FlexAttention). Under ``torch.compile`` /
+    ``torch.export`` the call is the operator ``attnkit::attention`` (:mod:`attnkit.ops`).
     """
     _backends.check_name(backend)
     if torch.compiler.is_compiling():       # torch.compile / torch.export: one operator
