@@ -135,6 +135,44 @@ def test_example_with_a_different_scale(capsys):
     assert "[scale = 1]" in sec.title
 
 
+@pytest.mark.parametrize("lang", ["en", "ko"])
+def test_an_example_under_an_override_says_the_values_used(capsys, lang):
+    rc, out, _ = run(capsys, "--example", "worked", "--scale", "1", "--lang", lang)
+    assert rc == 0
+    assert "1/√d_k = 1/2" not in out and "1/2로 스케일" not in out    # the example's own text
+    assert "[0.665, 0.090, 0.245]" in out                              # softmax([2, 0, 1])
+    assert ("scale = 1/√4 = 0.500" in out) and len(parse(out)) == 1    # ×10 half left out
+    assert ("Left out" in out) if lang == "en" else ("뺀 비교" in out)
+    rc, out, _ = run(capsys, "--example", "causal", "--scale", "2")
+    secs = parse(out)
+    assert rc == 0 and len(secs) == 1 and "scale = 2.000" in out
+
+
+def test_row_sums_print_as_one(capsys):
+    from attnkit.explain.common import fmt
+
+    assert fmt(0.99999999) == "1.000" and fmt(1 - 4e-7) == "1.000" and fmt(0.9997) == "0.9997"
+    rc, out, _ = run(capsys, "--example", "worked")
+    assert rc == 0 and "1.0e+00" not in out
+
+
+def test_version(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"attnkit {version('attnkit')}"
+    r = subprocess.run([sys.executable, "-m", "attnkit", "--version"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == f"attnkit {version('attnkit')}"
+
+
+def test_model_options_need_model(capsys):
+    rc, _, err = run(capsys, "--layer", "2", "--token", "it")
+    assert rc == 2 and "--layer, --token: only with --model" in err
+
+
 def test_korean_output(capsys):
     rc, out, _ = run(capsys, "--example", "masked", "--lang", "ko")
     assert rc == 0

@@ -26,7 +26,7 @@ import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NoReturn
 
-from .explain.examples import DEFAULT, EXAMPLES
+from .explain.examples import DEFAULT, EXAMPLES, with_overrides
 from .explain.guard import ExplainError
 from .explain.inputs import InputError, finite_number, parse_labels, prepare_inputs
 from .explain.strings import LANGS
@@ -177,24 +177,7 @@ def _traces(args: argparse.Namespace) -> list[Trace]:
         name = args.example or DEFAULT
         if name not in EXAMPLES:
             raise InputError("unknown_example", name=name, names=", ".join(EXAMPLES))
-        traces = EXAMPLES[name].traces()
-        if scale is None and softcap is None:
-            return traces
-        out = []
-        for tr in traces:            # the same inputs and mask, the learner's scale/soft-cap
-            causal = bool(tr.options.get("is_causal"))
-            mask = None if causal or tr.allowed.all() else tr.allowed
-            new = explain(tr.q, tr.k, tr.v, mask=mask, is_causal=causal, scale=scale,
-                          softcap=softcap)
-            new.labelled(tr.q_labels, tr.k_labels)
-            new.options.update({k: v for k, v in tr.options.items() if k == "max_heads"})
-            changed = ", ".join(f"{n} = {x:g}" for n, x in (("scale", scale),
-                                                           ("softcap", softcap))
-                                if x is not None)
-            new.title = {lang: f"{t}  [{changed}]" for lang, t in tr.title.items()}
-            new.intro = dict(tr.intro)
-            out.append(new)
-        return out
+        return with_overrides(EXAMPLES[name].traces(), scale, softcap)
     if args.example is not None:
         raise InputError("example_and_q")
     inp = prepare_inputs(args.q, args.k, args.v, mask_path=args.mask, heads=args.heads,

@@ -72,6 +72,8 @@ def fmt(x: float, decimals: int = 3) -> str:
         r = abs(float(s))
         if r not in (0.0, 1.0) or abs(x) == 1.0:
             return s
+    if abs(float(f"{x:.{decimals + 3}f}")) == 1.0:      # 0.99999999 (a float32 row sum)
+        return f"{x:.{decimals}f}"                      # is 1.000, not 1.0e+00
     if abs(x) < 1:
         return f"{x:.1e}"
     return f"{x:.{decimals}f}"

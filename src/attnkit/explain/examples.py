@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .common import cut_width, shape_str
+from .common import cell_formatter, cut_width, fmt, shape_str
+from .strings import STRINGS
 from .trace import Trace, explain
 
 
@@ -336,6 +337,64 @@ def shared_qk() -> list[Trace]:
         "같은 X에 서로 다른 사영 W_Q ≠ W_K: S가 더는 대칭이 아니므로 주의가 한 방향일 수\n"
         "있습니다.",
     ))]
+
+
+# ----------------------------------------------------------------------------- overrides
+
+
+def _row(a: np.ndarray) -> str:
+    f = cell_formatter(a)
+    return "[" + ", ".join(f(float(x)).replace("-inf", "−∞") for x in a) + "]"
+
+
+def _said_scale(tr: Trace) -> str:
+    d_k = tr.q.shape[-1]
+    if math.isclose(tr.scale, 1 / math.sqrt(max(d_k, 1))):
+        return f"1/√{d_k} = {fmt(tr.scale)}"
+    return fmt(tr.scale)
+
+
+def with_overrides(traces: list[Trace], scale: float | None = None,
+                   softcap: float | None = None) -> list[Trace]:
+    """An example's traces recomputed with the learner's scale / soft-cap.
+
+    The example's own text is written for its own values, so it is replaced by one computed
+    from the values actually used (the first query row: raw scores → logits → weights, and
+    what the example itself used). A comparison trace that sets its own scale (worked's ×10,
+    scaling's unscaled half) would print the same numbers as the main one under one
+    override: it is left out, and the text says so.
+    """
+    if scale is None and softcap is None:
+        return traces
+    defaults = [math.isclose(tr.scale, 1 / math.sqrt(max(tr.q.shape[-1], 1)))
+                for tr in traces]
+    keep = [traces[0]] + [tr for tr, d in zip(traces[1:], defaults[1:], strict=True)
+                          if d and defaults[0]]
+    dropped = [tr for tr in traces if all(tr is not k for k in keep)]
+    changed = ", ".join(f"{n} = {x:g}" for n, x in (("scale", scale), ("softcap", softcap))
+                        if x is not None)
+    out = []
+    for tr in keep:
+        causal = bool(tr.options.get("is_causal"))
+        mask = None if causal or tr.allowed.all() else tr.allowed
+        new = explain(tr.q, tr.k, tr.v, mask=mask, is_causal=causal, scale=scale,
+                      softcap=softcap)
+        new.labelled(tr.q_labels, tr.k_labels)
+        new.options.update({k: v for k, v in tr.options.items() if k == "max_heads"})
+        new.title = {lang: f"{t}  [{changed}]" for lang, t in tr.title.items()}
+        row = (0,) * (new.scores.ndim - 1)                     # the first query of head 1
+        vals = {"given": changed, "theirs": _said_scale(tr), "scale": fmt(new.scale),
+                "s": _row(new.scores[row]), "x": _row(new.logits[row]),
+                "w": _row(new.weights[row]), "sum": fmt(float(new.weights[row].sum()))}
+        intro = {lang: STRINGS[lang]["ov_intro"].format(**vals) for lang in STRINGS}
+        if dropped and tr is keep[0]:
+            names = {lang: ", ".join(f"'{d.title.get(lang) or d.title.get('en', '')}'"
+                                     for d in dropped) for lang in STRINGS}
+            intro = {lang: intro[lang] + "\n" + STRINGS[lang]["ov_dropped"].format(
+                names=names[lang]) for lang in STRINGS}
+        new.intro = intro
+        out.append(new)
+    return out
 
 
 def _ex(name: str, en: str, ko: str, make: Callable[[], list[Trace]]) -> Example:

@@ -99,6 +99,13 @@ STRINGS: dict[str, dict[str, str]] = {
                        "the exact values of the corners.",
         "page_block": "each cell: the mean of a block of {br} × {bc}",
         "page_more_heads": "… {n} more heads are not shown: the page shows the first {m}",
+        # ---- an example under the learner's --scale / --softcap (examples.with_overrides)
+        "ov_intro": "Recomputed with your {given}: the example's own text was written for "
+                    "scale = {theirs}, so here are the numbers actually used (query 1): raw "
+                    "scores S = {s} → logits (scale = {scale}) {x} → weights {w}, which sum "
+                    "to {sum}.",
+        "ov_dropped": "Left out: {names} — it sets its own scale, so under your override it "
+                      "would print the same numbers as this one.",
         # ---- a real model (model.py, modelview.py)
         "m_title": "{model} on a real sentence: every layer × head",
         "m_about": "{layers} layers × {heads} heads, d_model = {d}, d_h = {dh}. Q, K, V are "
@@ -235,6 +242,12 @@ STRINGS: dict[str, dict[str, str]] = {
                        "정확한 값은 텍스트 출력에 있습니다.",
         "page_block": "셀 하나 = {br} × {bc} 블록의 평균",
         "page_more_heads": "… 헤드 {n}개 더 있음: 이 페이지에는 처음 {m}개만 보여 줍니다",
+        # ---- an example under the learner's --scale / --softcap (examples.with_overrides)
+        "ov_intro": "직접 준 값({given})으로 다시 계산했습니다. 예제의 원래 설명은 "
+                    "scale = {theirs} 기준이므로, 실제로 쓴 값을 보여 줍니다 (쿼리 1): 원점수 "
+                    "S = {s} → 로짓 (scale = {scale}) {x} → 가중치 {w}, 합 = {sum}.",
+        "ov_dropped": "뺀 비교: {names} — 그 비교는 scale을 스스로 정하므로, 직접 준 값을 "
+                      "쓰면 이 결과와 같은 숫자가 나옵니다.",
         # ---- a real model (model.py, modelview.py)
         "m_title": "실제 문장에서 본 {model}: 모든 레이어 × 헤드",
         "m_about": "레이어 {layers}개 × 헤드 {heads}개, d_model = {d}, d_h = {dh}. Q, K, V는 "
