@@ -125,3 +125,19 @@ def test_run_cli_bad_input_is_one_line_and_exit_2(argv, capsys):
     assert captured.out == ""
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("attnkit cost: error: ")
+
+
+def test_attention_subtotal_next_to_the_ffn(capsys):
+    """The course's lesson: attention 8nd² + 4n²d vs FFN 16nd² — equal at n = 2d."""
+    d, n = 512, 1024
+    r = report(d, 8, n)
+    assert r.attention_flops["MHA"] == 8 * n * d**2 + 4 * n**2 * d == r.ffn_flops
+    names = [row.name for row in r.rows if row.section == "forward FLOPs"]
+    i = names.index("attention subtotal, MHA")
+    assert names[i + 1].startswith("FFN")                      # printed side by side
+    text = str(r)
+    assert "8nd² + 4n²d" in text and "(2 + n/d) / 4 = 1.00" in text
+    assert json.loads(json.dumps(r.to_dict()))["attention_flops"]["MHA"] == r.ffn_flops
+    assert run_cli(["--d-model", "512", "--heads", "8", "--seq", "128"]) == 0
+    out = capsys.readouterr().out
+    assert "attention subtotal, MHA" in out and "(2 + n/d) / 4 = 0.56" in out

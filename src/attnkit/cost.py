@@ -17,6 +17,7 @@ The closed-form formulas of the course, for one layer (attention block + feed-fo
       projections, MLA        4nd² + 6nd·d_c           (plain path: K, V up-projected)
       scores + mixing         4n²d                     QKᵀ 2n²d, weights·V 2n²d (all variants)
       FFN                     4·m·nd²                  (m = 4: 16nd²)
+      attention subtotal      8nd² + 4n²d (MHA)        next to the FFN's: (2 + n/d)/m of it
 
     KV cache (one layer)
       per token               MHA 2·d·b   GQA 2·H_kv·h·b   MQA 2·h·b   MLA d_c·b
@@ -158,6 +159,8 @@ class CostReport:
                           self.attn_params["MHA"] + self.ffn_params, "params"))
         f_rows.append(Row("forward FLOPs", "scores + mixing (every variant)", "4n²d" + xb,
                           self.core_flops, "FLOP"))
+        f_rows.append(Row("forward FLOPs", "attention subtotal, MHA", "8nd² + 4n²d" + xb,
+                          self.proj_flops["MHA"] + self.core_flops, "FLOP"))
         f_rows.append(Row("forward FLOPs", f"FFN (d→{m}d→d)", f"4·m·nd² = {4 * m}nd²" + xb,
                           self.ffn_flops, "FLOP"))
         f_rows.append(Row("forward FLOPs", "layer total, MHA",
@@ -169,6 +172,12 @@ class CostReport:
         self.rows = p_rows + f_rows + k_rows
 
     @property
+    def attention_flops(self) -> dict[str, int]:
+        """Forward FLOPs of the attention block per variant (projections + scores + mixing):
+        MHA 8nd² + 4n²d, next to the FFN's 4·m·nd² (:attr:`ffn_flops`)."""
+        return {k: v + self.core_flops for k, v in self.proj_flops.items()}
+
+    @property
     def flops(self) -> dict[str, int]:
         """Forward FLOPs of the whole layer per variant (projections + scores + FFN)."""
         return {k: v + self.core_flops + self.ffn_flops for k, v in self.proj_flops.items()}
@@ -177,6 +186,7 @@ class CostReport:
         out = asdict(self)
         out["rows"] = [asdict(r) for r in self.rows]
         out["flops"] = self.flops
+        out["attention_flops"] = self.attention_flops
         return out
 
     def __str__(self) -> str:
@@ -200,6 +210,13 @@ class CostReport:
                           f"  {'':<{w_name}}  {'formula':<{w_form}}  {'exact':>{w_val}}"]
             lines.append(f"  {r.name:<{w_name}}  {r.formula:<{w_form}}  {r.value:>{w_val},}  "
                          f"{_human(r.value, r.unit)}" + ("" if r.unit == "B" else f" {r.unit}"))
+        att, ffn = self.attention_flops["MHA"], self.ffn_flops
+        if ffn:
+            lines += ["", f"attention / FFN forward FLOPs (MHA): (8nd² + 4n²d) / "
+                      f"{4 * self.ffn_mult}nd² = (2 + n/d) / {self.ffn_mult} = "
+                      f"{att / ffn:.2f} — attention costs more than the FFN once n > "
+                      f"{self.ffn_mult - 2}·d" if self.ffn_mult > 2 else
+                      f"attention / FFN forward FLOPs (MHA) = {att / ffn:.2f}"]
         return "\n".join(lines) + "\n"
 
 
