@@ -8,7 +8,9 @@
     attnkit explain --model minilm [--text "..."] [--layer L --head H --token T]
           [--pad-to N] [--lang] [--html] [--plot]
                                           a real model's attention (every layer × head)
-    attnkit examples [--lang ko]          the built-in examples, one per line
+    attnkit examples [--lang ko]          the built-in examples (and lessons), one per line
+    attnkit lesson NAME [--lang] [--plot OUT.png]
+                                          a lesson: sqrt-dk, bounds, attn-vs-ffn, heads
     attnkit --version                     the installed version
     attnkit bench ... / attnkit cost ...  handed to attnkit.bench / attnkit.cost
 
@@ -56,7 +58,7 @@ def _build_parser() -> _Parser:
     parser = _Parser(prog="attnkit", description="Attention, explained: "
                      "O = softmax(Q Kᵀ · scale + M) V, step by step.")
     parser.add_argument("--version", action="version", version=f"attnkit {_version()}")
-    sub = parser.add_subparsers(dest="cmd", metavar="{explain,examples,bench,cost}")
+    sub = parser.add_subparsers(dest="cmd", metavar="{explain,examples,lesson,bench,cost}")
     ex = sub.add_parser("explain", help="walk through an attention call step by step",
                         description="Walk through softmax(Q Kᵀ · scale + M) V step by step. "
                         "Without --q: a built-in example (default: three tokens, causal).")
@@ -93,6 +95,14 @@ def _build_parser() -> _Parser:
                     "from 1)")
     ex.add_argument("--pad-to", type=int, metavar="N",
                     help="with --model: pad the text to N tokens (shows the padding mask)")
+    from .explain.lessons import LESSONS
+
+    les = sub.add_parser("lesson", help="a built-in lesson (measured or drawn)",
+                         description="A built-in lesson: " + ", ".join(LESSONS))
+    les.add_argument("name", choices=list(LESSONS), metavar="NAME",
+                     help="one of " + ", ".join(LESSONS))
+    les.add_argument("--lang", choices=LANGS, default="en", help="language (default en)")
+    les.add_argument("--plot", metavar="OUT.png", help="also draw the lesson's figure")
     exs = sub.add_parser("examples", help="list the built-in examples")
     exs.add_argument("--lang", choices=LANGS, default="en", help="language (default en)")
     for name, text in DELEGATED.items():
@@ -158,9 +168,33 @@ def _delegate(name: str, rest: list[str]) -> int:
 
 
 def _examples(args: argparse.Namespace) -> int:
+    from .explain.lessons import LESSONS
+
     width = max(len(n) for n in EXAMPLES)
     for name, ex in EXAMPLES.items():
         print(f"{name.ljust(width)}  {ex.describe(args.lang)}")
+    print("\n" + ("lessons (attnkit lesson NAME):" if args.lang == "en" else
+                  "레슨 (attnkit lesson NAME):"))
+    width = max(len(n) for n in LESSONS)
+    for name, les in LESSONS.items():
+        print(f"{name.ljust(width)}  {les.describe(args.lang)}")
+    print("\n" + ("a real model: attnkit explain --model minilm" if args.lang == "en" else
+                  "실제 모델: attnkit explain --model minilm --lang ko"))
+    return 0
+
+
+def _lesson(args: argparse.Namespace) -> int:
+    from .explain.lessons import LESSONS
+
+    lesson = LESSONS[args.name]
+    if args.plot:
+        _check_output(args.plot, "write_plot")
+        if lesson.make_plot is None:
+            raise InputError("lesson_no_plot", name=args.name)
+    sys.stdout.write(lesson.text(args.lang))
+    if args.plot:
+        lesson.plot(args.plot, args.lang)
+        print(f"attnkit: wrote {args.plot}", file=sys.stderr)
     return 0
 
 
@@ -268,6 +302,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         lang = getattr(args, "lang", "en")
         if args.cmd == "examples":
             return _examples(args)
+        if args.cmd == "lesson":
+            return _lesson(args)
         if args.cmd is None:            # bare `attnkit`: the default example
             args = _build_parser().parse_args(["explain"])
         return _explain(args)

@@ -75,8 +75,8 @@ def causal_three_tokens() -> list[Trace]:
         "A decoder may not look ahead: token i attends to tokens 1..i only. The causal mask\n"
         "puts −∞ above the diagonal, so row 1 sees one key, row 2 two, row 3 all three.\n"
         "V's first three columns are one-hot, so the output shows the weights themselves.",
-        "디코더는 앞을 볼 수 없습니다: 토큰 i는 토큰 1..i에만 주의를 기울입니다. 인과 마스크는\n"
-        "대각선 위에 −∞를 넣으므로 1행은 키 1개, 2행은 2개, 3행은 3개를 봅니다.\n"
+        "디코더는 미래 토큰을 볼 수 없습니다: 토큰 i는 토큰 1..i에만 주의를 기울입니다.\n"
+        "인과 마스크는 대각선 위에 −∞를 넣으므로 1행은 키 1개, 2행은 2개, 3행은 3개를 봅니다.\n"
         "V의 앞 세 열이 원-핫이라서 출력에 가중치가 그대로 나타납니다.",
     ))]
 
@@ -254,12 +254,13 @@ def shape_walk() -> list[Trace]:
     def s(a: np.ndarray | tuple[int, ...]) -> str:
         return shape_str(a if isinstance(a, tuple) else a.shape)
 
-    def walk(alike: str) -> str:
+    def walk(alike: str, head: str, heads: str, concat_word: str) -> str:
         return "\n  ".join([
             f"X {s(x)}  ·  W_Q {s(w_q[0])}  →  Q {s(q[0])}      {alike}",
             f"Q {s(q[0])}  ·  Kᵀ {s(k[0].T)}  →  QKᵀ {s(tr.scores[0])}",
-            f"softmax(QKᵀ / √{d_k}) {s(tr.weights[0])}  ·  V {s(v[0])}  →  head {s(out[0])}",
-            f"{h} heads  →  concat {s(concat)}  ·  W_O {s(w_o)}  →  {s(final)}",
+            f"softmax(QKᵀ / √{d_k}) {s(tr.weights[0])}  ·  V {s(v[0])}  →  {head} "
+            f"{s(out[0])}",
+            f"{heads}  →  {concat_word} {s(concat)}  ·  W_O {s(w_o)}  →  {s(final)}",
         ])
 
     tr.options["max_heads"] = 1
@@ -269,11 +270,11 @@ def shape_walk() -> list[Trace]:
     ), (
         f"{n} tokens of width {d_model} (seeded random values: only the shapes matter).\n"
         "Each head projects X to its own Q, K, V:\n\n  "
-        + walk("(K, V alike)")
+        + walk("(K, V alike)", "head", f"{h} heads", "concat")
         + "\n\nOnly head 1 is printed below; every head has the same shapes.",
         f"폭 {d_model}인 토큰 {n}개 (시드 고정 난수: 모양만 중요합니다).\n"
         "각 헤드는 X를 자신의 Q, K, V로 사영합니다:\n\n  "
-        + walk("(K, V도 같음)")
+        + walk("(K, V도 같음)", "헤드 출력", f"헤드 {h}개", "이어붙이기(concat)")
         + "\n\n아래에는 헤드 1만 출력합니다. 모든 헤드의 모양은 같습니다.",
     ))]
 

@@ -120,6 +120,7 @@ MESSAGES: dict[str, dict[str, str]] = {
         "model_only": "{opts}: not with --model (a model makes its own Q, K, V, scale and "
                       "mask); drop them, or drop --model",
         "needs_model": "{opts}: only with --model NAME (e.g. --model minilm)",
+        "lesson_no_plot": "the lesson {name} has no figure: drop --plot (sqrt-dk has one)",
         "api": "{msg}{files}",
         "write_html": "cannot write --html {path}: {err}",
         "write_plot": "cannot write --plot {path}: {err}",
@@ -206,6 +207,7 @@ MESSAGES: dict[str, dict[str, str]] = {
         "model_only": "{opts}: --model과 함께 쓸 수 없습니다 (모델이 Q, K, V, scale, Mask를 "
                       "스스로 만듭니다). 이 옵션을 빼거나 --model을 빼세요",
         "needs_model": "{opts}: --model NAME과 함께만 씁니다 (예: --model minilm)",
+        "lesson_no_plot": "레슨 {name}에는 그림이 없습니다: --plot을 빼세요 (sqrt-dk에는 있음)",
         "api": "입력이 맞지 않습니다 (라이브러리 메시지): {msg}{files}",
         "write_html": "--html {path}에 쓸 수 없습니다: {err}",
         "write_plot": "--plot {path}에 쓸 수 없습니다: {err}",
