@@ -131,6 +131,16 @@ class Trace:
             Path(path).write_text(page, encoding="utf-8")
         return page
 
+    def _repr_html_(self) -> str:
+        """Jupyter shows the trace as its page (in an iframe, so the page's script runs and
+        its styles stay inside)."""
+        import html
+
+        page = self.to_html()
+        return (f'<iframe srcdoc="{html.escape(page, quote=True)}" title="attnkit explain" '
+                'style="width:100%;height:720px;border:1px solid #d9dee8;border-radius:8px">'
+                "</iframe>")
+
     def plot(self, path: str | Path, *, what: str | tuple[str, ...] = ("weights",),
              lang: str = "en") -> Path:
         """Heatmaps (PNG) of the weights per head — and optionally scores/logits."""
