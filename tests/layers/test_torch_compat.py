@@ -123,3 +123,23 @@ def test_torch_masks_to_attnkit_conventions():
     assert torch_masks_to_attnkit(None, None, batch=2, heads=3) is None
     with pytest.raises(ValueError, match="attn_mask"):
         torch_masks_to_attnkit(torch.zeros(5, 2, 2, dtype=torch.bool), None, batch=2, heads=3)
+
+
+def test_torch_style_takes_torch_constructor():
+    """``TorchStyleMultiheadAttention(embed_dim, num_heads, ...)`` builds a layer like torch's
+    (was: an int taken for the inner layer → AttributeError on the first call)."""
+    torch.manual_seed(0)
+    m = ak.TorchStyleMultiheadAttention(16, 4, batch_first=True, dtype=torch.float64)
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    out, w = m(x, x, x)
+    assert out.shape == (2, 5, 16) and w.shape == (2, 5, 5)
+    ref = m.inner(x)                                   # same layer, attnkit's own call
+    torch.testing.assert_close(out, ref)
+    with pytest.raises(TypeError, match="needs num_heads"):
+        ak.TorchStyleMultiheadAttention(16)
+    with pytest.raises(ValueError, match="add_bias_kv"):
+        ak.TorchStyleMultiheadAttention(16, 4, add_bias_kv=True)
+    with pytest.raises(ValueError, match="kdim == vdim"):
+        ak.TorchStyleMultiheadAttention(16, 4, kdim=8, vdim=12)
+    with pytest.raises(TypeError, match="embed_dim, num_heads"):
+        ak.TorchStyleMultiheadAttention("16", 4)

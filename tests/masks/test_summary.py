@@ -168,3 +168,12 @@ def test_ranges_and_block_sizes_outside_the_call_are_refused():
     with pytest.raises(ValueError, match="block sizes must be >= 1"):
         m.block_map(8, 8, 2.5, 2)
     assert m.evaluate(4, 4, q_range=(4, 4)).shape == (1, 1, 0, 4)
+
+
+def test_padding_longer_than_eight_draws_at_its_longest_length():
+    """``str(padding([10, 12]))`` drew at the default 8 keys, which the lengths exceed (raised)."""
+    text = str(masks.padding([10, 12]))
+    lines = text.splitlines()
+    assert "12×12" in lines[0] and len(lines) == 13
+    assert lines[1] == "█" * 10 + "░" * 2                   # batch element 0: 10 valid keys
+    assert "8×8" in str(masks.causal() & masks.padding([3]))   # short lengths: 8 × 8 as before

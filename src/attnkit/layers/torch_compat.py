@@ -126,8 +126,40 @@ class TorchStyleMultiheadAttention(nn.Module):
     causal mask.
     """
 
-    def __init__(self, inner: MultiHeadAttention, batch_first: bool = False) -> None:
+    def __init__(self, embed_dim: int | MultiHeadAttention, num_heads: int | None = None,
+                 dropout: float = 0.0, bias: bool = True, add_bias_kv: bool = False,
+                 add_zero_attn: bool = False, kdim: int | None = None, vdim: int | None = None,
+                 batch_first: bool = False, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        """Either torch's constructor, ``(embed_dim, num_heads, dropout=0.0, bias=True, ...,
+        batch_first=False, device=None, dtype=None)`` — a new layer with attnkit's own
+        initialisation — or an existing attnkit :class:`MultiHeadAttention` to wrap
+        (``TorchStyleMultiheadAttention(layer, batch_first=...)``)."""
         super().__init__()
+        if isinstance(embed_dim, MultiHeadAttention):
+            if num_heads is not None:
+                raise TypeError("TorchStyleMultiheadAttention(layer) wraps an existing layer: "
+                                f"num_heads comes from it, got num_heads={num_heads!r}")
+            inner = embed_dim
+        elif isinstance(embed_dim, int) and not isinstance(embed_dim, bool):
+            if num_heads is None:
+                raise TypeError("TorchStyleMultiheadAttention(embed_dim, num_heads, ...) needs "
+                                "num_heads, as torch.nn.MultiheadAttention does")
+            if add_bias_kv or add_zero_attn:
+                raise ValueError("add_bias_kv=True and add_zero_attn=True are not supported: "
+                                 "build the layer without them")
+            kdim = embed_dim if kdim is None else kdim
+            vdim = embed_dim if vdim is None else vdim
+            if kdim != vdim:
+                raise ValueError(f"kdim == vdim is required (one context feeds K and V), got "
+                                 f"kdim={kdim}, vdim={vdim}")
+            inner = MultiHeadAttention(embed_dim, num_heads, kv_dim=kdim, bias=bias,
+                                       dropout=dropout)
+            inner.to(device=device, dtype=dtype)
+        else:
+            raise TypeError("TorchStyleMultiheadAttention takes (embed_dim, num_heads, ...) like "
+                            "torch.nn.MultiheadAttention, or an attnkit MultiHeadAttention to "
+                            f"wrap; got {type(embed_dim).__name__}")
         self.inner = inner
         self.batch_first = bool(batch_first)
 

@@ -239,8 +239,11 @@ def padding(kv_lengths: object, q_lengths: object | None = None) -> Mask:
 
     name = f"padding(kv_lengths={kv_len.tolist()}" + (
         f", q_lengths={q_len.tolist()})" if q_len is not None else ")")
+    # drawn (str) at the default 8 × 8, or as large as the longest length when that is more
+    natural = (max(8, int(q_len.max())) if q_len is not None else None,
+               max(8, int(kv_len.max())))
     return Mask(fn, name=name, blocks=blocks, batch=nb, spec=Lengths(kv_len, q_len),
-                checks=(check,), exact_rules=True)
+                checks=(check,), exact_rules=True, natural=natural)
 
 
 def _ids(x: object, what: str) -> torch.Tensor:
