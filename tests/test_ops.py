@@ -193,3 +193,17 @@ def test_operator_gradients_and_dropout_seed_match_the_eager_call():
     torch.testing.assert_close(out, ref)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("build", [lambda: ak.masks.window(3, 1),
+                                   lambda: ak.masks.window(3, 1, align="top_left"),
+                                   lambda: ak.masks.window(-1, 2),
+                                   lambda: ak.masks.band(-2, 5)])
+def test_any_band_is_an_operator_argument(build):
+    """Flash-attn windows and ``masks.band`` travel as op arguments (they used to fall back)."""
+    m = build()
+    a = ops.op_args(m, 8, 6)
+    assert not isinstance(a, str)
+    r = ops.rebuild_mask(a.bands, None, None, None, None)
+    assert torch.equal(r.to_dense(8, 6), m.to_dense(8, 6))
+    assert torch.equal(r.to_dense(5, 9), m.to_dense(5, 9))

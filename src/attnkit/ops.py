@@ -11,7 +11,7 @@ Shape legend: as :func:`attnkit.attention` (user layout, any leading dims)::
     q (..., H_q, N_q, D_k)   k (..., H_kv, N_k, D_k)   v (..., H_kv, N_k, D_v)
     out (..., H_q, N_q, D_v)    lse (..., H_q, N_q)  (float32; float64 for float64 inputs)
     tensor_mask   the user's bool or float mask tensor, unchanged
-    bands         flat [lo, hi, bottom_right] per band term (causal, sliding_window, full)
+    bands         flat [lo, hi, bottom_right] per band term (causal, windows, any band)
     kv_lengths, q_lengths (B,)    padding term        doc_ids (B|1, N_q), doc_kv_ids (B|1, N_k)
 
 To a tracer (Dynamo, AOTAutograd, export) the call is one opaque node with a fake-tensor
@@ -71,7 +71,8 @@ class OpArgs:
 
 
 def _band_mask(lo: float, hi: float, bottom_right: bool) -> _masks.Mask | None:
-    """The builder call that makes ``Band(lo, hi, bottom_right)``, or None."""
+    """The builder call that makes ``Band(lo, hi, bottom_right)`` (the named builders for
+    full / causal / sliding windows, ``masks.band`` for any other band), or None."""
     align = "bottom_right" if bottom_right else "top_left"
     if lo == -math.inf and hi == math.inf:
         return _masks.full()
@@ -79,6 +80,8 @@ def _band_mask(lo: float, hi: float, bottom_right: bool) -> _masks.Mask | None:
         return _masks.causal(align)
     if math.isfinite(hi) and hi >= 0 and hi == int(hi) and lo in (0, -hi):
         return _masks.sliding_window(int(hi) + 1, causal=lo == 0, align=align)
+    if all(math.isinf(x) or x == int(x) for x in (lo, hi)) and lo <= hi:
+        return _masks.band(*(x if math.isinf(x) else int(x) for x in (lo, hi)), align)
     return None
 
 
