@@ -90,3 +90,36 @@ def test_softcap_gradient_vanishes_far_from_zero():
     out.sum().backward()
     assert abs(q.grad[0, 0].item()) < 1e-12                  # tanh saturated for k1
     assert abs(q.grad[0, 1].item()) > 0.1                    # but not near 0 (k2)
+
+
+def test_score_terms_carry_specs():
+    term = alibi(6)
+    assert isinstance(term.spec, ak.scores.Alibi) and term.spec.offset == 0
+    torch.testing.assert_close(term.spec.slopes, alibi_slopes(6))
+    table = torch.randn(4, 7, requires_grad=True)
+    rb = relative_bias(table, 3)
+    assert isinstance(rb.spec, ak.scores.RelativeBias)
+    assert rb.spec.table is table and rb.spec.max_distance == 3   # the table itself (grad)
+
+
+def test_native_reads_the_spec_not_the_name():
+    """The native kernel recognises ALiBi by ``spec``: a term that is only *named* like
+    ALiBi is refused (it would be called per tile), one with an Alibi spec runs natively."""
+    from attnkit.api import prepare
+    from attnkit.backends import native
+    from attnkit.scores import Alibi, ScoreTerm
+
+    if not native.available():
+        pytest.skip(f"native kernel unavailable: {native.why_unavailable()}")
+    q = k = v = torch.randn(1, 4, 33, 16)
+    real = alibi(4)
+    named_only = ScoreTerm(real.fn, "alibi(4)", 4)
+    spec_only = ScoreTerm(real.fn, "my_alibi", 4, spec=Alibi(alibi_slopes(4)))
+    refused = native.supports(prepare(q, k, v, score_mod=named_only, is_causal=True).problem)
+    assert any("score_mod" in r for r in refused)
+    for term in (real, spec_only):
+        p = prepare(q, k, v, score_mod=term, is_causal=True).problem
+        assert native.supports(p) == []
+        out, _ = native.forward_problem(p)
+        ref, _, _ = oracle(q, k, v, score_mod=real, allowed=torch.ones(33, 33).tril().bool())
+        torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)

@@ -15,6 +15,12 @@ Shape legend::
 
 The order inside attention is fixed: ``S·scale → softcap → score_mod → + bias → mask``.
 
+attnkit's own score terms (:func:`alibi`, :func:`relative_bias`) are :class:`ScoreTerm` s that
+carry a *spec* the way masks do — ``term.spec`` is :class:`Alibi` ``(slopes (H,), offset)`` or
+:class:`RelativeBias` ``(table (H, 2·max_distance+1), max_distance)`` — so a compiled kernel
+reads the term's data instead of calling Python per tile (``spec`` is None for a term without
+a closed form).
+
 Caution
 -------
 - The semantics check runs the function on a small probe tile (≤ 5 indices per axis, both
@@ -42,24 +48,46 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["ScoreMod", "ScoreTerm", "soft_cap", "alibi_slopes", "alibi", "relative_bias",
-           "per_element", "flex_semantics", "checked_score_mod", "fn_name"]
+__all__ = ["ScoreMod", "ScoreTerm", "Alibi", "RelativeBias", "soft_cap", "alibi_slopes", "alibi",
+           "relative_bias", "per_element", "flex_semantics", "checked_score_mod", "fn_name"]
 
 ScoreMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
                     torch.Tensor]
 
 
+@dataclass(frozen=True, eq=False)
+class Alibi:
+    """ALiBi's spec: ``score − slopes[h] · |q_idx + offset − kv_idx|``; ``slopes (H,)``."""
+
+    slopes: torch.Tensor
+    offset: int = 0
+
+
+@dataclass(frozen=True, eq=False)
+class RelativeBias:
+    """A relative-position bias table's spec:
+    ``score + table[h, clamp(kv_idx − q_idx, ±max_distance) + max_distance]``;
+    ``table (H, 2·max_distance + 1)`` (it may require grad)."""
+
+    table: torch.Tensor
+    max_distance: int
+
+
 class ScoreTerm:
     """One of attnkit's own score mods: a callable written for broadcast index tensors (so
     no semantics probe is needed) that knows the head count and tensors it was built with,
-    so a mismatch with the inputs is refused up front."""
+    so a mismatch with the inputs is refused up front. ``spec`` (:class:`Alibi`,
+    :class:`RelativeBias` or None) is what kernels read instead of calling ``fn``."""
 
-    def __init__(self, fn: ScoreMod, name: str, heads: int, tensors: tuple[torch.Tensor, ...] = ()):
+    def __init__(self, fn: ScoreMod, name: str, heads: int,
+                 tensors: tuple[torch.Tensor, ...] = (), spec: object | None = None):
         self.fn, self.name, self.heads, self.tensors = fn, name, heads, tensors
+        self.spec = spec
         self.__name__ = self.__qualname__ = name
 
     def __call__(self, score: torch.Tensor, b: torch.Tensor, h: torch.Tensor,
@@ -103,7 +131,7 @@ def alibi(n_heads: int) -> ScoreTerm:
         s = slopes.to(device=score.device, dtype=score.dtype)[h]
         return score - s * (q_idx - kv_idx).abs().to(score.dtype)
 
-    return ScoreTerm(score_mod, f"alibi({n_heads})", n_heads)
+    return ScoreTerm(score_mod, f"alibi({n_heads})", n_heads, spec=Alibi(slopes))
 
 
 def relative_bias(table: torch.Tensor, max_distance: int) -> ScoreTerm:
@@ -130,7 +158,7 @@ def relative_bias(table: torch.Tensor, max_distance: int) -> ScoreTerm:
         return score + table.to(score.dtype)[h, rel]
 
     return ScoreTerm(score_mod, f"relative_bias(table {tuple(table.shape)}, {max_distance})",
-                     table.shape[0], (table,))
+                     table.shape[0], (table,), spec=RelativeBias(table, max_distance))
 
 
 # ----------------------------------------------------------- FlexAttention's semantics

@@ -65,7 +65,7 @@ from functools import reduce
 import torch
 
 from ...masks import Band, Documents, Lengths, Mask, documents_of, lengths_of
-from ...scores import ScoreTerm, alibi_slopes
+from ...scores import Alibi
 from ..base import Problem, refuse_double_backward
 from . import loader
 
@@ -248,14 +248,15 @@ def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: object,
 
 # ------------------------------------------------------------------ Problem → options
 def _alibi_of(p: Problem) -> tuple[torch.Tensor, int] | None:
-    """``(slopes (H_q,), offset)`` when ``p.score_mod`` is ALiBi, else None: a score mod that
-    carries ``spec.slopes`` (and optionally ``spec.offset``), or ``scores.alibi(H_q)``."""
+    """``(slopes (H_q,), offset)`` when ``p.score_mod`` is ALiBi, else None: read from the
+    score mod's spec — ``scores.alibi(H_q)`` carries ``scores.Alibi``, and any score mod
+    whose ``spec`` has ``slopes`` (and optionally ``offset``) is taken as ALiBi too."""
     fn = getattr(p.score_mod, "__wrapped__", p.score_mod)    # api wraps it in a checker
     spec = getattr(fn, "spec", None)
-    if spec is not None and hasattr(spec, "slopes"):
-        return torch.as_tensor(spec.slopes), int(getattr(spec, "offset", 0))
-    if isinstance(fn, ScoreTerm) and fn.name == f"alibi({fn.heads})" and fn.heads == p.heads_q:
-        return alibi_slopes(fn.heads), 0
+    if isinstance(spec, Alibi) or (spec is not None and hasattr(spec, "slopes")):
+        slopes = torch.as_tensor(spec.slopes)
+        if slopes.numel() == p.heads_q:
+            return slopes, int(getattr(spec, "offset", 0))
     return None
 
 
