@@ -717,3 +717,20 @@ def test_backend_kv_batch_one_is_never_materialised_per_batch(backend, kind):
         del chosen.forward
     assert seen == [(b, 0, True)]
     assert mode.hits == []
+
+
+def test_return_types_follow_the_input_kind():
+    """The overloads say Tensor for tensor inputs and ndarray for NumPy inputs."""
+    import typing
+
+    import numpy as np
+
+    from attnkit import api
+
+    hints = [typing.get_type_hints(f, globalns=vars(api)) for f in
+             typing.get_overloads(api.attention)]
+    returns = {(h["q"], h["return_lse"]): h["return"] for h in hints}
+    assert returns[(torch.Tensor, typing.Literal[False])] is torch.Tensor
+    assert returns[(torch.Tensor, typing.Literal[True])] == tuple[torch.Tensor, torch.Tensor]
+    assert returns[(np.ndarray, typing.Literal[False])] is np.ndarray
+    assert returns[(np.ndarray, typing.Literal[True])] == tuple[np.ndarray, np.ndarray]

@@ -449,15 +449,25 @@ def _attends_to(p: Problem, bad: torch.Tensor) -> torch.Tensor:
 
 
 @overload
-def attention(q: Any, k: Any, v: Any, *, mask: Any = ..., is_causal: bool = ...,
-              scale: float | None = ..., softcap: float | None = ...,
-              score_mod: ScoreMod | None = ..., dropout_p: float = ...,
-              backend: str = ..., return_lse: Literal[False] = ...) -> Any: ...
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Any = ...,
+              is_causal: bool = ..., scale: float | None = ..., softcap: float | None = ...,
+              score_mod: ScoreMod | None = ..., dropout_p: float = ..., backend: str = ...,
+              return_lse: Literal[False] = ...) -> torch.Tensor: ...
 @overload
-def attention(q: Any, k: Any, v: Any, *, mask: Any = ..., is_causal: bool = ...,
-              scale: float | None = ..., softcap: float | None = ...,
-              score_mod: ScoreMod | None = ..., dropout_p: float = ...,
-              backend: str = ..., return_lse: Literal[True]) -> tuple[Any, Any]: ...
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Any = ...,
+              is_causal: bool = ..., scale: float | None = ..., softcap: float | None = ...,
+              score_mod: ScoreMod | None = ..., dropout_p: float = ..., backend: str = ...,
+              return_lse: Literal[True]) -> tuple[torch.Tensor, torch.Tensor]: ...
+@overload
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, mask: Any = ...,
+              is_causal: bool = ..., scale: float | None = ..., softcap: float | None = ...,
+              score_mod: ScoreMod | None = ..., dropout_p: float = ..., backend: str = ...,
+              return_lse: Literal[False] = ...) -> np.ndarray: ...
+@overload
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, mask: Any = ...,
+              is_causal: bool = ..., scale: float | None = ..., softcap: float | None = ...,
+              score_mod: ScoreMod | None = ..., dropout_p: float = ..., backend: str = ...,
+              return_lse: Literal[True]) -> tuple[np.ndarray, np.ndarray]: ...
 
 
 def attention(
