@@ -8,8 +8,8 @@
     attnkit explain --model minilm [--text "..."] [--layer L --head H --token T]
           [--pad-to N] [--lang] [--html] [--plot]
                                           a real model's attention (every layer × head)
-    attnkit examples [--lang ko]          the built-in examples (and lessons), one per line
-    attnkit lesson NAME [--lang] [--plot OUT.png]
+    attnkit examples [--lang ko]          the built-in examples, one per line
+    attnkit lesson [NAME] [--lang] [--plot OUT.png]
                                           a lesson: sqrt-dk, bounds, attn-vs-ffn, heads
     attnkit --version                     the installed version
     attnkit bench ... / attnkit cost ...  handed to attnkit.bench / attnkit.cost
@@ -99,8 +99,8 @@ def _build_parser() -> _Parser:
 
     les = sub.add_parser("lesson", help="a built-in lesson (measured or drawn)",
                          description="A built-in lesson: " + ", ".join(LESSONS))
-    les.add_argument("name", choices=list(LESSONS), metavar="NAME",
-                     help="one of " + ", ".join(LESSONS))
+    les.add_argument("name", nargs="?", choices=list(LESSONS), metavar="NAME",
+                     help="one of " + ", ".join(LESSONS) + " (none: list them)")
     les.add_argument("--lang", choices=LANGS, default="en", help="language (default en)")
     les.add_argument("--plot", metavar="OUT.png", help="also draw the lesson's figure")
     exs = sub.add_parser("examples", help="list the built-in examples")
@@ -168,24 +168,20 @@ def _delegate(name: str, rest: list[str]) -> int:
 
 
 def _examples(args: argparse.Namespace) -> int:
-    from .explain.lessons import LESSONS
-
     width = max(len(n) for n in EXAMPLES)
     for name, ex in EXAMPLES.items():
         print(f"{name.ljust(width)}  {ex.describe(args.lang)}")
-    print("\n" + ("lessons (attnkit lesson NAME):" if args.lang == "en" else
-                  "레슨 (attnkit lesson NAME):"))
-    width = max(len(n) for n in LESSONS)
-    for name, les in LESSONS.items():
-        print(f"{name.ljust(width)}  {les.describe(args.lang)}")
-    print("\n" + ("a real model: attnkit explain --model minilm" if args.lang == "en" else
-                  "실제 모델: attnkit explain --model minilm --lang ko"))
     return 0
 
 
 def _lesson(args: argparse.Namespace) -> int:
     from .explain.lessons import LESSONS
 
+    if args.name is None:                  # `attnkit lesson`: the list
+        width = max(len(n) for n in LESSONS)
+        for name, les in LESSONS.items():
+            print(f"{name.ljust(width)}  {les.describe(args.lang)}")
+        return 0
     lesson = LESSONS[args.name]
     if args.plot:
         _check_output(args.plot, "write_plot")

@@ -163,3 +163,44 @@ def test_grouped_query_heads_show_their_shared_kv_head():
         "K · kv head 2"] * 2
     assert len(re.findall(r'<div class="head" data-head="\d"', page)) == 4
     assert "kv head 2" in tr.to_text()
+
+
+@needs_chromium
+def test_page_reads_at_phone_width_in_korean(browser, tmp_path):
+    """420 px: nothing sticks out sideways (wide parts scroll inside their own box), and
+    Korean words do not break mid-word (word-break: keep-all)."""
+    from selenium.webdriver.common.by import By
+
+    path = tmp_path / "phone.html"
+    path.write_text(render_html(EXAMPLES["multihead"].traces(), lang="ko"), encoding="utf-8")
+    browser.set_window_size(420, 900)
+    try:
+        browser.get(path.as_uri())
+        width = browser.execute_script("return window.innerWidth")
+        assert width <= 420
+        overflow = browser.execute_script(
+            "return document.documentElement.scrollWidth - window.innerWidth")
+        assert overflow <= 1, f"the page is {overflow}px wider than the phone"
+        body = browser.find_element(By.TAG_NAME, "body")
+        assert body.value_of_css_property("word-break") == "keep-all"
+        png = browser.get_screenshot_as_png()
+        (tmp_path / "phone.png").write_bytes(png)
+    finally:
+        browser.set_window_size(1200, 1600)
+
+
+def test_flow_and_table_use_the_same_step_names():
+    for lang in ("en", "ko"):
+        tr = EXAMPLES["worked"].build()
+        page = render_html([tr], lang=lang)
+        flow = page[page.index('<svg class="flow"'):page.index("</svg>")]
+        table = page[page.index('<table class="steps">'):]
+        table = table[:table.index("</table>")]
+        from attnkit.explain.strings import step_name
+
+        for i, s in enumerate(tr.steps):
+            short = step_name(s, lang).split(" (")[0]
+            assert f"{i + 1}. {short}" in flow, (lang, short)
+            assert f"{i + 1}. {step_name(s, lang)}" in table
+        for stage in ("Score", "Softmax") if lang == "en" else ("점수", "소프트맥스"):
+            assert stage in flow and stage in table

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import html
 import math
+import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -84,6 +85,7 @@ svg.flow{width:100%;height:auto;display:block;margin:6px 0 8px}
 .flow .io{fill:#f3f4f7;stroke:#9aa3b5;stroke-width:1.2}
 .flow text{font:13px system-ui,sans-serif;fill:var(--ink)}
 .flow .name{font-weight:700}
+.flow .steps{font-size:11px;fill:var(--mute)}
 .flow .shape{fill:#b4361f;font:12px ui-monospace,monospace}
 .flow .arrow{stroke:#5b6475;stroke-width:1.5;fill:none;marker-end:url(#ah)}
 .flow a:hover .box{fill:#dce7ff}
@@ -246,6 +248,11 @@ def heatmap(m: np.ndarray, rows: Sequence[str], cols: Sequence[str], kind: str, 
     return "".join(out)
 
 
+def _short(name: str) -> str:
+    """A step name without its bracketed English (Korean "행렬곱 (MatMul)" → "행렬곱")."""
+    return name.split(" (")[0]
+
+
 def flow_svg(trace: Trace, lang: str, anchor: str) -> str:
     """The flow diagram: Q, K → Score → Scale & Mask → Softmax → Weighted sum (← V) → O.
 
@@ -274,11 +281,15 @@ def flow_svg(trace: Trace, lang: str, anchor: str) -> str:
     io(8, 22, "Q", pre + shape_str((n_q, d_k)))
     io(8, 104, "K", pre + shape_str((n_k, d_k)))
     xs = [170, 390, 610, 830]
+    names = [_short(step_name(st, lang)) for st in trace.steps]       # the table's names
+    nums = {1: "1. " + names[0], 2: f"2. {names[1]} · 3. {names[2]}", 4: "4. " + names[3],
+            5: "5. " + names[4]}
     for (name, formula, step), x in zip(stages, xs, strict=True):
-        parts.append(f'<a href="#{anchor}-s{step}"><rect class="box" x="{x}" y="52" '
-                     f'width="150" height="64" rx="10"/>'
-                     f'<text class="name" x="{x + 75}" y="79" text-anchor="middle">'
-                     f'{E(t["page_" + name])}</text><text x="{x + 75}" y="99" '
+        parts.append(f'<a href="#{anchor}-s{step}"><rect class="box" x="{x}" y="48" '
+                     f'width="150" height="72" rx="10"/>'
+                     f'<text class="name" x="{x + 75}" y="68" text-anchor="middle">'
+                     f'{E(t["page_" + name])}</text><text class="steps" x="{x + 75}" y="86" '
+                     f'text-anchor="middle">{E(nums[step])}</text><text x="{x + 75}" y="106" '
                      f'text-anchor="middle">{E(t["page_" + formula])}</text></a>')
     parts.append('<path class="arrow" d="M104,44 C136,44 140,70 166,74"/>'
                  '<path class="arrow" d="M104,126 C136,126 140,100 166,96"/>')
@@ -313,10 +324,14 @@ def _color_legend(lang: str) -> str:
 
 def _step_table(trace: Trace, lang: str) -> str:
     t = check_lang(lang)
-    rows = [f"<tr><th>{E(t['step'])}</th><th>{E(t['what'])}</th><th>{E(t['formula'])}</th>"
-            f"<th>{E(t['shape'])}</th></tr>"]
+    rows = [f"<tr><th>{E(t['step'])}</th><th>{E(t['page_stage'])}</th><th>{E(t['what'])}</th>"
+            f"<th>{E(t['formula'])}</th><th>{E(t['shape'])}</th></tr>"]
+    stage = {"scores": "page_stage_score", "scaled": "page_stage_scale_mask",
+             "logits": "page_stage_scale_mask", "weights": "page_stage_softmax",
+             "output": "page_stage_sum"}
     for i, s in enumerate(trace.steps):
-        rows.append(f"<tr><td>{i + 1}. {E(step_name(s, lang))}</td><td>{E(step_what(s, lang))}"
+        rows.append(f"<tr><td>{i + 1}. {E(step_name(s, lang))}</td>"
+                    f"<td>{E(t.get(stage.get(s.key, ''), ''))}</td><td>{E(step_what(s, lang))}"
                     f'</td><td class="f">{E(step_formula(s, lang))}</td>'
                     f'<td class="f">{shape_str(s.shape)}</td></tr>')
     return '<table class="steps">' + "".join(rows) + "</table>"
@@ -345,7 +360,8 @@ def _section(trace: Trace, lang: str, idx: int, decimals: int) -> str:
     if title:
         out.append(f"<h2>{E(title)}</h2>")
     intro = trace.intro.get(lang) or trace.intro.get("en")
-    if intro:
+    if intro:                   # the text's line breaks are the terminal's: let lines reflow
+        intro = re.sub(r"(?<!\n)\n(?![\n ])", " ", intro)     # (indented lines stay lines)
         out.append(f'<div class="intro">{E(intro)}</div>')
     opts = [f"{t['scale_is']} = {fmt(trace.scale, decimals)}",
             f"{t['mask_is']}: {mask_label(trace.mask_name, lang)}"]

@@ -81,7 +81,7 @@ STRINGS: dict[str, dict[str, str]] = {
         "page_legend": "Every query scores every key, the scores become weights that sum to 1 "
                        "over the keys, and the weights mix the values. Hover a cell to see "
                        "its value.",
-        "page_flow": "The flow", "page_table": "The five steps",
+        "page_flow": "The flow", "page_table": "The five steps", "page_stage": "in the flow",
         "page_stage_score": "Score", "page_stage_scale_mask": "Scale & Mask",
         "page_stage_softmax": "Softmax", "page_stage_sum": "Weighted sum",
         "page_f_score": "S = Q Kᵀ", "page_f_scale_mask": "L = S·scale + M",
@@ -224,7 +224,7 @@ STRINGS: dict[str, dict[str, str]] = {
         "page_doc_title": "어텐션 단계별 풀이",
         "page_legend": "모든 쿼리가 모든 키에 점수를 매기고, 점수는 키에 대해 합이 1인 가중치가 "
                        "되며, 가중치가 값을 섞습니다. 셀 위에 마우스를 올리면 값이 보입니다.",
-        "page_flow": "흐름", "page_table": "다섯 단계",
+        "page_flow": "흐름", "page_table": "다섯 단계", "page_stage": "흐름의 칸",
         "page_stage_score": "점수", "page_stage_scale_mask": "스케일 & 마스크",
         "page_stage_softmax": "소프트맥스", "page_stage_sum": "가중합",
         "page_f_score": "S = Q Kᵀ", "page_f_scale_mask": "L = S·scale + M",
