@@ -419,7 +419,10 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, d_out: torch.Tensor | None, d_lse: torch.Tensor | None,
                  ) -> tuple[torch.Tensor | None, ...]:
-        refuse_double_backward("ring_attention")    # the backward ring is first-order only
+        refuse_double_backward(                      # the backward ring is first-order only
+            "ring_attention", what="function",
+            fix="Gather the shards and call attnkit.attention(..., backend='reference') for "
+                "higher derivatives.")
         q, k, v, out, lse = ctx.saved_tensors
         if d_out is None:
             d_out = torch.zeros_like(out)

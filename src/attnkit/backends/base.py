@@ -111,16 +111,19 @@ def _merge_weights(lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return w, lse_out
 
 
-def refuse_double_backward(backend: str) -> None:
+def refuse_double_backward(backend: str, *, what: str = "backend", fix: str | None = None,
+                           ) -> None:
     """Call at the top of a hand-written ``backward``: second derivatives (``create_graph=True``,
     gradgradcheck, Hessian-vector products) through it would be silently wrong, so they are
-    refused with one attnkit error, the same on every backend."""
+    refused with one attnkit error, the same on every backend. ``what`` and ``fix`` adapt the
+    message for callers that are not backends (e.g. ring attention)."""
     if torch.is_grad_enabled():
+        fix = fix or ("Use backend='reference', whose derivatives are torch autograd's to any "
+                      "order.")
         raise NotImplementedError(
-            f"backend {backend!r} computes first derivatives only: second derivatives "
+            f"{what} {backend!r} computes first derivatives only: second derivatives "
             "(backward with create_graph=True, torch.autograd.gradgradcheck, Hessian-vector "
-            "products) are not supported through it. Use backend='reference', whose "
-            "derivatives are torch autograd's to any order."
+            f"products) are not supported through it. {fix}"
         )
 
 
