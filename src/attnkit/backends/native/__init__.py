@@ -16,14 +16,16 @@ Shape legend (the Problem layout of ``backends/base.py``)::
     q (B, H_q, N_q, D_k)   k (B, H_kv, N_k, D_k)   v (B, H_kv, N_k, D_v)    H_q = G · H_kv
     out (B, H_q, N_q, D_v)  (q's dtype)            lse (B, H_q, N_q)  float32, −∞ = no key
     alibi_slopes (H_q,)     bias, dense_mask       broadcastable to (B, H_q, N_q, N_k)
+    rel_table (H_q, 2·rel_max_distance + 1)        any float dtype; gradient flows to it
     kv_lengths, q_lengths   (B,) or (1,)           doc_ids (B|1, N_q)  kv_doc_ids (B|1, N_k)
 
 API (what ``tiled`` and ``decode`` call)::
 
     available() -> bool                  why_unavailable() -> str | None
     forward(q, k, v, *, scale=None, softcap=None, alibi_slopes=None, alibi_offset=0,
-            bias=None, band=None, kv_lengths=None, q_lengths=None, doc_ids=None,
-            kv_doc_ids=None, dense_mask=None, block_q=None, splits=None) -> (out, lse)
+            rel_table=None, rel_max_distance=None, bias=None, band=None, kv_lengths=None,
+            q_lengths=None, doc_ids=None, kv_doc_ids=None, dense_mask=None, block_q=None,
+            splits=None) -> (out, lse)
     decode(q, k, v, **the same options) -> (out, lse)        N_q <= 16, keys split
     supports(p: Problem) -> list[str]    forward_problem(p: Problem) -> (out, lse)
 
@@ -34,7 +36,9 @@ Wiring an engine (``supports`` is empty only when the kernel is available)::
         out, lse = native.forward_problem(p)   # differentiable in q, k, v (and lse)
 
 Score terms, in attnkit's fixed order: ``x = s·scale → softcap·tanh(x/softcap) →
-x − slope_h·|q + alibi_offset − k| → x + bias → mask``. All masks given are ANDed:
+x − slope_h·|q + alibi_offset − k| → x + rel_table[h, clamp(k − q, −M, M) + M] → x + bias →
+mask`` (``M = rel_max_distance``; the table term is ``scores.relative_bias(rel_table, M)``).
+All masks given are ANDed:
 ``band=(lo, hi)`` allows ``lo <= q − k <= hi`` (``masks.band_of`` gives it with the alignment
 folded in); ``kv_lengths``/``q_lengths`` allow ``k < kv_len[b]`` and ``q < q_len[b]``;
 ``doc_ids``/``kv_doc_ids`` allow equal ids; ``dense_mask`` is True where allowed.
@@ -42,9 +46,10 @@ folded in); ``kv_lengths``/``q_lengths`` allow ``k < kv_len[b]`` and ``q < q_len
 Caution
 -------
 - Gradients flow to q, k and v (a FlashAttention-2 backward that recomputes P from the
-  saved LSE; the LSE output is differentiable too), first derivatives only. A bias or
-  ALiBi slopes that require grad are refused. The backward keeps one float32 dQ buffer
-  per thread (threads × the size of q).
+  saved LSE; the LSE output is differentiable too), first derivatives only, and to
+  ``rel_table`` (summed per bucket in float64 per thread, then in thread order: the same
+  threads give the same bits). A bias or ALiBi slopes that require grad are refused. The
+  backward keeps one float32 dQ buffer per thread (threads × the size of q).
 - float32, bfloat16 and float16 on CPU; float64 is refused (accumulation is float32).
 - The first call in a fresh environment compiles the kernel (~10 s of one core on a quiet
   machine, up to ~40 s on a loaded one; see ``loader``); later processes load the cached
@@ -65,7 +70,7 @@ from functools import reduce
 import torch
 
 from ...masks import Band, Documents, Lengths, Mask, documents_of, lengths_of
-from ...scores import Alibi
+from ...scores import ScoreTerm, alibi_slopes
 from ..base import Problem, refuse_double_backward
 from . import loader
 
@@ -139,7 +144,8 @@ def _auto_splits(items: int, n_k: int) -> int:
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
             softcap: float | None = None, alibi_slopes: torch.Tensor | None = None,
-            alibi_offset: int = 0, bias: torch.Tensor | None = None,
+            alibi_offset: int = 0, rel_table: torch.Tensor | None = None,
+            rel_max_distance: int | None = None, bias: torch.Tensor | None = None,
             band: tuple[float, float] | None = None, kv_lengths: object | None = None,
             q_lengths: object | None = None, doc_ids: object | None = None,
             kv_doc_ids: object | None = None, dense_mask: torch.Tensor | None = None,
@@ -148,7 +154,9 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float |
     """Attention on the Problem layout → ``(out, lse)`` (see the module docstring).
 
     ``block_q`` (queries per work item and head) and ``splits`` (key splits, merged by LSE)
-    are chosen from the sizes and the thread count when not given.
+    are chosen from the sizes and the thread count when not given. ``rel_table`` (H_q,
+    2·rel_max_distance + 1) adds ``rel_table[h, clamp(k − q, −M, M) + M]`` to every score
+    (give both or neither); when it requires grad, out and lse carry a grad_fn to it.
     """
     ops = _ops()
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -172,6 +180,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float |
         raise RuntimeError("native.forward differentiates q, k and v only, not bias or "
                            "alibi_slopes: detach them, or use the tiled engine for their "
                            "gradients")
+    rel = _rel_table(rel_table, rel_max_distance, Hq)
     if Nq == 0 or Nk == 0:                                   # no query, or nothing to see
         return (q.new_zeros(B, Hq, Nq, v.shape[3]),
                 torch.full((B, Hq, Nq), -math.inf, dtype=torch.float32))
@@ -198,6 +207,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float |
     common = (
         float(Dk ** -0.5 if scale is None else scale), float(softcap or 0.0),
         slopes, float(alibi_offset),
+        None if rel is None else rel.detach().to(torch.float32).contiguous(),
+        0 if rel is None else int(rel_max_distance),  # type: ignore[arg-type]
         None if bias is None else _as4d(bias, shape4, "bias", torch.float32),
         lo, hi,
         None if kv_lengths is None else _per_batch(kv_lengths, B, "kv_lengths"),
@@ -205,19 +216,45 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float |
         None if doc_ids is None else _ids(doc_ids, B, Nq, "doc_ids"),
         None if kv_doc_ids is None else _ids(kv_doc_ids, B, Nk, "kv_doc_ids"),
         None if dense_mask is None else _as4d(dense_mask, shape4, "dense_mask", torch.bool))
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        return _NativeAttention.apply(q, k, v, common, (int(n_split), int(rows)))
+    if torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (q, k, v, rel)):
+        return _NativeAttention.apply(q, k, v, rel, common, (int(n_split), int(rows)))
     return ops.attend(q, k, v, *common, int(n_split), int(rows))
 
 
+def _rel_table(table: torch.Tensor | None, max_distance: int | None, Hq: int,
+               ) -> torch.Tensor | None:
+    """``table`` checked as a relative-position bias table (H_q, 2·max_distance + 1)."""
+    if table is None and max_distance is None:
+        return None
+    if table is None or max_distance is None:
+        raise ValueError("native.forward: give rel_table and rel_max_distance together "
+                         f"(got rel_table={'None' if table is None else 'a tensor'}, "
+                         f"rel_max_distance={max_distance!r})")
+    if isinstance(max_distance, bool) or not isinstance(max_distance, int) or max_distance < 0:
+        raise ValueError(f"rel_max_distance must be an int >= 0, got {max_distance!r}")
+    if not isinstance(table, torch.Tensor) or not table.dtype.is_floating_point \
+            or table.device.type != "cpu":
+        raise TypeError(f"rel_table must be a floating-point CPU tensor, got "
+                        f"{getattr(table, 'dtype', type(table).__name__)} on "
+                        f"{getattr(table, 'device', '?')}")
+    if tuple(table.shape) != (Hq, 2 * max_distance + 1):
+        raise ValueError(f"rel_table must have shape (H_q, 2*rel_max_distance+1) = "
+                         f"({Hq}, {2 * max_distance + 1}), got {tuple(table.shape)}: one row "
+                         "per query head, one column per clamped distance k - q")
+    return table
+
+
 class _NativeAttention(torch.autograd.Function):
-    """The kernel with its FlashAttention-2 backward (LSE saved; gradients of q, k, v)."""
+    """The kernel with its FlashAttention-2 backward (LSE saved; gradients of q, k, v and
+    the relative bias table ``rel``, which may be None)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, common, launch):  # noqa: ANN001, ANN205
+    def forward(ctx, q, k, v, rel, common, launch):  # noqa: ANN001, ANN205
         out, lse = _ops().attend(q, k, v, *common, *launch)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.common = common
+        ctx.rel_dtype = None if rel is None else rel.dtype
         return out, lse
 
     @staticmethod
@@ -229,9 +266,10 @@ class _NativeAttention(torch.autograd.Function):
             delta = delta - dlse.float()                           # d lse / d s = P
         dout = dout.to(q.dtype)
         dout = dout if dout.stride(-1) == 1 else dout.contiguous()
-        dq, dk, dv = _ops().attend_backward(q, k, v, dout, lse, delta.contiguous(),
-                                            *ctx.common)
-        return dq, dk, dv, None, None
+        dq, dk, dv, drel = _ops().attend_backward(q, k, v, dout, lse, delta.contiguous(),
+                                                  *ctx.common)
+        drel = drel.to(ctx.rel_dtype) if ctx.needs_input_grad[3] else None  # (H_q, 2M+1)
+        return dq, dk, dv, drel, None, None
 
 
 def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: object,

@@ -10,7 +10,8 @@
 //     S   (R, BK)    scores, then probabilities P in place
 //     acc (R, DVP)   sum_j P v_j (float32)          m, l (R,) running max / sum
 //
-// Order of score terms (attnkit/scores.py): S*scale -> softcap -> ALiBi -> + bias -> mask.
+// Order of score terms (attnkit/scores.py): S*scale -> softcap -> ALiBi -> + relative bias
+// table[h, clamp(k - q, -M, M) + M] (rel_table (H_q, 2M+1)) -> + bias -> mask.
 // Masks in closed form: band  lo <= q - k <= hi  (alignment folded in by the caller),
 // padding lengths (kv_len (B), q_len (B)), documents (q_doc (B, N_q) == k_doc (B, N_k)),
 // and any other mask as a dense bool tensor broadcast to (B, H_q, N_q, N_k).
@@ -33,6 +34,7 @@ template <typename P> const P* opt_ptr(const std::optional<Tensor>& t) {
 // The call's parameters from the operator's arguments (shared by forward and backward).
 Args make_args(const Tensor& q, const Tensor& k, const Tensor& v, double scale, double softcap,
                const std::optional<Tensor>& alibi, double alibi_offset,
+               const std::optional<Tensor>& rel, int64_t rel_max_distance,
                const std::optional<Tensor>& bias, double band_lo, double band_hi,
                const std::optional<Tensor>& kv_len, const std::optional<Tensor>& q_len,
                const std::optional<Tensor>& q_doc, const std::optional<Tensor>& k_doc,
@@ -53,6 +55,13 @@ Args make_args(const Tensor& q, const Tensor& k, const Tensor& v, double scale, 
   }
   a.scale = float(scale); a.softcap = float(softcap);
   a.alibi = opt_ptr<float>(alibi); a.alibi_offset = float(alibi_offset);
+  a.rel = opt_ptr<float>(rel); a.rel_M = rel_max_distance;
+  if (a.rel)
+    TORCH_CHECK(rel->scalar_type() == at::kFloat && rel->is_contiguous() && rel->dim() == 2 &&
+                    rel->size(0) == a.Hq && rel->size(1) == 2 * rel_max_distance + 1 &&
+                    rel_max_distance >= 0,
+                "attnkit native: rel_table must be contiguous float32 (H_q, 2*max_distance+1) "
+                "= (", a.Hq, ", ", 2 * rel_max_distance + 1, "), got ", rel->sizes());
   a.bias = opt_ptr<float>(bias);
   if (a.bias) for (int i = 0; i < 4; ++i) a.sb[i] = bias->stride(i);
   a.band_lo = band_lo; a.band_hi = band_hi;
@@ -80,13 +89,13 @@ Args make_args(const Tensor& q, const Tensor& k, const Tensor& v, double scale, 
 // Forward: (out (B, H_q, N_q, D_v) in q's dtype, lse (B, H_q, N_q) float32).
 std::tuple<Tensor, Tensor> attend(
     const Tensor& q, const Tensor& k, const Tensor& v, double scale, double softcap,
-    const std::optional<Tensor>& alibi, double alibi_offset, const std::optional<Tensor>& bias,
-    double band_lo, double band_hi, const std::optional<Tensor>& kv_len,
-    const std::optional<Tensor>& q_len, const std::optional<Tensor>& q_doc,
-    const std::optional<Tensor>& k_doc, const std::optional<Tensor>& mask, int64_t splits,
-    int64_t block_q) {
-  Args a = make_args(q, k, v, scale, softcap, alibi, alibi_offset, bias, band_lo, band_hi,
-                     kv_len, q_len, q_doc, k_doc, mask);
+    const std::optional<Tensor>& alibi, double alibi_offset, const std::optional<Tensor>& rel,
+    int64_t rel_max_distance, const std::optional<Tensor>& bias, double band_lo,
+    double band_hi, const std::optional<Tensor>& kv_len, const std::optional<Tensor>& q_len,
+    const std::optional<Tensor>& q_doc, const std::optional<Tensor>& k_doc,
+    const std::optional<Tensor>& mask, int64_t splits, int64_t block_q) {
+  Args a = make_args(q, k, v, scale, softcap, alibi, alibi_offset, rel, rel_max_distance, bias,
+                     band_lo, band_hi, kv_len, q_len, q_doc, k_doc, mask);
   a.rows = std::max<int64_t>(1, std::min(block_q, a.Nq));
   a.n_qblocks = (a.Nq + a.rows - 1) / a.rows;
   a.splits = std::max<int64_t>(1, std::min(splits, a.Nk));
@@ -102,16 +111,18 @@ std::tuple<Tensor, Tensor> attend(
   return {out, lse};
 }
 
-// Backward: (dq, dk, dv) like q, k, v (contiguous). delta = rowsum(dout * out) - dlse.
-std::tuple<Tensor, Tensor, Tensor> attend_backward(
+// Backward: (dq, dk, dv) like q, k, v (contiguous), and d rel_table (H_q, 2M+1) float32
+// (empty without a table). delta = rowsum(dout * out) - dlse.
+std::tuple<Tensor, Tensor, Tensor, Tensor> attend_backward(
     const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& dout, const Tensor& lse,
     const Tensor& delta, double scale, double softcap, const std::optional<Tensor>& alibi,
-    double alibi_offset, const std::optional<Tensor>& bias, double band_lo, double band_hi,
+    double alibi_offset, const std::optional<Tensor>& rel, int64_t rel_max_distance,
+    const std::optional<Tensor>& bias, double band_lo, double band_hi,
     const std::optional<Tensor>& kv_len, const std::optional<Tensor>& q_len,
     const std::optional<Tensor>& q_doc, const std::optional<Tensor>& k_doc,
     const std::optional<Tensor>& mask) {
-  Args a = make_args(q, k, v, scale, softcap, alibi, alibi_offset, bias, band_lo, band_hi,
-                     kv_len, q_len, q_doc, k_doc, mask);
+  Args a = make_args(q, k, v, scale, softcap, alibi, alibi_offset, rel, rel_max_distance, bias,
+                     band_lo, band_hi, kv_len, q_len, q_doc, k_doc, mask);
   TORCH_CHECK(dout.sizes() == at::IntArrayRef({a.B, a.Hq, a.Nq, a.Dv}) && dout.stride(3) == 1 &&
                   dout.scalar_type() == q.scalar_type(),
               "attnkit native: dout must be like out (B, H_q, N_q, D_v), last dim contiguous");
@@ -122,12 +133,14 @@ std::tuple<Tensor, Tensor, Tensor> attend_backward(
   Tensor dq = at::empty({a.B, a.Hq, a.Nq, a.Dk}, q.options());
   Tensor dk = at::empty({a.B, a.Hkv, a.Nk, a.Dk}, q.options());
   Tensor dv = at::empty({a.B, a.Hkv, a.Nk, a.Dv}, q.options());
+  Tensor dtab = at::empty({a.rel ? a.Hq : 0, a.rel ? 2 * a.rel_M + 1 : 0},
+                          q.options().dtype(at::kFloat));
   ATTNKIT_DISPATCH(q.scalar_type(),
                    run_backward(a, q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(),
                                 dout.data_ptr<T>(), sdo, lse.data_ptr<float>(),
                                 delta.data_ptr<float>(), dq.data_ptr<T>(), dk.data_ptr<T>(),
-                                dv.data_ptr<T>()));
-  return {dq, dk, dv};
+                                dv.data_ptr<T>(), dtab.data_ptr<float>()));
+  return {dq, dk, dv, dtab};
 }
 
 std::string vector_width() { return std::to_string(W * 32) + "-bit"; }
@@ -136,14 +149,16 @@ std::string vector_width() { return std::to_string(W * 32) + "-bit"; }
 
 TORCH_LIBRARY(attnkit_native, m) {
   m.def("attend(Tensor q, Tensor k, Tensor v, float scale, float softcap, Tensor? alibi, "
-        "float alibi_offset, Tensor? bias, float band_lo, float band_hi, Tensor? kv_len, "
-        "Tensor? q_len, Tensor? q_doc, Tensor? k_doc, Tensor? mask, int splits, int block_q) "
+        "float alibi_offset, Tensor? rel_table, int rel_max_distance, Tensor? bias, "
+        "float band_lo, float band_hi, Tensor? kv_len, Tensor? q_len, Tensor? q_doc, "
+        "Tensor? k_doc, Tensor? mask, int splits, int block_q) "
         "-> (Tensor, Tensor)",
         &attend);
   m.def("attend_backward(Tensor q, Tensor k, Tensor v, Tensor dout, Tensor lse, Tensor delta, "
-        "float scale, float softcap, Tensor? alibi, float alibi_offset, Tensor? bias, "
-        "float band_lo, float band_hi, Tensor? kv_len, Tensor? q_len, Tensor? q_doc, "
-        "Tensor? k_doc, Tensor? mask) -> (Tensor, Tensor, Tensor)",
+        "float scale, float softcap, Tensor? alibi, float alibi_offset, Tensor? rel_table, "
+        "int rel_max_distance, Tensor? bias, float band_lo, float band_hi, Tensor? kv_len, "
+        "Tensor? q_len, Tensor? q_doc, Tensor? k_doc, Tensor? mask) "
+        "-> (Tensor, Tensor, Tensor, Tensor)",
         &attend_backward);
   m.def("vector_width() -> str", &vector_width);
 }

@@ -6,6 +6,8 @@
 //   dP   (nq, BK)  = dO V_blockᵀ          dS = P * (dP - delta) * d(capped)/d(score)
 //   dV_block += Pᵀ dO    dK_block += dSᵀ Q    (accumulated in the item, no races)
 //   dQ rows  += dS K_block                     (per-thread float32 buffers, summed at the end)
+//   d table[h, bucket] += dX  (dX = P * (dP - delta), the gradient of the score after the
+//                              soft-cap; per-thread float64 (H_q, 2M+1), summed in thread order)
 // delta = rowsum(dO * O) - dLSE (B, H_q, N_q). A key with P == 0 gives dS == 0 exactly, and
 // K rows holding inf/NaN are zeroed for dQ, so NaN in masked K/V rows stays out.
 #pragma once
@@ -49,7 +51,7 @@ inline void transpose(const float* src, i64 rows, i64 cols, i64 ld_src, float* d
 template <typename T>
 void backward_tile(const Args& a, const T* q, const T* dout, const i64* sdo, const float* lse,
                    const float* delta, const Item& it, i64 h, i64 k0, i64 n, bool full,
-                   float* dq, BackBuffers& bb) {
+                   float* dq, double* dtab, BackBuffers& bb) {
   const i64 nq = it.nr, npad = round_up(n, W);
   for (i64 i = 0; i < nq; ++i) {                           // Q and dO rows in float32
     const i64 qi = it.q0 + i;
@@ -70,7 +72,12 @@ void backward_tile(const Args& a, const T* q, const T* dout, const i64* sdo, con
     for (i64 j = 0; j < npad; j += W) {
       const vf p = vexp_neg(load(x + j) - shift);
       store(x + j, p);
-      store(dp + j, select(p == 0.f, splat(0.f), p * (load(dp + j) - dl) * load(f + j)));
+      const vf dx = select(p == 0.f, splat(0.f), p * (load(dp + j) - dl));
+      store(dp + j, a.rel ? dx : dx * load(f + j));
+    }
+    if (a.rel) {                                           // table gradient, then dS = dX * f
+      relative_bias_grad(a, dp, n, qi, k0, dtab + h * (2 * a.rel_M + 1));
+      for (i64 j = 0; j < npad; j += W) store(dp + j, load(dp + j) * load(f + j));
     }
   }
   transpose(bb.s.data(), nq, n, BK, bb.pt.data(), BQ);     // Pᵀ (n, nq)
@@ -81,17 +88,22 @@ void backward_tile(const Args& a, const T* q, const T* dout, const i64* sdo, con
   brgemm(nq, a.Dk, n, BK, a.DKP, a.DKP, true, bb.dp.data(), bb.kb.data(), dq_rows, false);
 }
 
-// dq, dk, dv (contiguous, dtype T) of the whole call.
+// dq, dk, dv (contiguous, dtype T) of the whole call; dtab (H_q, 2M+1) float32 when a.rel.
 template <typename T>
 void run_backward(const Args& a, const T* q, const T* k, const T* v, const T* dout,
-                  const i64* sdo, const float* lse, const float* delta, T* dq, T* dk, T* dv) {
+                  const i64* sdo, const float* lse, const float* delta, T* dq, T* dk, T* dv,
+                  float* dtab) {
   const i64 NKB = (a.Nk + BK - 1) / BK, n_items = a.B * a.Hkv * NKB;
   const int threads = std::max(1, at::get_num_threads());
+  const i64 n_tab = a.rel ? a.Hq * (2 * a.rel_M + 1) : 0;
   std::vector<std::vector<float>> dq_t(threads);           // (B, H_q, N_q, DKP) per thread
+  std::vector<std::vector<double>> dt_t(threads);          // (H_q, 2M+1) per thread
   at::parallel_for(0, n_items, 1, [&](i64 begin, i64 end) {
     const int tid = std::min(at::get_thread_num(), threads - 1);
     std::vector<float>& dqb = dq_t[tid];
     if (dqb.empty()) dqb.assign(a.B * a.Hq * a.Nq * a.DKP, 0.f);
+    std::vector<double>& dtb = dt_t[tid];
+    if (dtb.empty()) dtb.assign(n_tab, 0.0);
     BackBuffers bb(a);
     for (i64 t = begin; t < end; ++t) {
       const i64 kblk = t % NKB, kvh = (t / NKB) % a.Hkv, b = t / (NKB * a.Hkv);
@@ -113,7 +125,7 @@ void run_backward(const Args& a, const T* q, const T* k, const T* v, const T* do
           const TileKind kind = classify(a, it, k0, n);
           if (kind == EMPTY) continue;
           backward_tile(a, q, dout, sdo, lse, delta, it, kvh * a.G + g, k0, n, kind == FULL,
-                        dqb.data(), bb);
+                        dqb.data(), dtb.data(), bb);
         }
       for (i64 j = 0; j < kend - k0; ++j) {                // write the block (0 past kv_len)
         T* dkr = dk + ((b * a.Hkv + kvh) * a.Nk + k0 + j) * a.Dk;
@@ -133,6 +145,12 @@ void run_backward(const Args& a, const T* q, const T* k, const T* v, const T* do
         dq[r * a.Dk + d] = T(s);
       }
   });
+  for (i64 i = 0; i < n_tab; ++i) {                        // thread order: deterministic
+    double s = 0.0;
+    for (const auto& buf : dt_t)
+      if (!buf.empty()) s += buf[i];
+    dtab[i] = float(s);
+  }
 }
 
 }  // namespace

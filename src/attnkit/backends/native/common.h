@@ -186,6 +186,7 @@ struct Args {
   float scale, softcap;             // softcap 0 = none
   const float* alibi;               // (H_q,) slopes or null
   float alibi_offset;               // distance |q + offset - k|
+  const float* rel; i64 rel_M;      // (H_q, 2M+1) relative-position bias table, or null
   const float* bias; i64 sb[4];     // (B, H_q, N_q, N_k) broadcast strides, or null
   double band_lo, band_hi;          // allowed <=> lo <= q - k <= hi
   const i64* kv_len; i64 skl;       // (B,) or null; stride 0 when broadcast
@@ -290,8 +291,52 @@ inline void scale_and_cap(const Args& a, float* x, i64 npad, float* fac) {
   }
 }
 
-// x (npad,) of row (head h, query qi) against keys [k0, k0+n): ALiBi, bias, then the mask
-// (skipped on FULL tiles); x[n:npad] = -inf.
+// The relative-position buckets of row qi over keys [k0, k0+n): keys [0, jl) have
+// k - qi <= -M (bucket 0), keys [jh, n) have k - qi >= M (bucket 2M), and key j in [jl, jh)
+// has bucket k0 + j - qi + M (contiguous). M = 0: every key is bucket 0.
+inline void rel_segments(i64 M, i64 n, i64 qi, i64 k0, i64& jl, i64& jh) {
+  jl = std::clamp<i64>(qi - M - k0 + 1, 0, n);
+  jh = std::max(jl, std::clamp<i64>(qi + M - k0, 0, n));
+}
+
+// x[j] += table[h, clamp(k0 + j - qi, -M, M) + M] for j in [0, n) (scores.relative_bias).
+inline void relative_bias_add(const Args& a, float* x, i64 n, i64 h, i64 qi, i64 k0) {
+  const i64 M = a.rel_M;
+  const float* t = a.rel + h * (2 * M + 1);                // (2M+1,) this head's row
+  i64 jl, jh;
+  rel_segments(M, n, qi, k0, jl, jh);
+  const float t_lo = t[0], t_hi = t[2 * M];
+  const float* tm = t + (k0 - qi + M);                     // tm[j] = bucket of key j
+  for (i64 j = 0; j < jl; ++j) x[j] += t_lo;
+  for (i64 j = jl; j < jh; ++j) x[j] += tm[j];
+  for (i64 j = jh; j < n; ++j) x[j] += t_hi;
+}
+
+// Sum of x[b:e] (float32 lanes, then one horizontal sum; <= BK terms).
+inline float range_sum(const float* x, i64 b, i64 e) {
+  vf acc = splat(0.f);
+  i64 j = b;
+  for (; j + W <= e; j += W) acc += load(x + j);
+  float s = hsum(acc);
+  for (; j < e; ++j) s += x[j];
+  return s;
+}
+
+// dt (2M+1,) float64 += the row's dx (n,) (gradient of the score after the soft-cap)
+// summed per bucket: d table[h, r] = sum of dx over the keys of bucket r.
+inline void relative_bias_grad(const Args& a, const float* dx, i64 n, i64 qi, i64 k0,
+                               double* dt) {
+  const i64 M = a.rel_M;
+  i64 jl, jh;
+  rel_segments(M, n, qi, k0, jl, jh);
+  if (jl > 0) dt[0] += range_sum(dx, 0, jl);
+  double* dm = dt + (k0 - qi + M);
+  for (i64 j = jl; j < jh; ++j) dm[j] += dx[j];
+  if (jh < n) dt[2 * M] += range_sum(dx, jh, n);
+}
+
+// x (npad,) of row (head h, query qi) against keys [k0, k0+n): ALiBi, the relative bias
+// table, bias, then the mask (skipped on FULL tiles); x[n:npad] = -inf.
 inline void position_terms_and_mask(const Args& a, float* x, i64 n, i64 npad, i64 b, i64 h,
                                     i64 qi, i64 k0, bool full) {
   if (a.alibi) {                                    // x -= slope * |qi + off - (k0 + j)|
@@ -303,6 +348,7 @@ inline void position_terms_and_mask(const Args& a, float* x, i64 n, i64 npad, i6
       store(x + j, load(x + j) - slope * d);
     }
   }
+  if (a.rel) relative_bias_add(a, x, n, h, qi, k0);
   if (a.bias) {
     const float* br = a.bias + b * a.sb[0] + h * a.sb[1] + qi * a.sb[2] + k0 * a.sb[3];
     const i64 s = a.sb[3];
@@ -330,7 +376,7 @@ inline void position_terms_and_mask(const Args& a, float* x, i64 n, i64 npad, i6
   for (i64 j = n; j < npad; ++j) x[j] = NEG_INF;
 }
 
-// The whole fused pass on one row of scores: scale, softcap, ALiBi, bias, mask.
+// The whole fused pass on one row of scores: scale, softcap, ALiBi, relative bias, bias, mask.
 inline void score_terms(const Args& a, float* x, i64 n, i64 npad, i64 b, i64 h, i64 qi, i64 k0,
                         bool full) {
   scale_and_cap(a, x, npad, nullptr);
