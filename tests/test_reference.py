@@ -193,3 +193,15 @@ def test_nan_query_rows_show_as_nan_and_padded_garbage_stays_out_of_the_gradient
     assert (dq[:, :, 3] == 0).all() and torch.isfinite(dk).all() and torch.isfinite(dv).all()
     ref = ak.attention(q[:, :, :3], k, v, mask=masks.padding([6, 6]), backend="reference")
     torch.testing.assert_close(torch.autograd.grad(ref.sum(), k)[0], dk, **TOL)
+
+
+def test_zero_heads_everywhere_is_an_empty_problem():
+    """H_q = H_kv = 0 (allowed, as in torch SDPA): the reference and explain give empty results
+    (``Problem.group`` divided by zero)."""
+    import attnkit as ak
+
+    q = torch.randn(1, 0, 3, 4, dtype=torch.float64)
+    assert ak.attention(q, q, q, backend="reference").shape == (1, 0, 3, 4)
+    tr = ak.explain(q, q, q)
+    assert tr.output.shape == (1, 0, 3, 4)
+    assert "(1, 0, 3, 3)" in tr.to_text()

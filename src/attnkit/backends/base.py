@@ -161,8 +161,8 @@ class Problem:
 
     @property
     def group(self) -> int:
-        """Query heads per K/V head (1 = MHA, H_q = MQA)."""
-        return self.q.shape[1] // self.k.shape[1]
+        """Query heads per K/V head (1 = MHA, H_q = MQA; 1 when there are no heads at all)."""
+        return self.q.shape[1] // self.k.shape[1] if self.k.shape[1] else 1
 
     @property
     def n_q(self) -> int:
