@@ -251,7 +251,8 @@ def test_block_map_drives_the_schedule():
             assert ((tiles == M.FULL) if not run.masked else (tiles == M.PARTIAL)).all()
         computed = sum(r.k1 - r.k0 for r in blk.runs)
         assert computed <= 16 + w + 8                          # never the whole row
-    with tiled.counting() as stats, tiled.tile_sizes(block_q=16, block_k=8):
+    with tiled.counting() as stats, tiled.tile_sizes(block_q=16, block_k=8), \
+            tiled.use_native(False):                        # the Python engine's plan
         ak.attention(q, k, v, mask=mask, backend="tiled")
     assert stats["empty"] >= pl.empty                          # counted and skipped
     assert stats["full"] > 0
@@ -261,7 +262,8 @@ def test_block_map_drives_the_schedule():
 
 def test_diagonal_tiles_use_the_causal_kernel_and_full_tiles_no_mask():
     q, k, v = _inputs(1, 1, 1, 64, 64, 8, 8)
-    with tiled.counting() as stats, tiled.tile_sizes(block_q=16, block_k=16):
+    with tiled.counting() as stats, tiled.tile_sizes(block_q=16, block_k=16), \
+            tiled.use_native(False):                        # the Python engine's plan
         ak.attention(q, k, v, is_causal=True, backend="tiled")
     # coarsening may merge blocks; every partial run is a diagonal square (no mask tensor)
     assert stats["masked_runs"] == 0 and stats["causal_runs"] >= 1
@@ -292,15 +294,22 @@ def test_no_n_by_n_tensor_for_causal_4096():
     assert q.grad is not None and torch.isfinite(q.grad).all()
 
 
+@pytest.mark.parametrize("use_native", [False, True], ids=["python", "native"])
 @pytest.mark.parametrize("mask,limit", [(M.prefix_lm(100), 8), (M.sliding_window(256), 4)],
                          ids=["per_block", "windowed"])
-def test_no_n_by_n_tensor_for_other_schedules(mask, limit):
+def test_no_n_by_n_tensor_for_other_schedules(mask, limit, use_native):
     n = 4096
     q, k, v = (torch.randn(1, 1, n, 16, requires_grad=True) for _ in range(3))
-    with tiled.counting() as stats, _LargestTensor() as rec:
+    with tiled.counting() as stats, _LargestTensor() as rec, tiled.use_native(use_native):
         out = ak.attention(q, k, v, mask=mask, backend="tiled")
         out.sum().backward()
-    assert (stats["windowed"] > 0) == (limit == 4)
+    if use_native:
+        # a band runs natively in closed form; prefix_lm (an | of masks) would need a dense
+        # 16 MB mask, over tiled's limit for the kernel: the Python engine runs it
+        native_ok = not tiled.native_reasons(prepare(q, k, v, mask=M.sliding_window(8)).problem)
+        assert stats["native"] == (native_ok and limit == 4)
+    else:
+        assert (stats["windowed"] > 0) == (limit == 4)
     assert rec.largest < n * n // limit, rec.largest
 
 
@@ -328,7 +337,7 @@ def test_tile_sizes_rejects_bad_values():
 ], ids=["sliding", "two_sided_padding", "document"])
 def test_windowed_schedule_one_call_for_local_masks(mask, hq, hkv):
     q, k, v = _inputs(2, hq, hkv, 300, 300, 8, 8, grad=True)
-    with tiled.counting() as stats:
+    with tiled.counting() as stats, tiled.use_native(False):
         check(q, k, v, mask=mask)
     assert stats["windowed"] >= 1                     # all query blocks in one call
 
@@ -346,7 +355,8 @@ def test_band_windows_interior_blocks_share_one_mask(mask, split, hq, hkv, nq, n
     # the interior query blocks run in one call with a (bq, window) mask broadcast over the
     # blocks and unpadded K/V; the edge blocks (windows leaving [0, N_k)) run apart
     q, k, v = _inputs(2, hq, hkv, nq, nk, dk, dv, grad=True)
-    with tiled.counting() as stats, tiled.tile_sizes(block_q=16, block_k=8):
+    with tiled.counting() as stats, tiled.tile_sizes(block_q=16, block_k=8), \
+            tiled.use_native(False):                        # the Python engine's plan
         check(q, k, v, mask=mask)
         assert stats["windowed"] >= (2 if split and nq <= nk else 0)
         with torch.no_grad():                                   # forward alone, LSE too

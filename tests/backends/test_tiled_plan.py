@@ -44,7 +44,8 @@ def test_block_map_is_built_once_per_call(kw, monkeypatch):
         return original(self, *a, **kw_)
 
     monkeypatch.setattr(M.Mask, "block_map", counted)
-    with tiled.counting() as n, tiled.tile_sizes(block_q=16, block_k=8):
+    with tiled.counting() as n, tiled.tile_sizes(block_q=16, block_k=8), \
+            tiled.use_native(False):                        # the Python engine's plan
         out = ak.attention(q, k, v, backend="tiled", **kw)
         out.sum().backward()
     assert len(calls) <= 1, calls                              # forward and backward
@@ -90,7 +91,7 @@ def _call(i: int) -> tuple[list[torch.Tensor], dict[str, int]]:
     kw, sizes = _CASES[i]
     q, k, v = _qkv(1, 2, 2, 200, 200, 8, grad=True)
     ctx = tiled.tile_sizes(**sizes) if sizes else tiled.tile_sizes()
-    with tiled.counting() as n, ctx:
+    with tiled.counting() as n, ctx, tiled.use_native(False):
         out, lse = ak.attention(q, k, v, backend="tiled", return_lse=True, **kw)
         grads = torch.autograd.grad(out.square().sum(), (q, k, v))
     return [out.detach(), lse.detach(), *grads], dict(n)

@@ -1,5 +1,10 @@
 """Decoding: a few queries over a long K/V cache, split over the keys (flash-decoding).
 
+A call goes to the native kernel's decode path (``native.decode``: keys split across
+cores, the G query heads of a K/V head read each K/V row once, float16/bfloat16 caches read
+as such) when it is available and supports the call (``tiled.native_reasons``); otherwise
+to the Python engine described here.
+
 With one (or a handful of) queries, the work is one pass over K and V. The keys are split
 into ``C`` chunks of ``L`` keys; every chunk computes its own softmax pieces — running max
 ``m_c``, sum ``l_c`` and unnormalised output ``o_c`` — in one batched matmul over
@@ -25,8 +30,11 @@ Caution
 - Forward only: a call that needs gradients is declined (``not_supported_reasons``) and
   ``backend="auto"`` gives it to the ``tiled`` engine.
 - Dropout is declined (decoding is inference).
-- float16/bfloat16 K/V are cast to float32 once per call (a copy of the cache): the engine
-  is tuned for float32 caches.
+- The native kernel runs the call under the same conditions as in ``tiled`` (see its
+  Caution: CPU, float32/bfloat16/float16, a score_mod only if ALiBi by spec, not
+  ``ATTNKIT_NATIVE=0`` nor ``tiled.use_native(False)``); it reads half-precision caches in
+  place. On the Python engine, float16/bfloat16 K/V are cast to float32 once per call (a copy
+  of the cache): that engine is tuned for float32 caches.
 - Masks are evaluated densely on ``N_q × N_k`` with ``Mask.evaluate`` (tiny for ≤ 16
   queries); chunks with no allowed key are computed anyway (their weight is exactly 0).
 - A query row holding NaN/inf is computed on the batched-matmul path (IEEE arithmetic, as in
@@ -40,6 +48,7 @@ import math
 import torch
 
 from ..scores import soft_cap
+from . import native
 from .base import (
     Backend,
     Capabilities,
@@ -49,6 +58,8 @@ from .base import (
     merge_stacked,
     softmax_shift,
 )
+from .tiled import native_reasons
+from .tiled.plan import count
 
 __all__ = ["DecodeBackend", "MAX_QUERIES", "chunk_count"]
 
@@ -195,4 +206,7 @@ class DecodeBackend(Backend):
                ("dropout", "decoding is inference; use 'tiled'")))
 
     def forward(self, p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
+        if not native_reasons(p):
+            count(native=1)
+            return native.forward_problem(p)
         return _decode(p)

@@ -1,11 +1,16 @@
 """The CPU engine: block-sparse online softmax, forward + backward, O(N) memory.
 
+A call first goes to attnkit's native C++ kernel (:mod:`attnkit.backends.native`: one
+fused pass per tile, FlashAttention-2 backward) when it is available and supports the call
+(:func:`native_reasons` is empty); otherwise to the Python engine described here.
+
 Python orchestrates; tuned kernels compute. The call is cut into *query blocks*; the mask's
 block map (``block_q × block_k`` tiles, computed once per call) says which key tiles of a
 block are EMPTY (skipped), FULL (no mask work) or PARTIAL (the mask is evaluated on that
 tile only). Consecutive tiles of one kind form a *run* — one kernel call batched over
 (batch × heads) — and the runs of a block are merged by their log-sum-exp. Nothing of size
-N_q × N_k is ever allocated.
+N_q × N_k is ever allocated (on the native kernel: but a bool mask of at most
+``NATIVE_DENSE_MASK_BYTES``, 4 MiB, for a mask without closed form).
 
 What lives where:
 
@@ -19,7 +24,7 @@ What lives where:
   kernel call (for a band mask: interior blocks share one mask, edge blocks apart);
 - :mod:`.general` — the general engine (batched matmuls, online softmax; softcap, score_mod,
   dropout, bias with grad) with its hand-written backward, or ``torch.utils.checkpoint``;
-- here — :class:`TiledBackend`, which picks the engine.
+- here — :class:`TiledBackend`, which picks the engine (native first, see Caution).
 
 Schedules of the fused engine, chosen per call: *one call* (no mask; plain top-left causal
 with N_q = N_k and no GQA), *windowed* (above), or *per block* (query blocks coarsened up
@@ -44,6 +49,17 @@ error (``base.refuse_double_backward``).
 
 Caution
 -------
+- The native kernel runs a call when it is built and loaded (``native.available()``), the
+  call is on CPU in float32/bfloat16/float16, has no dropout, no bias that requires grad,
+  a score_mod that is nothing or ALiBi by spec (``scores.alibi``), and a mask whose
+  non-closed-form part (not band, lengths, documents) fits ``NATIVE_DENSE_MASK_BYTES``
+  (4 MiB) as a dense bool tensor — and neither
+  ``ATTNKIT_NATIVE=0`` nor :func:`use_native` ``(False)`` turned it off. Everything else
+  (float64 — so gradcheck —, dropout, a Python score_mod, ``scores.relative_bias``, a bias
+  with grad) runs on the Python engine below, with the same results within rounding. On the
+  native kernel, :func:`tile_sizes` has no effect and :func:`counting` counts only
+  ``native`` (the call plans nothing); second derivatives are refused in the backend name
+  ``'native'``.
 - The fused kernel needs D_v == D_k: the narrower of q/k and v is zero-padded to the wider
   width (exact: zero columns add nothing to a dot product and give zero output columns).
 - Masks summarised conservatively (``&``/``|`` algebra, ``from_fn``) may mark a tile
@@ -75,13 +91,77 @@ import math
 
 import torch
 
+from ...masks import band_of, documents_of, lengths_of
+from .. import native
 from ..base import Backend, Capabilities, Problem, compute_dtype
 from .fused import fused_attention
 from .general import general_attention
-from .plan import COUNTERS, Block, Plan, Run, TileSizes, counting, plan, sizes, tile_sizes
+from .plan import (
+    COUNTERS,
+    Block,
+    Plan,
+    Run,
+    TileSizes,
+    count,
+    counting,
+    native_enabled,
+    plan,
+    sizes,
+    tile_sizes,
+    use_native,
+)
 
 __all__ = ["TiledBackend", "tile_sizes", "sizes", "TileSizes", "counting", "COUNTERS", "plan",
-           "Plan", "Block", "Run"]
+           "Plan", "Block", "Run", "use_native", "native_reasons", "python_attention",
+           "NATIVE_DENSE_MASK_BYTES"]
+
+
+# The most a mask without closed form may take as the native kernel's dense bool tensor
+# (the tiled engine's O(N) memory promise allows that much; above it, the Python engine).
+NATIVE_DENSE_MASK_BYTES = 4 * 2**20
+
+
+def _dense_mask_bytes(p: Problem) -> int:
+    """Bytes of the bool tensor the native kernel would evaluate for ``p.mask``'s conjuncts
+    that have no closed form (band, lengths, documents are closed)."""
+    if p.mask is None:
+        return 0
+    b = h = 0
+    for m in p.mask.conjuncts():
+        if (band_of(m, p.n_q, p.n_k) is None and lengths_of(m) is None
+                and documents_of(m, p.n_q, p.n_k) is None):
+            b = max(b, p.batch if m.depends_on_batch else 1)
+            h = max(h, p.heads_q if m.depends_on_heads else 1)
+    return b * h * p.n_q * p.n_k
+
+
+def native_reasons(p: Problem) -> list[str]:
+    """Why ``tiled`` (and ``decode``) will not run ``p`` on the native kernel (empty = it
+    will): switched off by :func:`use_native`, a mask without closed form whose dense form
+    exceeds ``NATIVE_DENSE_MASK_BYTES``, or ``native.supports(p)``'s reasons (which include
+    ``ATTNKIT_NATIVE=0`` and a kernel that failed to build)."""
+    if not native_enabled():
+        return ["the native kernel is switched off here (tiled.use_native(False))"]
+    dense = _dense_mask_bytes(p)
+    if dense > NATIVE_DENSE_MASK_BYTES:
+        return [f"the mask has no closed form and its dense form would take "
+                f"{dense / 2**20:.0f} MB (tiled's limit for the native kernel: "
+                f"{NATIVE_DENSE_MASK_BYTES / 2**20:.0f} MB)"]
+    return native.supports(p)
+
+
+def python_attention(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Python engine (fused or general), whatever the native kernel could do."""
+    if _fusable(p):
+        out, lse = fused_attention(p)
+        with torch.no_grad():
+            if bool(torch.isfinite(out.sum(dtype=compute_dtype(p.dtype)))) or not bool(
+                    torch.isfinite(p.k).all() and torch.isfinite(p.v).all()):
+                return out, lse                 # (NaN/inf K/V rows: attention() screens them)
+        # Finite inputs, non-finite output: the fused kernel adds its mask (−∞) to the
+        # logits, so a blocked logit that overflowed to +∞ (huge finite q·k) leaks NaN. The
+        # general engine masks with masked_fill: blocked positions never reach the output.
+    return general_attention(p)
 
 
 def _fusable(p: Problem) -> bool:
@@ -100,16 +180,10 @@ def _nonfinite_query_rows(q: torch.Tensor) -> torch.Tensor | None:
 
 
 def _attention(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
-    if _fusable(p):
-        out, lse = fused_attention(p)
-        with torch.no_grad():
-            if bool(torch.isfinite(out.sum(dtype=compute_dtype(p.dtype)))) or not bool(
-                    torch.isfinite(p.k).all() and torch.isfinite(p.v).all()):
-                return out, lse                 # (NaN/inf K/V rows: attention() screens them)
-        # Finite inputs, non-finite output: the fused kernel adds its mask (−∞) to the
-        # logits, so a blocked logit that overflowed to +∞ (huge finite q·k) leaks NaN. The
-        # general engine masks with masked_fill: blocked positions never reach the output.
-    return general_attention(p)
+    if not native_reasons(p):
+        count(native=1)
+        return native.forward_problem(p)
+    return python_attention(p)
 
 
 class TiledBackend(Backend):

@@ -34,7 +34,8 @@ import torch
 from ... import masks as _masks
 from ..base import Problem
 
-__all__ = ["TileSizes", "tile_sizes", "sizes", "COUNTERS", "counting", "count", "Run", "Block",
+__all__ = ["TileSizes", "tile_sizes", "sizes", "use_native", "native_enabled", "COUNTERS",
+           "counting", "count", "Run", "Block",
            "TileMap", "Plan", "tile_map", "plan", "allowed_tile", "bias_tile", "to_grouped",
            "band_is_tril", "tile_is_tril"]
 
@@ -79,10 +80,34 @@ def tile_sizes(**new: int) -> Iterator[None]:
         _SIZES.reset(token)
 
 
+# ---------------------------------------------------------------------------- native switch
+_NATIVE: ContextVar[bool] = ContextVar("attnkit_tiled_native", default=True)
+
+
+@contextlib.contextmanager
+def use_native(enabled: bool) -> Iterator[None]:
+    """Let ``tiled`` and ``decode`` use the native kernel (``True``, the default, when it is
+    available and supports the call) or keep them on their Python engines (``False``), in
+    this context only — e.g. to count the Python engine's plan. ``ATTNKIT_NATIVE=0`` turns
+    the kernel off for the whole process."""
+    token = _NATIVE.set(bool(enabled))
+    try:
+        yield
+    finally:
+        _NATIVE.reset(token)
+
+
+def native_enabled() -> bool:
+    """False inside ``use_native(False)`` (the environment is the loader's business)."""
+    return _NATIVE.get()
+
+
 # ---------------------------------------------------------------------------- counters
 # What the calls did: block maps built, tiles seen / skipped, kernel calls. Tests read them.
+# ``native``: calls (tiled or decode) that ran on the native kernel — they plan nothing, so
+# the other counters stay 0 for them.
 COUNTERS = ("block_maps", "tiles", "empty", "full", "partial", "runs", "causal_runs",
-            "masked_runs", "windowed")
+            "masked_runs", "windowed", "native")
 _COUNTS: ContextVar[dict[str, int] | None] = ContextVar("attnkit_tiled_counts", default=None)
 
 
