@@ -11,6 +11,11 @@ closes over tensors that need gradients, when a bias needs one, or with dropout,
 block is recomputed by ``torch.utils.checkpoint`` so those gradients flow through autograd
 and dropout's mask is regenerated from the saved RNG state.
 
+A score_mod first goes to :mod:`.compiled` (its tiles' elementwise part fused by
+``torch.compile``, forward and backward); this module's loop is the path when that is off
+(``ATTNKIT_COMPILE=0``), not yet worth compiling, failed, or not applicable (a score_mod
+closing over tensors that need gradients, dropout, a bias with grad).
+
 Shape legend::
 
     q (B, H_kv, G, N_q, D_k) pre-scaled     k (B·H_kv, N_k, D_k)     v (B·H_kv, N_k, D_v)
@@ -27,6 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ...scores import soft_cap, soft_cap_, soft_cap_grad
 from ..base import Problem, compute_dtype, finish, refuse_double_backward, softmax_shift
+from . import compiled
 from .plan import Block, Plan, allowed_tile, bias_tile, count, plan, sizes
 
 __all__ = ["general_attention"]
@@ -232,6 +238,11 @@ def general_attention(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     chunk = max(16, min(sz.chunk_k, _BUDGET // (B * p.heads_q * rows)))
     # score_mod may close over tensors that require grad: recompute whenever autograd records
     grad = torch.is_grad_enabled()
+    if p.score_mod is not None and p.dropout_p == 0.0 and (manual or not grad) and not (
+            bias is not None and bias.requires_grad):
+        done = compiled.attention(p, pl, chunk, q, k, v, bias)   # None: the current path
+        if done is not None:
+            return done[0].to(p.dtype), done[1]
     if grad and manual:
         out, lse = _ManualAttention.apply(q, k, v, (p, pl, chunk, bias))
         return out.to(p.dtype), lse
