@@ -74,3 +74,16 @@ def test_forced_backend_gives_its_reasons_and_the_call():
     assert msg.splitlines()[0].startswith("backend 'decode' cannot run this call: made for")
     assert "16 queries" in msg and "dropout_p=0.1" in msg and "the call: q (1, 2, 20, 8)" in msg
     assert "backend='auto'" in msg.splitlines()[-1]
+
+
+def test_missing_triton_names_the_extra(monkeypatch: pytest.MonkeyPatch):
+    """Without the triton package the reason gives the exact install command."""
+    import torch
+
+    from attnkit.api import prepare
+    from attnkit.backends import triton as tb
+
+    monkeypatch.setattr(tb, "triton_available", lambda: False)
+    p = prepare(torch.randn(4, 4), torch.randn(4, 4), torch.randn(4, 4)).problem
+    assert any('pip install "attnkit[triton]"' in r
+               for r in ak.backends.get("triton").not_supported_reasons(p))

@@ -499,7 +499,7 @@ class TritonBackend(Backend):
     def extra_reasons(self, p: Problem) -> list[str]:
         reasons = []
         if not triton_available():
-            reasons.append("the triton package is not installed (pip install triton)")
+            reasons.append('the triton package is not installed: pip install "attnkit[triton]"')
         too_big = [name for name, t in (("q", p.q), ("k", p.k), ("v", p.v))
                    if (t.shape[2] - 1) * abs(t.stride(2)) + (t.shape[3] - 1) * abs(t.stride(3))
                    >= 2**31]
