@@ -69,16 +69,35 @@ void backward_tile(const Args& a, const T* q, const T* dout, const i64* sdo, con
     scale_and_cap(a, x, npad, f);
     position_terms_and_mask(a, x, n, npad, it.b, h, qi, k0, full);
     const vf shift = splat(lse[flat] == NEG_INF ? 0.f : lse[flat]), dl = splat(delta[flat]);
+    if (!a.rel) {
+      for (i64 j = 0; j < npad; j += W) {
+        const vf p = vexp_neg(load(x + j) - shift);
+        store(x + j, p);
+        store(dp + j, select(p == 0.f, splat(0.f), p * (load(dp + j) - dl) * load(f + j)));
+      }
+      continue;
+    }
+    // with the table: the same pass also sums dX over the two clamped buckets (lanes below
+    // jl / from jh on) and keeps dX in f for the keys between, whose buckets differ
+    i64 jl, jh;
+    rel_segments(a.rel_M, n, qi, k0, jl, jh);
+    const vf lane = iota(), vjl = splat(float(jl)), vjh = splat(float(jh));
+    vf lo = splat(0.f), hi = splat(0.f);
     for (i64 j = 0; j < npad; j += W) {
       const vf p = vexp_neg(load(x + j) - shift);
       store(x + j, p);
-      const vf dx = select(p == 0.f, splat(0.f), p * (load(dp + j) - dl));
-      store(dp + j, a.rel ? dx : dx * load(f + j));
+      const vf dx = select(p == 0.f, splat(0.f), p * (load(dp + j) - dl));  // 0 past n
+      const vf jv = lane + float(j);
+      lo += select(jv < vjl, dx, splat(0.f));
+      hi += select(jv >= vjh, dx, splat(0.f));
+      store(dp + j, dx * load(f + j));
+      store(f + j, dx);
     }
-    if (a.rel) {                                           // table gradient, then dS = dX * f
-      relative_bias_grad(a, dp, n, qi, k0, dtab + h * (2 * a.rel_M + 1));
-      for (i64 j = 0; j < npad; j += W) store(dp + j, load(dp + j) * load(f + j));
-    }
+    double* dt = dtab + h * (2 * a.rel_M + 1);             // (2M+1,) this head's gradient
+    dt[0] += hsum(lo);
+    dt[2 * a.rel_M] += hsum(hi);
+    const i64 off = k0 - qi + a.rel_M;                     // bucket of key j = off + j
+    for (i64 j = jl; j < jh; ++j) dt[off + j] += f[j];
   }
   transpose(bb.s.data(), nq, n, BK, bb.pt.data(), BQ);     // Pᵀ (n, nq)
   brgemm(n, a.Dv, nq, BQ, a.DVP, a.DVP, true, bb.pt.data(), bb.dout.data(), bb.dv.data(), false);

@@ -306,33 +306,10 @@ inline void relative_bias_add(const Args& a, float* x, i64 n, i64 h, i64 qi, i64
   i64 jl, jh;
   rel_segments(M, n, qi, k0, jl, jh);
   const float t_lo = t[0], t_hi = t[2 * M];
-  const float* tm = t + (k0 - qi + M);                     // tm[j] = bucket of key j
+  const i64 off = k0 - qi + M;                             // bucket of key j = off + j
   for (i64 j = 0; j < jl; ++j) x[j] += t_lo;
-  for (i64 j = jl; j < jh; ++j) x[j] += tm[j];
+  for (i64 j = jl; j < jh; ++j) x[j] += t[off + j];
   for (i64 j = jh; j < n; ++j) x[j] += t_hi;
-}
-
-// Sum of x[b:e] (float32 lanes, then one horizontal sum; <= BK terms).
-inline float range_sum(const float* x, i64 b, i64 e) {
-  vf acc = splat(0.f);
-  i64 j = b;
-  for (; j + W <= e; j += W) acc += load(x + j);
-  float s = hsum(acc);
-  for (; j < e; ++j) s += x[j];
-  return s;
-}
-
-// dt (2M+1,) float64 += the row's dx (n,) (gradient of the score after the soft-cap)
-// summed per bucket: d table[h, r] = sum of dx over the keys of bucket r.
-inline void relative_bias_grad(const Args& a, const float* dx, i64 n, i64 qi, i64 k0,
-                               double* dt) {
-  const i64 M = a.rel_M;
-  i64 jl, jh;
-  rel_segments(M, n, qi, k0, jl, jh);
-  if (jl > 0) dt[0] += range_sum(dx, 0, jl);
-  double* dm = dt + (k0 - qi + M);
-  for (i64 j = jl; j < jh; ++j) dm[j] += dx[j];
-  if (jh < n) dt[2 * M] += range_sum(dx, jh, n);
 }
 
 // x (npad,) of row (head h, query qi) against keys [k0, k0+n): ALiBi, the relative bias
