@@ -70,13 +70,13 @@ def causal_three_tokens() -> list[Trace]:
     tr = explain(q, k, v, is_causal=True)
     return [_text(tr, (
         "Three tokens with a causal mask (d_k = 4)",
-        "세 토큰과 인과 마스크 (d_k = 4)",
+        "세 토큰과 인과 Mask (d_k = 4)",
     ), (
         "A decoder may not look ahead: token i attends to tokens 1..i only. The causal mask\n"
         "puts −∞ above the diagonal, so row 1 sees one key, row 2 two, row 3 all three.\n"
         "V's first three columns are one-hot, so the output shows the weights themselves.",
         "디코더는 미래 토큰을 볼 수 없습니다: 토큰 i는 토큰 1..i에만 주의를 기울입니다.\n"
-        "인과 마스크는 대각선 위에 −∞를 넣으므로 1행은 키 1개, 2행은 2개, 3행은 3개를 봅니다.\n"
+        "인과 Mask는 대각선 위에 −∞를 넣으므로 1행은 Key 1개, 2행은 2개, 3행은 3개를 봅니다.\n"
         "V의 앞 세 열이 원-핫이라서 출력에 가중치가 그대로 나타납니다.",
     ))]
 
@@ -95,15 +95,15 @@ def masked() -> list[Trace]:
     tr = explain(q, k, v, mask=mask)
     return [_text(tr, (
         "Masking: the best-matching key is hidden",
-        "마스킹: 가장 잘 맞는 키가 가려짐",
+        "Mask: 가장 잘 맞는 Key가 가려짐",
     ), (
         "One query (d_k = 4) and three keys. k3 has the largest raw score, but the mask\n"
         "M = [0, 0, −∞] hides it (think of a future token). Scaling by 1/√4 and adding M\n"
         "gives the logits; e^−∞ = 0, so k3 gets weight 0 and its value [10, 10] never\n"
         "reaches the output — however large its score.",
-        "쿼리 1개(d_k = 4)와 키 3개. k3의 원점수가 가장 크지만 마스크 M = [0, 0, −∞]가\n"
-        "k3를 가립니다(미래 토큰이라고 생각하세요). 1/√4로 스케일하고 M을 더하면 로짓이 되고,\n"
-        "e^−∞ = 0이므로 k3의 가중치는 0, 값 [10, 10]은 점수가 아무리 커도 출력에 닿지 않습니다.",
+        "Query 1개(d_k = 4)와 Key 3개. k3의 원점수가 가장 크지만 Mask M = [0, 0, −∞]가\n"
+        "k3을 가립니다(미래 토큰이라고 생각하세요). 1/√4로 스케일하고 M을 더하면 로짓이 되고,\n"
+        "e^−∞ = 0이므로 k3의 가중치는 0, Value [10, 10]은 점수가 아무리 커도 출력에 닿지 않습니다.",
     ))]
 
 
@@ -120,22 +120,22 @@ def worked() -> list[Trace]:
     v = _t([[1, 0], [0, 1], [0.5, 0.5]])
     main = _text(explain(q, k, v), (
         "The worked example: one query, three keys (d_k = 4)",
-        "풀이 예제: 쿼리 1개, 키 3개 (d_k = 4)",
+        "풀이 예제: Query 1개, Key 3개 (d_k = 4)",
     ), (
         "q = [1, 0, 1, 0]. The keys are chosen so that the raw scores q·k are [2, 0, 1].\n"
         "Scale by 1/√d_k = 1/2, softmax, and mix the three value rows with the weights.",
-        "q = [1, 0, 1, 0]. 원점수 q·k가 [2, 0, 1]이 되도록 키를 골랐습니다.\n"
-        "1/√d_k = 1/2로 스케일하고, 소프트맥스를 거쳐, 가중치로 값의 세 행을 섞습니다.",
+        "q = [1, 0, 1, 0]. 원점수 q·k가 [2, 0, 1]이 되도록 Key를 골랐습니다.\n"
+        "1/√d_k = 1/2로 스케일하고, Softmax를 거쳐, 가중치로 V의 세 행을 섞습니다.",
     ))
     sharp = _text(explain(q, k, v, scale=10 * 0.5), (
         "The same logits × 10: softmax sharpens",
-        "같은 로짓 × 10: 소프트맥스가 날카로워짐",
+        "같은 로짓 × 10: Softmax가 날카로워짐",
     ), (
         "Same q, K, V with scale = 10 · (1/2): the logits become [10, 0, 5]. Softmax only\n"
         "sees differences, and differences ten times larger push almost all the weight\n"
         "onto the best key.",
-        "같은 q, K, V에 scale = 10 · (1/2): 로짓이 [10, 0, 5]가 됩니다. 소프트맥스는 차이만\n"
-        "보므로, 차이가 열 배 커지면 가중치가 거의 모두 가장 좋은 키로 쏠립니다.",
+        "같은 q, K, V에 scale = 10 · (1/2): 로짓이 [10, 0, 5]가 됩니다. Softmax는 차이만\n"
+        "보므로, 차이가 열 배 커지면 가중치가 거의 모두 가장 좋은 Key로 쏠립니다.",
     ))
     return [main, sharp]
 
@@ -154,13 +154,13 @@ def scaling() -> list[Trace]:
     v = np.eye(3)
     raw = _text(explain(_t(q), _t(k), _t(v), scale=1.0), (
         "d_k = 64 without scaling: softmax saturates",
-        "d_k = 64, 스케일 없이: 소프트맥스 포화",
+        "d_k = 64, 스케일 없이: Softmax 포화",
     ), (
         "With d_k = 64, dot products grow large: here the raw scores are [16, 8, 0].\n"
         "Used as logits directly (scale = 1), softmax puts nearly all weight on one key.\n"
         "V is the identity, so the output equals the weights.",
         "d_k = 64이면 내적이 커집니다: 여기서 원점수는 [16, 8, 0]입니다.\n"
-        "그대로 로짓으로 쓰면(scale = 1) 소프트맥스가 거의 모든 가중치를 키 하나에 줍니다.\n"
+        "그대로 로짓으로 쓰면(scale = 1) Softmax가 거의 모든 가중치를 Key 하나에 줍니다.\n"
         "V가 단위행렬이라 출력이 곧 가중치입니다.",
     ))
     scaled = _text(explain(_t(q), _t(k), _t(v)), (
@@ -170,7 +170,7 @@ def scaling() -> list[Trace]:
         "The same scores divided by √64 = 8 become [2, 1, 0]: the weights stay soft,\n"
         "every key keeps a share, and gradients can flow to all of them.",
         "같은 점수를 √64 = 8로 나누면 [2, 1, 0]: 가중치가 부드럽게 유지되어\n"
-        "모든 키가 몫을 갖고, 기울기도 모두에게 흐릅니다.",
+        "모든 Key가 몫을 갖고, 기울기도 모두에게 흐릅니다.",
     ))
     return [raw, scaled]
 
@@ -300,7 +300,7 @@ def cross() -> list[Trace]:
         "The decoder's 4 target words ask (queries); the encoder's 3 source words answer\n"
         "(keys and values). n_q = 4 ≠ n_k = 3, so the weights are (4, 3). V is one-hot per\n"
         "source word: each output row says how much of each source word it carries.",
-        "디코더의 목표 단어 4개가 묻고(쿼리), 인코더의 원문 단어 3개가 답합니다(키와 값).\n"
+        "디코더의 목표 단어 4개가 묻고(Query), 인코더의 원문 단어 3개가 답합니다(Key와 Value).\n"
         "n_q = 4 ≠ n_k = 3이므로 가중치는 (4, 3)입니다. V가 원문 단어마다 원-핫이라서\n"
         "출력의 각 행은 원문 단어를 얼마나 담았는지 보여 줍니다.",
     ))]
@@ -404,13 +404,13 @@ def _ex(name: str, en: str, ko: str, make: Callable[[], list[Trace]]) -> Example
 
 EXAMPLES: dict[str, Example] = {e.name: e for e in [
     _ex("causal", "three tokens, d_k = 4, causal mask (the default example)",
-        "세 토큰, d_k = 4, 인과 마스크 (기본 예제)", causal_three_tokens),
+        "세 토큰, d_k = 4, 인과 Mask (기본 예제)", causal_three_tokens),
     _ex("masked", "the key with the largest raw score is masked and contributes nothing",
-        "원점수가 가장 큰 키가 마스크되어 아무것도 기여하지 않음", masked),
+        "원점수가 가장 큰 Key가 Mask로 가려져 아무것도 기여하지 않음", masked),
     _ex("worked", "one query, raw scores [2, 0, 1], d_k = 4; then the same logits ×10",
-        "쿼리 1개, 원점수 [2, 0, 1], d_k = 4; 이어서 같은 로짓 ×10", worked),
+        "Query 1개, 원점수 [2, 0, 1], d_k = 4; 이어서 같은 로짓 ×10", worked),
     _ex("scaling", "d_k = 64: unscaled logits saturate softmax, 1/√d_k fixes it",
-        "d_k = 64: 스케일 없는 로짓은 소프트맥스를 포화시키고 1/√d_k가 이를 막음", scaling),
+        "d_k = 64: 스케일 없는 로짓은 Softmax를 포화시키고 1/√d_k가 이를 막음", scaling),
     _ex("numpy", "two tokens, the whole computation in plain NumPy",
         "두 토큰, 전체 계산을 NumPy로", two_tokens_numpy),
     _ex("multihead", "T = 3, d = 8, h = 2: two heads of width 4, outputs concatenated",

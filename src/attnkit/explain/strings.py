@@ -182,47 +182,47 @@ STRINGS: dict[str, dict[str, str]] = {
         "name_MatMul": "행렬곱 (MatMul)", "name_Scale": "스케일 (Scale)",
         "name_Mask": "마스크 (Mask)", "name_Softmax": "소프트맥스 (Softmax)",
         "name_Concat": "이어붙이기 (Concat)",
-        "MatMul_scores": "모든 쿼리와 모든 키의 점수 계산 (내적)",
+        "MatMul_scores": "모든 Query와 모든 Key의 점수 계산 (내적)",
         "Scale": "d_k가 커져도 점수의 퍼짐이 커지지 않도록 스케일링",
-        "Mask": "쿼리가 볼 수 없는 키를 가림 (−∞)",
+        "Mask": "Query가 볼 수 없는 Key를 가림 (−∞)",
         "Softmax": "각 행을 합이 1인 가중치로 변환",
         "MatMul_output": "가중치로 값(V)을 섞음",
         "Concat": "헤드들의 출력을 옆으로 이어 붙임",
         "head": "헤드", "kv_head": "KV 헤드", "heads": "헤드", "batch": "배치",
         "row_sums": "가중치 행의 합",
         "sum": "합", "per_head": "헤드마다",
-        "inputs": "입력", "scale_is": "스케일", "queries": "쿼리", "keys": "키",
-        "softcap_is": "소프트캡", "mask_is": "마스크", "no_mask": "없음",
-        "rows_cols": "행 = 쿼리, 열 = 키",
+        "inputs": "입력", "scale_is": "스케일", "queries": "Query", "keys": "Key",
+        "softcap_is": "소프트캡", "mask_is": "Mask", "no_mask": "없음",
+        "rows_cols": "행 = Query, 열 = Key",
         "summarised": "{r} × {c}: 일부만 표시 (모든 값은 --html 페이지에 있습니다)",
         "summarised_pooled": "{r} × {c}: 일부만 표시 (--html 페이지에는 블록 평균으로 줄여서 "
                              "보여 줍니다)",
         "more_heads": "… 같은 모양의 헤드 {n}개 더 (--html 또는 --plot 참고)",
         # ---- teaching remarks
         "remarks": "눈여겨볼 점",
-        "r_masked_max": "{q}: 키 {k}의 원점수({s})가 가장 컸지만 마스크(−∞)로 가려져 "
+        "r_masked_max": "{q}: Key {k}의 원점수({s})가 가장 컸지만 마스크(−∞)로 가려져 "
                         "가중치가 0입니다 — 출력에 전혀 기여하지 않습니다.",
-        "r_zero_score": "{q}·{k} = 0이어도 키 {k}의 가중치는 {w}입니다: 소프트맥스는 정규화 "
+        "r_zero_score": "{q}·{k} = 0이어도 Key {k}의 가중치는 {w}입니다: Softmax는 정규화 "
                         "전에 로짓 0을 e⁰\u00a0=\u00a01로 바꾸므로 점수 0이 가중치 0은 아닙니다.",
-        "r_saturated": "쿼리 {q}: 포화 상태입니다 — 가중치 중 {w}만큼을 키 하나가 가져갑니다 "
-                       "(로짓 범위 {spread}). 로짓이 크면 소프트맥스는 거의 원-핫이 되고 "
+        "r_saturated": "Query {q}: 포화 상태입니다 — 가중치 중 {w}만큼을 Key 하나가 가져갑니다 "
+                       "(로짓 범위 {spread}). 로짓이 크면 Softmax는 거의 원-핫이 되고 "
                        "기울기가 거의 사라집니다.",
         "r_saturated_scale": " 여기서는 scale = {scale}; 보통의 값(1/√d_k = {default})을 쓰면 "
                              "로짓이 {ratio}분의 1로 줄어듭니다.",
         "r_symmetric": "S가 대칭입니다 (S = Sᵀ): {q1}·{k2} = {q2}·{k1}. Q와 K가 같은 W에서 "
                        "나오면 이렇게 됩니다. i에서 j로의 점수와 j에서 i로의 점수가 같고, "
                        "가중치는 행마다 따로 정규화되므로 여전히 다릅니다.",
-        "r_empty_row": "쿼리 {q}: 볼 수 있는 키가 없습니다. 가중치는 모두 0, 출력도 0입니다 "
+        "r_empty_row": "Query {q}: 볼 수 있는 Key가 없습니다. 가중치는 모두 0, 출력도 0입니다 "
                        "(NaN이 아님).",
-        "r_cross": "쿼리 n_q = {nq}개, 키 n_k = {nk}개: 쿼리와 키가 서로 다른 시퀀스에서 "
-                   "옵니다 (크로스 어텐션). 가중치는 ({nq}, {nk}), 출력은 쿼리마다 "
+        "r_cross": "Query n_q = {nq}개, Key n_k = {nk}개: Query와 Key가 서로 다른 시퀀스에서 "
+                   "옵니다 (크로스 어텐션). 가중치는 ({nq}, {nk}), 출력은 Query마다 "
                    "한 행입니다.",
         "r_concat": "{h}개의 헤드가 {dk}차원 조각에서 각각 따로 계산했고, ({nq}, {dv}) 출력들을 "
                     "이어 붙인 모양은 ({nq},\u00a0{hdv})입니다.",
         "and_more": "(같은 경우 {n}개 더)",
         # ---- the HTML page
         "page_doc_title": "어텐션 단계별 풀이",
-        "page_legend": "모든 쿼리가 모든 키에 점수를 매기고, 점수는 키에 대해 합이 1인 가중치가 "
+        "page_legend": "모든 Query가 모든 Key에 점수를 매기고, 점수는 Key에 대해 합이 1인 가중치가 "
                        "되며, 가중치가 값을 섞습니다. 셀 위에 마우스를 올리면 값이 보입니다.",
         "page_flow": "흐름", "page_table": "다섯 단계", "page_stage": "흐름의 칸",
         "page_stage_score": "점수", "page_stage_scale_mask": "스케일 & 마스크",
@@ -230,7 +230,7 @@ STRINGS: dict[str, dict[str, str]] = {
         "page_f_score": "S = Q Kᵀ", "page_f_scale_mask": "L = S·scale + M",
         "page_f_softmax": "W = softmax(L)", "page_f_sum": "O = W V",
         "page_concat": "헤드 이어붙이기", "page_blocked": "가려짐 (−∞)",
-        "page_hover": "셀에 마우스를 올리세요", "page_rows": "행: 쿼리", "page_cols": "열: 키",
+        "page_hover": "셀에 마우스를 올리세요", "page_rows": "행: Query", "page_cols": "열: Key",
         "page_options": "옵션",
         "page_per_head": "헤드 {h}개: 여기의 모든 모양은 헤드 하나 기준",
         "page_colors": "색", "page_c_weights": "가중치", "page_c_other": "다른 행렬",
@@ -244,7 +244,7 @@ STRINGS: dict[str, dict[str, str]] = {
         "page_more_heads": "… 헤드 {n}개 더 있음: 이 페이지에는 처음 {m}개만 보여 줍니다",
         # ---- an example under the learner's --scale / --softcap (examples.with_overrides)
         "ov_intro": "직접 준 값({given})으로 다시 계산했습니다. 예제의 원래 설명은 "
-                    "scale = {theirs} 기준이므로, 실제로 쓴 값을 보여 줍니다 (쿼리 1): 원점수 "
+                    "scale = {theirs} 기준이므로, 실제로 쓴 값을 보여 줍니다 (Query 1): 원점수 "
                     "S = {s} → 로짓 (scale = {scale}) {x} → 가중치 {w}, 합 = {sum}.",
         "ov_dropped": "뺀 비교: {names} — 그 비교는 scale을 스스로 정하므로, 직접 준 값을 "
                       "쓰면 이 결과와 같은 숫자가 나옵니다.",
@@ -277,25 +277,25 @@ STRINGS: dict[str, dict[str, str]] = {
                      "셀을 가립니다.",
         "play_first_head": "(첫 번째 헤드)",
         "play_factor": "로짓에 곱할 값",
-        "play_pad": "패딩: 실제로 쓰는 키 개수",
+        "play_pad": "패딩: 실제로 쓰는 Key 개수",
         "play_reset": "처음으로",
-        "play_mask": "Mask M (셀을 누르면 그 키를 가리거나 다시 엽니다)",
+        "play_mask": "Mask M (셀을 누르면 그 Key를 가리거나 다시 엽니다)",
         "play_mask_help": "0 = 볼 수 있음, −∞ = 가려짐. 위의 Mask 설정과 직접 가린 셀이 "
                           "함께 적용됩니다.",
-        "play_mode_none": "없음", "play_mode_causal": "인과(causal): 미래 키를 가림",
+        "play_mode_none": "없음", "play_mode_causal": "인과(causal): 미래 Key를 가림",
         "play_mode_padding": "패딩",
         "play_cell": "{m}의 {r} 행, {c} 열",
-        "play_block_cell": "쿼리 {r}에서 키 {c}를 가리거나 다시 열기",
+        "play_block_cell": "Query {r}에서 Key {c}를 가리거나 다시 열기",
         "play_f_scores": "S = Q Kᵀ", "play_f_scaled": "X = S · scale",
         "play_f_logits": "L = X + M", "play_f_weights": "W = softmax_keys(L)",
         "play_f_output": "O = W V",
-        "play_none": "이 trace에는 직접 해 보기가 없습니다: 페이지가 다시 계산하는 것은 쿼리, 키, "
-                     "특징이 각각 {n}개 이하이고, 입력이 모두 유한하며, score_mod나 실수 bias가 "
-                     "없는 trace뿐입니다.",
+        "play_none": "이 풀이에는 직접 해 보기가 없습니다: 페이지가 스스로 다시 계산하는 것은 "
+                     "Query, Key, 특징이 각각 {n}개 이하이고, 입력이 모두 유한하며, score_mod나 "
+                     "실수 bias가 없는 풀이뿐입니다.",
         # ---- the heatmaps (PNG)
         "plot_weights": "가중치 W = softmax(L)", "plot_scores": "원점수 S = Q Kᵀ",
         "plot_scaled": "스케일된 점수 X = S · scale", "plot_logits": "로짓 L = X + M",
-        "plot_masked": "회색 = 마스크됨 (−∞)",
+        "plot_masked": "회색 = Mask로 가려짐 (−∞)",
         "plot_pooled": "축소됨: 한 칸은 {br} × {bc} 블록의 평균",
         "plot_more_heads": "헤드 {n}개 중 처음 {m}개만 그림",
         # ---- errors (ExplainError)
