@@ -2,6 +2,12 @@
 
 - ``backend`` (fixture, parametrised at collection time over ``attnkit.backends.names()``):
   every backend that registers itself gets the reference-comparison tests automatically.
+  In the reference-comparison modules (``MODE_MODULES``) the engines with a native kernel
+  appear twice: ``tiled`` / ``decode`` run on the native kernel only — a call the kernel
+  cannot take (float64, a Python score_mod, ...) skips the test with the kernel's reasons,
+  so nothing runs twice on the Python engine — and ``tiled[python]`` / ``decode[python]``
+  run with ``ATTNKIT_NATIVE=0`` (the Python engines, every call). Elsewhere ``tiled`` and
+  ``decode`` are what users get: native where it can run, the Python engine otherwise.
 - :func:`run_backend`: ``attention(..., backend=name)`` or ``pytest.skip`` with the
   backend's own reasons when it cannot run the call.
 - :func:`oracle`: attention written out in float64 with plain torch, independent of attnkit
@@ -30,6 +36,27 @@ from attnkit.api import prepare
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 BACKENDS: list[str] = list(ak.backends.names())
+# engine → the id of its Python-engine mode (see the module docstring)
+PYTHON_MODES = {"tiled": "tiled[python]", "decode": "decode[python]"}
+MODE_MODULES = ("test_api.py", "test_properties.py", "test_course_examples.py",
+                "test_api_reliability.py", "masks/test_flash.py")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "native_engine: tiled/decode on the native kernel only")
+    config.addinivalue_line("markers", "python_engine: tiled/decode with ATTNKIT_NATIVE=0")
+
+
+def backend_params(names: list[str]) -> list[Any]:
+    """``names`` with each engine of ``PYTHON_MODES`` as two modes: native, then Python."""
+    out: list[Any] = []
+    for n in names:
+        if n in PYTHON_MODES:
+            out.append(pytest.param(n, id=n, marks=pytest.mark.native_engine))
+            out.append(pytest.param(n, id=PYTHON_MODES[n], marks=pytest.mark.python_engine))
+        else:
+            out.append(n)
+    return out
 
 
 @pytest.fixture(autouse=True)
@@ -43,7 +70,28 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     own = any("backend" in str(m.args[0]).replace(" ", "").split(",")
               for m in metafunc.definition.iter_markers("parametrize") if m.args)
     if "backend" in metafunc.fixturenames and not own:
-        metafunc.parametrize("backend", BACKENDS)
+        path = metafunc.definition.path.as_posix()
+        modes = any(path.endswith("tests/" + f) for f in MODE_MODULES)
+        metafunc.parametrize("backend", backend_params(BACKENDS) if modes else BACKENDS)
+
+
+@pytest.fixture(autouse=True)
+def _engine_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Put ``tiled``/``decode`` in the mode the test's parameter names (module docstring)."""
+    if request.node.get_closest_marker("python_engine"):
+        monkeypatch.setenv("ATTNKIT_NATIVE", "0")
+    elif request.node.get_closest_marker("native_engine"):
+        from attnkit.backends import decode, native, tiled
+
+        if not native.available():
+            pytest.skip(f"native kernel unavailable: {native.why_unavailable()}")
+
+        def python_engine(p: Any) -> Any:
+            pytest.skip("the native kernel cannot run this call (the [python] mode runs it): "
+                        + "; ".join(tiled.native_reasons(p)))
+
+        monkeypatch.setattr(tiled, "python_attention", python_engine)
+        monkeypatch.setattr(decode, "_decode", python_engine)
 
 
 # ---------------------------------------------------------------------------- running
