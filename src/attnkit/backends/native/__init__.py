@@ -70,7 +70,7 @@ from functools import reduce
 import torch
 
 from ...masks import Band, Documents, Lengths, Mask, documents_of, lengths_of
-from ...scores import ScoreTerm, alibi_slopes
+from ...scores import Alibi
 from ..base import Problem, refuse_double_backward
 from . import loader
 
