@@ -240,6 +240,26 @@ def test_table_gradient_alone_and_deterministic() -> None:
     assert q.grad is None
 
 
+def test_max_distance_beyond_the_sequence() -> None:
+    """A table far wider than any |k - q|: the columns no pair reaches get gradient 0."""
+    q, k, v = qkv(1, 2, 1, 40, 50, 16)
+    M = 100_000
+    t = table(2, M)
+    reach = (torch.arange(50)[None, :] - torch.arange(40)[:, None]).unique() + M
+    sub = table(2, 60)                                        # the same scores via M = 60
+    sub[:, reach - M + 60] = t[:, reach]
+    check_forward(q, k, v, sub, 60)
+    tt = t.float().requires_grad_()
+    out, _ = native.forward(q.float(), k.float(), v.float(), rel_table=tt, rel_max_distance=M)
+    ref, _ = native.forward(q.float(), k.float(), v.float(), rel_table=sub.float(),
+                            rel_max_distance=60)
+    assert torch.allclose(out, ref, atol=1e-6)
+    out.sum().backward()
+    unused = torch.ones(2 * M + 1, dtype=torch.bool)
+    unused[reach] = False
+    assert (tt.grad[:, unused] == 0).all() and (tt.grad[:, reach] != 0).any()
+
+
 def test_without_grad_no_graph() -> None:
     q, k, v = (x.float() for x in qkv(1, 2, 1, 20, 30, 8))
     t = table(2, 3).float()

@@ -48,8 +48,10 @@ Caution
 - Gradients flow to q, k and v (a FlashAttention-2 backward that recomputes P from the
   saved LSE; the LSE output is differentiable too), first derivatives only, and to
   ``rel_table`` (summed per bucket in float64 per thread, then in thread order: the same
-  threads give the same bits). A bias or ALiBi slopes that require grad are refused. The
-  backward keeps one float32 dQ buffer per thread (threads × the size of q).
+  threads give the same bits; only the columns some |k − q| reaches are passed, so the
+  per-thread buffer is at most H_q × (2·max(N_q, N_k) − 1) float64). A bias or ALiBi
+  slopes that require grad are refused. The backward keeps one float32 dQ buffer per
+  thread (threads × the size of q).
 - float32, bfloat16 and float16 on CPU; float64 is refused (accumulation is float32).
 - The first call in a fresh environment compiles the kernel (~10 s of one core on a quiet
   machine, up to ~40 s on a loaded one; see ``loader``); later processes load the cached
@@ -203,12 +205,16 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float |
     if dense_mask is not None and dense_mask.dtype != torch.bool:
         raise TypeError(f"dense_mask must be bool (True = may attend), got {dense_mask.dtype}")
     rows = block_q or max(1, _ROWS_PER_ITEM // (Hq // Hkv))
+    cut = 0                                # table columns on each side that no |k - q| reaches
+    if rel is not None:
+        cut = max(0, int(rel_max_distance) - (max(Nq, Nk) - 1))  # type: ignore[arg-type]
     n_split = splits or _auto_splits(B * Hkv * math.ceil(Nq / rows), Nk)
     common = (
         float(Dk ** -0.5 if scale is None else scale), float(softcap or 0.0),
         slopes, float(alibi_offset),
-        None if rel is None else rel.detach().to(torch.float32).contiguous(),
-        0 if rel is None else int(rel_max_distance),  # type: ignore[arg-type]
+        None if rel is None else                              # (H_q, 2M' + 1), M' <= N
+        rel.detach()[:, cut:rel.shape[1] - cut].to(torch.float32).contiguous(),
+        0 if rel is None else int(rel_max_distance) - cut,  # type: ignore[arg-type]
         None if bias is None else _as4d(bias, shape4, "bias", torch.float32),
         lo, hi,
         None if kv_lengths is None else _per_batch(kv_lengths, B, "kv_lengths"),
@@ -255,6 +261,7 @@ class _NativeAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.common = common
         ctx.rel_dtype = None if rel is None else rel.dtype
+        ctx.rel_cut = 0 if rel is None else (rel.shape[1] - common[4].shape[1]) // 2
         return out, lse
 
     @staticmethod
@@ -268,7 +275,13 @@ class _NativeAttention(torch.autograd.Function):
         dout = dout if dout.stride(-1) == 1 else dout.contiguous()
         dq, dk, dv, drel = _ops().attend_backward(q, k, v, dout, lse, delta.contiguous(),
                                                   *ctx.common)
-        drel = drel.to(ctx.rel_dtype) if ctx.needs_input_grad[3] else None  # (H_q, 2M+1)
+        if ctx.needs_input_grad[3]:                                # (H_q, 2M+1)
+            c = ctx.rel_cut
+            full = drel.new_zeros(drel.shape[0], drel.shape[1] + 2 * c, dtype=ctx.rel_dtype)
+            full[:, c:c + drel.shape[1]] = drel
+            drel = full
+        else:
+            drel = None
         return dq, dk, dv, drel, None, None
 
 
