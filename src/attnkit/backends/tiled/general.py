@@ -189,7 +189,9 @@ class _ManualAttention(torch.autograd.Function):
                         x = x.masked_fill_(~allowed_tile(p, q0, q1, k0, k1), -math.inf)
                     pr = x.sub_(lb).exp_()                        # (B, H_q, bq, L) probabilities
                     p2 = pr.view(B * hkv, g * bq, L)
-                    dv[:, k0:k1].baddbmm_(p2.transpose(1, 2), dob)
+                    # bmm + add_: baddbmm_ into a key slice with a transposed operand
+                    # falls to one addmm per batch (measured 6-10x slower here)
+                    dv[:, k0:k1].add_(torch.bmm(p2.transpose(1, 2), dob))
                     dp = torch.bmm(dob, v[:, k0:k1].transpose(1, 2)).view(B, hq, bq, L)
                     ds = dp.sub_(db).mul_(pr)
                     if y is not None and xr is not None:
@@ -198,7 +200,7 @@ class _ManualAttention(torch.autograd.Function):
                         ds.mul_(dcap)                             # × (1 − tanh²)
                     ds2 = ds.view(B * hkv, g * bq, L)
                     dqb.baddbmm_(ds2, k[:, k0:k1])
-                    dk[:, k0:k1].baddbmm_(ds2.transpose(1, 2), qb)
+                    dk[:, k0:k1].add_(torch.bmm(ds2.transpose(1, 2), qb))
             dq[:, :, :, q0:q1] = dqb.view(B, hkv, g, bq, p.d_k)
         return dq, dk, dv, None
 
