@@ -6,11 +6,13 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import attnkit as ak
 from attnkit import backends
 from attnkit.api import prepare
-from attnkit.backends import decode
+from attnkit.backends import decode, native, tiled
+from conftest import assert_low_precision_close, naive_low_precision
 
 M = ak.masks
 F64 = torch.float64
@@ -151,3 +153,58 @@ def test_bad_mask_functions_get_the_mask_error_not_a_torch_error():
     with pytest.raises(TypeError, match="mask_mod soft cannot be evaluated.*not torch.bool"):
         ak.attention(q, k, v, backend="decode",
                      mask=M.from_fn(lambda b, h, qi, ki: (qi - ki) * 0.5, name="soft"))
+
+
+# ------------------------------------------------------------------ the native kernel
+needs_native = pytest.mark.skipif(not native.available(),
+                                  reason=f"native kernel unavailable: {native.why_unavailable()}")
+
+
+class _Float32Outputs(TorchDispatchMode):
+    """The largest float32 tensor any aten op produces (a cast copy of the cache shows)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@needs_native
+@pytest.mark.parametrize("how", ["default", "env_off", "context_off"])
+def test_native_decode_runs_when_available_and_the_switches_turn_it_off(how, monkeypatch):
+    q, k, v = _inputs(2, 8, 2, 3, 1025, 16, 16, dtype=torch.float32)
+    mask = M.causal(align="bottom_right") & M.padding([1025, 700])
+    if how == "env_off":
+        monkeypatch.setenv("ATTNKIT_NATIVE", "0")
+    off = tiled.use_native(False) if how == "context_off" else tiled.use_native(True)
+    with tiled.counting() as stats, off:
+        out, lse = ak.attention(q, k, v, mask=mask, softcap=15.0, backend="decode",
+                                return_lse=True)
+    assert stats["native"] == (how == "default")
+    ref, ref_lse = ak.attention(q.double(), k.double(), v.double(), mask=mask, softcap=15.0,
+                                backend="reference", return_lse=True)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=2e-5)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_native_decode_reads_a_half_cache_as_such(dtype):
+    q, k, v = _inputs(1, 8, 2, 1, 4096, 64, 64, dtype=dtype)
+    with tiled.counting() as stats, _Float32Outputs() as rec:
+        out = ak.attention(q, k, v, score_mod=ak.scores.alibi(8), backend="decode")
+    assert stats["native"] == 1 and out.dtype == dtype
+    assert rec.largest < k.numel() // 4                         # no float32 copy of K or V
+    with tiled.use_native(False), _Float32Outputs() as rec_py:
+        ak.attention(q, k, v, backend="decode")
+    assert rec_py.largest >= k.numel()                          # the Python engine casts
+    ref64 = ak.attention(q.double(), k.double(), v.double(), score_mod=ak.scores.alibi(8),
+                         backend="reference")
+    lowp = naive_low_precision(q, k, v, score_mod=ak.scores.alibi(8))
+    assert_low_precision_close(out, lowp, ref64)

@@ -387,3 +387,79 @@ def test_lse_is_differentiable(kw):
         grads.append(torch.autograd.grad(out.sum() + (lse * gl).sum(), (q, k, v)))
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-9)
+
+
+# ------------------------------------------------------------------ the native kernel
+native = pytest.importorskip("attnkit.backends.native")
+needs_native = pytest.mark.skipif(not native.available(),
+                                  reason=f"native kernel unavailable: {native.why_unavailable()}")
+
+
+def _f32(*shape: int, grad: bool = False) -> torch.Tensor:
+    return torch.randn(*shape).requires_grad_(grad)
+
+
+@needs_native
+@pytest.mark.parametrize("how", ["default", "env_off", "context_off"])
+def test_native_runs_when_available_and_the_switches_turn_it_off(how, monkeypatch):
+    q, k, v = _f32(2, 4, 97, 16, grad=True), _f32(2, 2, 113, 16, grad=True), \
+        _f32(2, 2, 113, 8, grad=True)
+    mask = M.causal(align="bottom_right") & M.padding([113, 60])
+    if how == "env_off":
+        monkeypatch.setenv("ATTNKIT_NATIVE", "0")
+    off = tiled.use_native(False) if how == "context_off" else tiled.use_native(True)
+    with tiled.counting() as stats, off:
+        out, lse = ak.attention(q, k, v, mask=mask, softcap=20.0, return_lse=True,
+                                backend="tiled")
+        dq, dk, dv = torch.autograd.grad(out.square().sum() + lse.sum(), (q, k, v))
+    assert stats["native"] == (how == "default")
+    assert (stats["runs"] > 0) == (how != "default")             # the Python engine's plan
+    args = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref, ref_lse = ak.attention(*args, mask=mask, softcap=20.0, return_lse=True,
+                                backend="reference")
+    want = torch.autograd.grad(ref.square().sum() + ref_lse.sum(), args)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=2e-5)
+    for got, w in zip((dq, dk, dv), want, strict=True):
+        torch.testing.assert_close(got.double(), w, atol=2e-4, rtol=2e-4)
+
+
+@needs_native
+def test_native_reasons_name_why_the_python_engine_runs():
+    q = _f32(1, 2, 40, 8)
+    p = prepare(q, q, q, is_causal=True).problem
+    assert tiled.native_reasons(p) == []
+    assert any("float64" in r for r in tiled.native_reasons(
+        prepare(q.double(), q.double(), q.double()).problem))
+    assert any("score_mod" in r for r in tiled.native_reasons(
+        prepare(q, q, q, score_mod=lambda s, b, h, i, j: s * 2).problem))
+    with tiled.use_native(False):
+        assert "use_native(False)" in tiled.native_reasons(p)[0]
+    big = _f32(1, 1, 4096, 8)                      # a mask without closed form, 16 MB dense
+    reasons = tiled.native_reasons(prepare(big, big, big, mask=M.prefix_lm(10)).problem)
+    assert any("no closed form" in r and "16 MB" in r for r in reasons)
+    with tiled.counting() as stats:                # float64 and a Python score_mod: Python
+        ak.attention(q.double(), q.double(), q.double(), backend="tiled")
+        ak.attention(q, q, q, score_mod=lambda s, b, h, i, j: s * 2, backend="tiled")
+    assert stats["native"] == 0 and stats["runs"] > 0
+
+
+@needs_native
+def test_native_alibi_and_fully_masked_rows_and_nan_in_masked_kv():
+    q, k, v = _f32(1, 4, 33, 16, grad=True), _f32(1, 2, 50, 16), _f32(1, 2, 50, 16)
+    k, v = k.clone(), v.clone()
+    k[:, :, 45:] = math.nan                                      # padded away below
+    v[:, :, 45:] = math.inf
+    k.requires_grad_(), v.requires_grad_()
+    mask = M.padding([45], q_lengths=[30])                       # rows 30.. see no key
+    with tiled.counting() as stats:
+        out, lse = ak.attention(q, k, v, mask=mask, score_mod=ak.scores.alibi(4),
+                                return_lse=True, backend="tiled")
+        out.sum().backward()
+    assert stats["native"] == 1
+    assert torch.isfinite(out).all() and (out[:, :, 30:] == 0).all()
+    assert (lse[:, :, 30:] == -math.inf).all() and (q.grad[:, :, 30:] == 0).all()
+    kk, vv = k.detach()[:, :, :45].double(), v.detach()[:, :, :45].double()
+    ref = ak.attention(q.detach().double(), kk, vv, score_mod=ak.scores.alibi(4),
+                       backend="reference")
+    torch.testing.assert_close(out[:, :, :30].double(), ref[:, :, :30], atol=2e-5, rtol=2e-5)
