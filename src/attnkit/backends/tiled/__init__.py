@@ -49,17 +49,17 @@ error (``base.refuse_double_backward``).
 
 Caution
 -------
-- The native kernel runs a call when it is built and loaded (``native.available()``), the
-  call is on CPU in float32/bfloat16/float16, has no dropout, no bias that requires grad,
-  a score_mod that is nothing or ALiBi by spec (``scores.alibi``), and a mask whose
-  non-closed-form part (not band, lengths, documents) fits ``NATIVE_DENSE_MASK_BYTES``
-  (4 MiB) as a dense bool tensor — and neither
-  ``ATTNKIT_NATIVE=0`` nor :func:`use_native` ``(False)`` turned it off. Everything else
-  (float64 — so gradcheck —, dropout, a Python score_mod, ``scores.relative_bias``, a bias
-  with grad) runs on the Python engine below, with the same results within rounding. On the
-  native kernel, :func:`tile_sizes` has no effect and :func:`counting` counts only
-  ``native`` (the call plans nothing); second derivatives are refused in the backend name
-  ``'native'``.
+- The native kernel runs a call when it is built and loaded (``native.available()``),
+  neither ``ATTNKIT_NATIVE=0`` nor :func:`use_native` ``(False)`` turned it off, a mask part
+  without closed form (not band, lengths, documents) fits ``NATIVE_DENSE_MASK_BYTES``
+  (4 MiB) as a dense bool tensor, and ``native.supports`` accepts it: CPU, float32 /
+  bfloat16 / float16, no dropout, no bias that requires grad, a score_mod that is none or
+  carries an ALiBi spec (``scores.alibi``). Everything else — today float64 (so every
+  gradcheck), dropout, a Python score_mod, ``scores.relative_bias`` until the kernel reads
+  its spec, a bias with grad — runs on the Python engine below, with the same results
+  within rounding. On the native kernel, :func:`tile_sizes` has no effect, :func:`counting`
+  counts only ``native`` (the call plans nothing), and second derivatives are refused
+  under the backend name ``'native'``.
 - The fused kernel needs D_v == D_k: the narrower of q/k and v is zero-padded to the wider
   width (exact: zero columns add nothing to a dot product and give zero output columns).
 - Masks summarised conservatively (``&``/``|`` algebra, ``from_fn``) may mark a tile
