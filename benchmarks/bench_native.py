@@ -6,8 +6,9 @@
 
 Every row is a median over ``--reps`` rounds (after one warm-up) of a ratio against a peer
 timed in the same round (so a load burst hits both alike): torch SDPA, attnkit's ``tiled``
-/ ``decode`` engines, the same native call without the score term, or the machine's own
-read bandwidth / sgemm rate.
+/ ``decode`` Python engines ("today": ``tiled.use_native(False)``, as before the kernel),
+the same native call without the score term, or the machine's own read bandwidth / sgemm
+rate.
 Speed ratios are ``peer time / native time`` (> 1 = native faster); fractions of bandwidth
 or sgemm are ``achieved / measured peak``. Shapes: fp32, B=1, H=8, D=64 unless the row
 says otherwise. On a shared machine, run it when the machine is quiet and quote medians.
@@ -26,7 +27,15 @@ import torch.nn.functional as F
 
 import attnkit as ak
 from attnkit.backends import native
+from attnkit.backends.tiled import use_native
 from attnkit.scores import alibi, alibi_slopes
+
+
+def _today(*args: object, **kw: object) -> torch.Tensor:
+    """attnkit's Python engines, as ``tiled``/``decode`` ran before the native kernel (they
+    use the kernel themselves now)."""
+    with use_native(False):
+        return ak.attention(*args, **kw)  # type: ignore[arg-type]
 
 
 def median_time(fn: Callable[[], object], reps: int) -> float:
@@ -77,10 +86,10 @@ def forward_rows(n: int, reps: int) -> None:
         "native_dense": lambda: native.forward(q, k, v),
         "native_softcap": lambda: native.forward(q, k, v, band=causal, softcap=30.0),
         "native_alibi": lambda: native.forward(q, k, v, band=causal, alibi_slopes=slopes),
-        "tiled_causal": lambda: ak.attention(q, k, v, is_causal=True, backend="tiled"),
-        "tiled_softcap": lambda: ak.attention(q, k, v, is_causal=True, softcap=30.0,
+        "tiled_causal": lambda: _today(q, k, v, is_causal=True, backend="tiled"),
+        "tiled_softcap": lambda: _today(q, k, v, is_causal=True, softcap=30.0,
                                               backend="tiled"),
-        "tiled_alibi": lambda: ak.attention(q, k, v, is_causal=True, score_mod=alibi(H),
+        "tiled_alibi": lambda: _today(q, k, v, is_causal=True, score_mod=alibi(H),
                                             backend="tiled"),
     }, reps)
     print(f"forward, N={n} (fp32, B=1, H={H}, D={D})")
@@ -114,7 +123,7 @@ def backward_rows(n: int, reps: int) -> None:
     with torch.enable_grad():
         t = rounds({
             "sdpa": fwd_bwd(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)),
-            "tiled": fwd_bwd(lambda: ak.attention(q, k, v, is_causal=True, backend="tiled")),
+            "tiled": fwd_bwd(lambda: _today(q, k, v, is_causal=True, backend="tiled")),
             "native": fwd_bwd(lambda: native.forward(q, k, v, band=causal)[0]),
             "softcap": fwd_bwd(lambda: native.forward(q, k, v, band=causal, softcap=30.0)[0]),
             "alibi": fwd_bwd(lambda: native.forward(q, k, v, band=causal,
@@ -139,7 +148,7 @@ def window_rows(n: int, reps: int) -> None:
     q, k, v = rand(1, H, n, D), rand(1, H, n, D), rand(1, H, n, D)
     t = rounds({
         "native": lambda: native.forward(q, k, v, band=(0, w - 1)),
-        "tiled": lambda: ak.attention(q, k, v, mask=ak.masks.sliding_window(w), backend="tiled"),
+        "tiled": lambda: _today(q, k, v, mask=ak.masks.sliding_window(w), backend="tiled"),
     }, reps)
     t_native = statistics.median(t["native"])
     pairs = sum(min(i + 1, w) for i in range(n))
@@ -160,7 +169,7 @@ def decode_rows(n: int, reps: int) -> None:
         "read": lambda: kv.sum(),
         "native": lambda: native.decode(q, k, v),
         "sdpa": lambda: F.scaled_dot_product_attention(q, k, v),
-        "decode": lambda: ak.attention(q, k, v, backend="decode"),
+        "decode": lambda: _today(q, k, v, backend="decode"),
         "bf16": lambda: native.decode(qb, kb, vb),
         "fp16": lambda: native.decode(qh, kh, vh),
     }, reps)
