@@ -23,7 +23,7 @@ import sys as _sys
 
 from . import backends, cost, distributed, masks, scores
 from .api import attention, scaled_dot_product_attention
-from .explain import Trace, explain
+from .explain import Trace, explain, explain_model
 from .layers import (
     KVCache,
     MultiHeadAttention,
@@ -39,6 +39,6 @@ __version__ = "0.1.0"
 
 __all__ = ["MultiHeadAttention", "MultiHeadLatentAttention", "KVCache", "RMSNorm",
            "TorchStyleMultiheadAttention", "cost", "rope",
-           "attention", "scaled_dot_product_attention", "explain", "Trace", "masks", "scores",
-           "backends", "distributed",
+           "attention", "scaled_dot_product_attention", "explain", "explain_model", "Trace",
+           "masks", "scores", "backends", "distributed",
            "__version__"]
