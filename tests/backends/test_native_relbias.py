@@ -282,3 +282,52 @@ def test_errors_say_what_is_wrong() -> None:
     with pytest.raises(TypeError, match="floating-point"):
         native.forward(q, k, v, rel_table=torch.zeros(2, 7, dtype=torch.int64),
                        rel_max_distance=3)
+
+
+# ------------------------------------------------------------- learnable ALiBi slopes
+@pytest.mark.parametrize("offset", [0, 5])
+def test_alibi_slope_gradient(offset: int) -> None:
+    """ALiBi slopes that require grad get their gradient (with the table and a soft-cap)."""
+    q, k, v = qkv(2, 4, 2, 130, 150, 32)
+    slopes0, t0, M = torch.rand(4, dtype=torch.float64), table(4, 7), 7
+    allowed = (torch.arange(130)[:, None] + 20 - torch.arange(150)) >= 0
+    dout = torch.randn(2, 4, 130, 32, dtype=torch.float64)
+    dlse = torch.randn(2, 4, 130, dtype=torch.float64)
+
+    def loss(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        fin = torch.isfinite(lse.detach())
+        return (out.double() * dout).sum() + (torch.where(fin, lse.double(), 0.0) * dlse).sum()
+
+    def ref(dtype: torch.dtype) -> list[torch.Tensor]:
+        leaves = [x.detach().to(dtype).clone().requires_grad_() for x in (q, k, v, slopes0, t0)]
+        a, b, c, sl, tt = leaves
+        rel = relative_bias(tt, M)
+
+        def mod(s, bb, h, qi, ki):  # noqa: ANN001, ANN202
+            s = s - sl[h] * (qi + offset - ki).abs().to(s.dtype)
+            return rel(s, bb, h, qi, ki)
+
+        out, lse, _ = oracle(a, b, c, softcap=3.0, score_mod=mod, allowed=allowed, dtype=dtype)
+        loss(out, lse).backward()
+        return [x.grad for x in leaves]
+
+    g64, g32 = ref(torch.float64), ref(torch.float32)
+    leaves = [x.detach().float().clone().requires_grad_() for x in (q, k, v, slopes0, t0)]
+    out, lse = native.forward(*leaves[:3], softcap=3.0, alibi_slopes=leaves[3],
+                              alibi_offset=offset, rel_table=leaves[4], rel_max_distance=M,
+                              band=(-20, math.inf))
+    loss(out, lse).backward()
+    for name, x, lo, hi in zip(("q", "k", "v", "slopes", "table"), leaves, g32, g64,
+                               strict=True):
+        assert x.grad.shape == x.shape and x.grad.dtype == torch.float32
+        assert_low_precision_close(x.grad, lo, hi, factor=3.0, what=f"d{name}")
+
+
+def test_alibi_slope_gradient_alone_and_bias_grad_refused() -> None:
+    q, k, v = (x.float() for x in qkv(1, 2, 1, 50, 60, 16))
+    sl = torch.tensor([0.5, 0.25], dtype=torch.float64, requires_grad=True)
+    out, _ = native.forward(q, k, v, alibi_slopes=sl)
+    (g,) = torch.autograd.grad(out.sum() * 0 + (out * out).sum(), sl)
+    assert g.dtype == torch.float64 and g.shape == (2,) and (g != 0).all()
+    with pytest.raises(RuntimeError, match="not bias"):
+        native.forward(q, k, v, bias=torch.zeros(50, 60, requires_grad=True))

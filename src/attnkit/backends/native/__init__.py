@@ -49,9 +49,9 @@ Caution
   saved LSE; the LSE output is differentiable too), first derivatives only, and to
   ``rel_table`` (summed per bucket in float64 per thread, then in thread order: the same
   threads give the same bits; only the columns some |k − q| reaches are passed, so the
-  per-thread buffer is at most H_q × (2·max(N_q, N_k) − 1) float64). A bias or ALiBi
-  slopes that require grad are refused. The backward keeps one float32 dQ buffer per
-  thread (threads × the size of q).
+  per-thread buffer is at most H_q × (2·max(N_q, N_k) − 1) float64) and to
+  ``alibi_slopes`` (likewise). A bias that requires grad is refused. The backward keeps
+  one float32 dQ buffer per thread (threads × the size of q).
 - float32, bfloat16 and float16 on CPU; float64 is refused (accumulation is float32).
 - The first call in a fresh environment compiles the kernel (~10 s of one core on a quiet
   machine, up to ~40 s on a loaded one; see ``loader``); later processes load the cached
@@ -177,11 +177,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float |
         raise ValueError(f"native.forward: shapes q {tuple(q.shape)}, k {tuple(k.shape)}, "
                          f"v {tuple(v.shape)} do not fit the layout (B, H_q, N_q, D_k), "
                          "(B, H_kv, N_k, D_k), (B, H_kv, N_k, D_v) with H_q a multiple of H_kv")
-    if torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (bias, alibi_slopes)):
-        raise RuntimeError("native.forward differentiates q, k and v only, not bias or "
-                           "alibi_slopes: detach them, or use the tiled engine for their "
-                           "gradients")
+    if torch.is_grad_enabled() and bias is not None and bias.requires_grad:
+        raise RuntimeError("native.forward differentiates q, k, v, rel_table and "
+                           "alibi_slopes, not bias: detach it, or use the tiled engine for "
+                           "its gradient")
     rel = _rel_table(rel_table, rel_max_distance, Hq)
     if Nq == 0 or Nk == 0:                                   # no query, or nothing to see
         return (q.new_zeros(B, Hq, Nq, v.shape[3]),
@@ -192,7 +191,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float |
         raise ValueError(f"softcap must be > 0, got {softcap}")
     slopes = None
     if alibi_slopes is not None:
-        slopes = torch.as_tensor(alibi_slopes, dtype=torch.float32).reshape(-1).contiguous()
+        slopes = torch.as_tensor(alibi_slopes).detach().to(torch.float32).reshape(-1)
+        slopes = slopes.contiguous()
         if slopes.numel() != Hq:
             raise ValueError(f"alibi_slopes must have H_q={Hq} entries, got {slopes.numel()}")
     lo, hi = (-math.inf, math.inf) if band is None else (float(band[0]), float(band[1]))
@@ -222,9 +222,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float |
         None if doc_ids is None else _ids(doc_ids, B, Nq, "doc_ids"),
         None if kv_doc_ids is None else _ids(kv_doc_ids, B, Nk, "kv_doc_ids"),
         None if dense_mask is None else _as4d(dense_mask, shape4, "dense_mask", torch.bool))
+    ali = alibi_slopes if isinstance(alibi_slopes, torch.Tensor) else None
     if torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (q, k, v, rel)):
-        return _NativeAttention.apply(q, k, v, rel, common, (int(n_split), int(rows)))
+            t is not None and t.requires_grad for t in (q, k, v, rel, ali)):
+        return _NativeAttention.apply(q, k, v, rel, ali, common, (int(n_split), int(rows)))
     return ops.attend(q, k, v, *common, int(n_split), int(rows))
 
 
@@ -252,16 +253,18 @@ def _rel_table(table: torch.Tensor | None, max_distance: int | None, Hq: int,
 
 
 class _NativeAttention(torch.autograd.Function):
-    """The kernel with its FlashAttention-2 backward (LSE saved; gradients of q, k, v and
-    the relative bias table ``rel``, which may be None)."""
+    """The kernel with its FlashAttention-2 backward (LSE saved; gradients of q, k, v, the
+    relative bias table ``rel`` and the ALiBi slopes ``ali``, each of the last two may be
+    None)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, rel, common, launch):  # noqa: ANN001, ANN205
+    def forward(ctx, q, k, v, rel, ali, common, launch):  # noqa: ANN001, ANN205
         out, lse = _ops().attend(q, k, v, *common, *launch)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.common = common
         ctx.rel_dtype = None if rel is None else rel.dtype
         ctx.rel_cut = 0 if rel is None else (rel.shape[1] - common[4].shape[1]) // 2
+        ctx.ali_like = None if ali is None else (ali.shape, ali.dtype)
         return out, lse
 
     @staticmethod
@@ -273,8 +276,8 @@ class _NativeAttention(torch.autograd.Function):
             delta = delta - dlse.float()                           # d lse / d s = P
         dout = dout.to(q.dtype)
         dout = dout if dout.stride(-1) == 1 else dout.contiguous()
-        dq, dk, dv, drel = _ops().attend_backward(q, k, v, dout, lse, delta.contiguous(),
-                                                  *ctx.common)
+        dq, dk, dv, drel, dali = _ops().attend_backward(
+            q, k, v, dout, lse, delta.contiguous(), *ctx.common, bool(ctx.needs_input_grad[4]))
         if ctx.needs_input_grad[3]:                                # (H_q, 2M+1)
             c = ctx.rel_cut
             full = drel.new_zeros(drel.shape[0], drel.shape[1] + 2 * c, dtype=ctx.rel_dtype)
@@ -282,7 +285,11 @@ class _NativeAttention(torch.autograd.Function):
             drel = full
         else:
             drel = None
-        return dq, dk, dv, drel, None, None
+        if ctx.needs_input_grad[4]:                                # like alibi_slopes
+            dali = dali.reshape(ctx.ali_like[0]).to(ctx.ali_like[1])
+        else:
+            dali = None
+        return dq, dk, dv, drel, dali, None, None
 
 
 def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: object,

@@ -111,18 +111,20 @@ std::tuple<Tensor, Tensor> attend(
   return {out, lse};
 }
 
-// Backward: (dq, dk, dv) like q, k, v (contiguous), and d rel_table (H_q, 2M+1) float32
-// (empty without a table). delta = rowsum(dout * out) - dlse.
-std::tuple<Tensor, Tensor, Tensor, Tensor> attend_backward(
+// Backward: (dq, dk, dv) like q, k, v (contiguous), d rel_table (H_q, 2M+1) float32 (empty
+// without a table) and d alibi (H_q,) float32 (empty unless alibi_grad).
+// delta = rowsum(dout * out) - dlse.
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> attend_backward(
     const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& dout, const Tensor& lse,
     const Tensor& delta, double scale, double softcap, const std::optional<Tensor>& alibi,
     double alibi_offset, const std::optional<Tensor>& rel, int64_t rel_max_distance,
     const std::optional<Tensor>& bias, double band_lo, double band_hi,
     const std::optional<Tensor>& kv_len, const std::optional<Tensor>& q_len,
     const std::optional<Tensor>& q_doc, const std::optional<Tensor>& k_doc,
-    const std::optional<Tensor>& mask) {
+    const std::optional<Tensor>& mask, bool alibi_grad) {
   Args a = make_args(q, k, v, scale, softcap, alibi, alibi_offset, rel, rel_max_distance, bias,
                      band_lo, band_hi, kv_len, q_len, q_doc, k_doc, mask);
+  a.alibi_grad = alibi_grad && a.alibi;
   TORCH_CHECK(dout.sizes() == at::IntArrayRef({a.B, a.Hq, a.Nq, a.Dv}) && dout.stride(3) == 1 &&
                   dout.scalar_type() == q.scalar_type(),
               "attnkit native: dout must be like out (B, H_q, N_q, D_v), last dim contiguous");
@@ -135,12 +137,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attend_backward(
   Tensor dv = at::empty({a.B, a.Hkv, a.Nk, a.Dv}, q.options());
   Tensor dtab = at::empty({a.rel ? a.Hq : 0, a.rel ? 2 * a.rel_M + 1 : 0},
                           q.options().dtype(at::kFloat));
+  Tensor dslope = at::empty({a.alibi_grad ? a.Hq : 0}, q.options().dtype(at::kFloat));
   ATTNKIT_DISPATCH(q.scalar_type(),
                    run_backward(a, q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(),
                                 dout.data_ptr<T>(), sdo, lse.data_ptr<float>(),
                                 delta.data_ptr<float>(), dq.data_ptr<T>(), dk.data_ptr<T>(),
-                                dv.data_ptr<T>(), dtab.data_ptr<float>()));
-  return {dq, dk, dv, dtab};
+                                dv.data_ptr<T>(), dtab.data_ptr<float>(),
+                                dslope.data_ptr<float>()));
+  return {dq, dk, dv, dtab, dslope};
 }
 
 std::string vector_width() { return std::to_string(W * 32) + "-bit"; }
@@ -157,8 +161,8 @@ TORCH_LIBRARY(attnkit_native, m) {
   m.def("attend_backward(Tensor q, Tensor k, Tensor v, Tensor dout, Tensor lse, Tensor delta, "
         "float scale, float softcap, Tensor? alibi, float alibi_offset, Tensor? rel_table, "
         "int rel_max_distance, Tensor? bias, float band_lo, float band_hi, Tensor? kv_len, "
-        "Tensor? q_len, Tensor? q_doc, Tensor? k_doc, Tensor? mask) "
-        "-> (Tensor, Tensor, Tensor, Tensor)",
+        "Tensor? q_len, Tensor? q_doc, Tensor? k_doc, Tensor? mask, bool alibi_grad) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
         &attend_backward);
   m.def("vector_width() -> str", &vector_width);
 }

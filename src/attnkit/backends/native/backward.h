@@ -8,6 +8,7 @@
 //   dQ rows  += dS K_block                     (per-thread float32 buffers, summed at the end)
 //   d table[h, bucket] += dX  (dX = P * (dP - delta), the gradient of the score after the
 //                              soft-cap; per-thread float64 (H_q, 2M+1), summed in thread order)
+//   d slope[h] -= dX * |q + offset - k|   (when alibi_grad; per-thread float64 (H_q,) likewise)
 // delta = rowsum(dO * O) - dLSE (B, H_q, N_q). A key with P == 0 gives dS == 0 exactly, and
 // K rows holding inf/NaN are zeroed for dQ, so NaN in masked K/V rows stays out.
 #pragma once
@@ -51,7 +52,7 @@ inline void transpose(const float* src, i64 rows, i64 cols, i64 ld_src, float* d
 template <typename T>
 void backward_tile(const Args& a, const T* q, const T* dout, const i64* sdo, const float* lse,
                    const float* delta, const Item& it, i64 h, i64 k0, i64 n, bool full,
-                   float* dq, double* dtab, BackBuffers& bb) {
+                   float* dq, double* dtab, double* dslope, BackBuffers& bb) {
   const i64 nq = it.nr, npad = round_up(n, W);
   for (i64 i = 0; i < nq; ++i) {                           // Q and dO rows in float32
     const i64 qi = it.q0 + i;
@@ -69,7 +70,7 @@ void backward_tile(const Args& a, const T* q, const T* dout, const i64* sdo, con
     scale_and_cap(a, x, npad, f);
     position_terms_and_mask(a, x, n, npad, it.b, h, qi, k0, full);
     const vf shift = splat(lse[flat] == NEG_INF ? 0.f : lse[flat]), dl = splat(delta[flat]);
-    if (!a.rel) {
+    if (!a.rel && !a.alibi_grad) {
       for (i64 j = 0; j < npad; j += W) {
         const vf p = vexp_neg(load(x + j) - shift);
         store(x + j, p);
@@ -78,21 +79,32 @@ void backward_tile(const Args& a, const T* q, const T* dout, const i64* sdo, con
       continue;
     }
     // with the table: the same pass also sums dX over the two clamped buckets (lanes below
-    // jl / from jh on) and keeps dX in f for the keys between, whose buckets differ
-    i64 jl, jh;
-    rel_segments(a.rel_M, n, qi, k0, jl, jh);
+    // jl / from jh on) and keeps dX in f for the keys between, whose buckets differ; with
+    // alibi_grad it sums dX * |qi + offset - k|
+    i64 jl = 0, jh = 0;
+    if (a.rel) rel_segments(a.rel_M, n, qi, k0, jl, jh);
     const vf lane = iota(), vjl = splat(float(jl)), vjh = splat(float(jh));
-    vf lo = splat(0.f), hi = splat(0.f);
+    const vf dist0 = splat(float(qi - k0) + a.alibi_offset);
+    vf lo = splat(0.f), hi = splat(0.f), sl = splat(0.f);
     for (i64 j = 0; j < npad; j += W) {
       const vf p = vexp_neg(load(x + j) - shift);
       store(x + j, p);
       const vf dx = select(p == 0.f, splat(0.f), p * (load(dp + j) - dl));  // 0 past n
       const vf jv = lane + float(j);
-      lo += select(jv < vjl, dx, splat(0.f));
-      hi += select(jv >= vjh, dx, splat(0.f));
       store(dp + j, dx * load(f + j));
-      store(f + j, dx);
+      if (a.rel) {
+        lo += select(jv < vjl, dx, splat(0.f));
+        hi += select(jv >= vjh, dx, splat(0.f));
+        store(f + j, dx);
+      }
+      if (a.alibi_grad) {
+        vf d = dist0 - jv;
+        d = select(d < 0.f, -d, d);
+        sl += dx * d;
+      }
     }
+    if (a.alibi_grad) dslope[h] -= hsum(sl);
+    if (!a.rel) continue;
     double* dt = dtab + h * (2 * a.rel_M + 1);             // (2M+1,) this head's gradient
     dt[0] += hsum(lo);
     dt[2 * a.rel_M] += hsum(hi);
@@ -107,22 +119,23 @@ void backward_tile(const Args& a, const T* q, const T* dout, const i64* sdo, con
   brgemm(nq, a.Dk, n, BK, a.DKP, a.DKP, true, bb.dp.data(), bb.kb.data(), dq_rows, false);
 }
 
-// dq, dk, dv (contiguous, dtype T) of the whole call; dtab (H_q, 2M+1) float32 when a.rel.
+// dq, dk, dv (contiguous, dtype T) of the whole call; dtab (H_q, 2M+1) float32 when a.rel,
+// dslope (H_q,) float32 when a.alibi_grad.
 template <typename T>
 void run_backward(const Args& a, const T* q, const T* k, const T* v, const T* dout,
                   const i64* sdo, const float* lse, const float* delta, T* dq, T* dk, T* dv,
-                  float* dtab) {
+                  float* dtab, float* dslope) {
   const i64 NKB = (a.Nk + BK - 1) / BK, n_items = a.B * a.Hkv * NKB;
   const int threads = std::max(1, at::get_num_threads());
-  const i64 n_tab = a.rel ? a.Hq * (2 * a.rel_M + 1) : 0;
+  const i64 n_tab = a.rel ? a.Hq * (2 * a.rel_M + 1) : 0, n_sl = a.alibi_grad ? a.Hq : 0;
   std::vector<std::vector<float>> dq_t(threads);           // (B, H_q, N_q, DKP) per thread
-  std::vector<std::vector<double>> dt_t(threads);          // (H_q, 2M+1) per thread
+  std::vector<std::vector<double>> dt_t(threads);          // (H_q, 2M+1) + (H_q,) per thread
   at::parallel_for(0, n_items, 1, [&](i64 begin, i64 end) {
     const int tid = std::min(at::get_thread_num(), threads - 1);
     std::vector<float>& dqb = dq_t[tid];
     if (dqb.empty()) dqb.assign(a.B * a.Hq * a.Nq * a.DKP, 0.f);
     std::vector<double>& dtb = dt_t[tid];
-    if (dtb.empty()) dtb.assign(n_tab, 0.0);
+    if (dtb.empty()) dtb.assign(n_tab + n_sl + 1, 0.0);
     BackBuffers bb(a);
     for (i64 t = begin; t < end; ++t) {
       const i64 kblk = t % NKB, kvh = (t / NKB) % a.Hkv, b = t / (NKB * a.Hkv);
@@ -144,7 +157,7 @@ void run_backward(const Args& a, const T* q, const T* k, const T* v, const T* do
           const TileKind kind = classify(a, it, k0, n);
           if (kind == EMPTY) continue;
           backward_tile(a, q, dout, sdo, lse, delta, it, kvh * a.G + g, k0, n, kind == FULL,
-                        dqb.data(), dtb.data(), bb);
+                        dqb.data(), dtb.data(), dtb.data() + n_tab, bb);
         }
       for (i64 j = 0; j < kend - k0; ++j) {                // write the block (0 past kv_len)
         T* dkr = dk + ((b * a.Hkv + kvh) * a.Nk + k0 + j) * a.Dk;
@@ -164,11 +177,11 @@ void run_backward(const Args& a, const T* q, const T* k, const T* v, const T* do
         dq[r * a.Dk + d] = T(s);
       }
   });
-  for (i64 i = 0; i < n_tab; ++i) {                        // thread order: deterministic
+  for (i64 i = 0; i < n_tab + n_sl; ++i) {                 // thread order: deterministic
     double s = 0.0;
     for (const auto& buf : dt_t)
       if (!buf.empty()) s += buf[i];
-    dtab[i] = float(s);
+    if (i < n_tab) dtab[i] = float(s); else dslope[i - n_tab] = float(s);
   }
 }
 

@@ -186,6 +186,7 @@ struct Args {
   float scale, softcap;             // softcap 0 = none
   const float* alibi;               // (H_q,) slopes or null
   float alibi_offset;               // distance |q + offset - k|
+  bool alibi_grad;                  // backward: also d slopes (H_q,)
   const float* rel; i64 rel_M;      // (H_q, 2M+1) relative-position bias table, or null
   const float* bias; i64 sb[4];     // (B, H_q, N_q, N_k) broadcast strides, or null
   double band_lo, band_hi;          // allowed <=> lo <= q - k <= hi
