@@ -240,8 +240,9 @@ def padding(kv_lengths: object, q_lengths: object | None = None) -> Mask:
     name = f"padding(kv_lengths={kv_len.tolist()}" + (
         f", q_lengths={q_len.tolist()})" if q_len is not None else ")")
     # drawn (str) at the default 8 × 8, or as large as the longest length when that is more
-    natural = (max(8, int(q_len.max())) if q_len is not None else None,
-               max(8, int(kv_len.max())))
+    longest_q = int(q_len.max()) if q_len is not None else 0
+    natural = (longest_q if longest_q > 8 else None,
+               int(kv_len.max()) if int(kv_len.max()) > 8 else None)
     return Mask(fn, name=name, blocks=blocks, batch=nb, spec=Lengths(kv_len, q_len),
                 checks=(check,), exact_rules=True, natural=natural)
 
