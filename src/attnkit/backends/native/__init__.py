@@ -57,8 +57,9 @@ Caution
   machine, up to ~40 s on a loaded one; see ``loader``); later processes load the cached
   build. ``ATTNKIT_NATIVE=0`` turns the kernel off.
 - ALiBi reaches :func:`forward_problem` as ``scores.alibi(H_q)`` or as any score_mod that
-  carries ``score_mod.spec`` with ``slopes`` (H_q,) (and optionally ``offset``); any other
-  Python score_mod is refused by :func:`supports`.
+  carries ``score_mod.spec`` with ``slopes`` (H_q,) (and optionally ``offset``); a
+  relative-bias table as ``scores.relative_bias(table, M)`` (its spec is read, the table's
+  gradient flows); any other Python score_mod is refused by :func:`supports`.
 - Masks without a closed form are evaluated densely, ``(B|1, H|1, N_q, N_k)`` bools; above
   ``DENSE_MASK_LIMIT`` bytes :func:`supports` refuses them.
 """
@@ -72,7 +73,7 @@ from functools import reduce
 import torch
 
 from ...masks import Band, Documents, Lengths, Mask, documents_of, lengths_of
-from ...scores import Alibi
+from ...scores import Alibi, RelativeBias
 from ..base import Problem, refuse_double_backward
 from . import loader
 
@@ -318,6 +319,18 @@ def _alibi_of(p: Problem) -> tuple[torch.Tensor, int] | None:
     return None
 
 
+def _relbias_of(p: Problem) -> tuple[torch.Tensor, int] | None:
+    """``(table (H_q, 2M+1), M)`` when ``p.score_mod`` is ``scores.relative_bias`` (its
+    :class:`~attnkit.scores.RelativeBias` spec) with one table row per query head, else None.
+    The table object itself is passed on, so its gradient flows."""
+    fn = getattr(p.score_mod, "__wrapped__", p.score_mod)    # api wraps it in a checker
+    spec = getattr(fn, "spec", None)
+    if isinstance(spec, RelativeBias) and spec.table.dim() == 2 and (
+            spec.table.shape[0] == p.heads_q):
+        return spec.table, int(spec.max_distance)
+    return None
+
+
 def _mask_options(p: Problem) -> tuple[dict[str, object], Mask | None]:
     """Closed-form options from ``p.mask``'s conjuncts, and the rest (a Mask, or None)."""
     opts: dict[str, object] = {}
@@ -359,9 +372,9 @@ def supports(p: Problem) -> list[str]:
         out.append("no gradient for a bias tensor (q, k, v only)")
     if p.dropout_p > 0.0:
         out.append(f"no dropout, got dropout_p={p.dropout_p}")
-    if p.score_mod is not None and _alibi_of(p) is None:
-        out.append("score_mod is an arbitrary Python function (only ALiBi with a spec runs "
-                   "natively)")
+    if p.score_mod is not None and _alibi_of(p) is None and _relbias_of(p) is None:
+        out.append("score_mod is an arbitrary Python function (only ALiBi and relative-bias "
+                   "tables with a spec run natively)")
     _, rest = _mask_options(p)
     if rest is not None:
         b = p.batch if rest.depends_on_batch else 1
@@ -382,6 +395,9 @@ def forward_problem(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     ali = _alibi_of(p)
     if ali is not None:
         opts["alibi_slopes"], opts["alibi_offset"] = ali
+    rel = _relbias_of(p)
+    if rel is not None:
+        opts["rel_table"], opts["rel_max_distance"] = rel
     run = decode if p.n_q <= DECODE_MAX_QUERIES else forward
     return run(p.q, p.k, p.v, scale=p.scale, softcap=p.softcap, bias=p.bias,  # type: ignore[arg-type]
                **opts)
