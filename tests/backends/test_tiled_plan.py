@@ -121,4 +121,6 @@ def test_four_threads_get_the_single_thread_results():
         exp_tensors, exp_counts = expected[i]
         assert counts == exp_counts, (i, counts, exp_counts)
         for a, b in zip(tensors, exp_tensors, strict=True):
-            assert torch.equal(a, b), i
+            # to rounding: threads share torch's intra-op pool (a reduction may split
+            # differently); the counts above catch a schedule taken from another thread
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"case {i}")
