@@ -66,3 +66,16 @@ def test_cjk_font_is_installed_where_ci_installs_it():
             Path("/usr/share/fonts").rglob("*Nanum*")):
         pytest.skip("no CJK font installed (.ci/setup-system installs fonts-noto-cjk)")
     assert plot_mod.cjk_font() is not None
+
+
+def test_plot_without_matplotlib_names_the_extra(monkeypatch):
+    """``tr.plot()`` without matplotlib: one ImportError with the exact install command (was a
+    raw ModuleNotFoundError)."""
+    import sys
+
+    tr = ak.explain(torch.randn(3, 4), torch.randn(3, 4), torch.randn(3, 2))
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ImportError, match=r'pip install "attnkit\[plot\]"'):
+        tr.plot("unused.png")

@@ -125,7 +125,7 @@ MESSAGES: dict[str, dict[str, str]] = {
         "write_html": "cannot write --html {path}: {err}",
         "write_plot": "cannot write --plot {path}: {err}",
         "plot_ext": "--plot {path}: heatmaps are written as PNG; give a file name ending in .png",
-        "needs_mpl": "--plot needs matplotlib ({err}): pip install 'attnkit[plot]'",
+        "needs_mpl": "--plot needs matplotlib ({err}): pip install \"attnkit[plot]\"",
     },
     "ko": {
         "csv_empty": "{what} 파일 {path}이(가) 비어 있습니다: 한 줄에 숫자 한 행씩 쓰세요",
@@ -212,7 +212,7 @@ MESSAGES: dict[str, dict[str, str]] = {
         "write_html": "--html {path}에 쓸 수 없습니다: {err}",
         "write_plot": "--plot {path}에 쓸 수 없습니다: {err}",
         "plot_ext": "--plot {path}: 히트맵은 PNG로 저장됩니다. 이름이 .png로 끝나는 파일을 주세요",
-        "needs_mpl": "--plot에는 matplotlib가 필요합니다 ({err}): pip install 'attnkit[plot]'",
+        "needs_mpl": "--plot에는 matplotlib가 필요합니다 ({err}): pip install \"attnkit[plot]\"",
     },
 }
 

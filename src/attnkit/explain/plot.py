@@ -109,8 +109,12 @@ def render_plot(traces: Trace | Sequence[Trace], path: str | Path,
     bad = [w for w in what if w not in WHAT]
     if bad or not what:
         raise ValueError(f"what must name some of {', '.join(WHAT)}, got {list(what)}")
-    from matplotlib import colormaps
-    from matplotlib.figure import Figure
+    try:
+        from matplotlib import colormaps
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise ImportError(f"Trace.plot() needs matplotlib, which is not importable here ({e}): "
+                          'pip install "attnkit[plot]"') from None
 
     texts = [tr.title.get(lang, "") for tr in traces] + [
         lab for tr in traces for lab in (tr.q_labels or []) + (tr.k_labels or [])]
