@@ -59,6 +59,8 @@ def start_driver(profile: str) -> Iterator[Any]:
     driver_path = shutil.which("chromedriver")
     if driver_path is None:
         pytest.skip("chromedriver is not installed: apt-get install chromium-driver")
+    pytest.importorskip("selenium", reason='the browser tests need selenium: '
+                        'pip install "attnkit[browser]"')
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
