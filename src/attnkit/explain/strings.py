@@ -186,7 +186,7 @@ STRINGS: dict[str, dict[str, str]] = {
         "Scale": "d_k가 커져도 점수의 퍼짐이 커지지 않도록 스케일링",
         "Mask": "Query가 볼 수 없는 Key를 가림 (−∞)",
         "Softmax": "각 행을 합이 1인 가중치로 변환",
-        "MatMul_output": "가중치로 값(V)을 섞음",
+        "MatMul_output": "가중치로 Value(V)를 섞음",
         "Concat": "헤드들의 출력을 옆으로 이어 붙임",
         "head": "헤드", "kv_head": "KV 헤드", "heads": "헤드", "batch": "배치",
         "row_sums": "가중치 행의 합",
