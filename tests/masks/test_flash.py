@@ -12,6 +12,7 @@ import random
 
 import pytest
 import torch
+from mask_helpers import dense_blocks
 
 import attnkit as ak
 from attnkit import masks
@@ -55,20 +56,6 @@ def loop_cache(lengths: list[int], n_q: int, n_k: int) -> torch.Tensor:
             for j in range(n_k):
                 d[b, 0, i, j] = j < L - n_q + i + 1 and j < L
     return d
-
-
-def dense_blocks(d: torch.Tensor, bq: int, bk: int) -> torch.Tensor:
-    """Exact block map of a dense (B, H, N_q, N_k) bool tensor (pads are neutral)."""
-    B, H, n_q, n_k = d.shape
-    nbq, nbk = math.ceil(n_q / bq), math.ceil(n_k / bk)
-    pad = (0, nbk * bk - n_k, 0, nbq * bq - n_q)
-
-    def tiles(fill: bool) -> torch.Tensor:
-        t = torch.nn.functional.pad(d.to(torch.uint8), pad, value=int(fill)).bool()
-        return t.reshape(B, H, nbq, bq, nbk, bk).transpose(3, 4).reshape(B, H, nbq, nbk, -1)
-
-    all_, any_ = tiles(True).all(-1), tiles(False).any(-1)
-    return torch.where(all_, FULL, torch.where(any_, PARTIAL, EMPTY)).to(torch.int8)
 
 
 def check_blocks(m: masks.Mask, want_dense: torch.Tensor, bq: int, bk: int, *,
