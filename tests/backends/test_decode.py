@@ -208,3 +208,89 @@ def test_native_decode_reads_a_half_cache_as_such(dtype):
                          backend="reference")
     lowp = naive_low_precision(q, k, v, score_mod=ak.scores.alibi(8))
     assert_low_precision_close(out, lowp, ref64)
+
+
+# ------------------------------------------- K/V of batch 1, a larger query batch (issue 13)
+class _BigFloatOutputs(TorchDispatchMode):
+    """Records ops whose floating-point output owns at least ``n`` elements of storage."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n, self.hits = n, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and \
+                    t.untyped_storage().nbytes() >= self.n * t.element_size():
+                self.hits.append(f"{func} -> {tuple(t.shape)}")
+        return out
+
+
+@pytest.fixture
+def python_decode(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The decode[python] mode (``ATTNKIT_NATIVE=0``); records K's batch stride per call."""
+    monkeypatch.setenv("ATTNKIT_NATIVE", "0")
+    seen: list[int] = []
+    real = decode._decode
+
+    def spy(p):  # noqa: ANN001, ANN202
+        seen.append(p.k.stride(0))
+        return real(p)
+
+    monkeypatch.setattr(decode, "_decode", spy)
+    return seen
+
+
+def _kv1_mask(kind, b, nq, nk):  # noqa: ANN001, ANN202
+    g = torch.Generator().manual_seed(5)
+    if kind == "bool":
+        allowed = torch.rand(b, 1, nq, nk, generator=g) > 0.5
+        allowed[1, :, 0] = False                       # a fully masked row
+        return allowed
+    return {"none": None, "causal_br": M.causal(align="bottom_right"),
+            "padding": M.padding([nk, 5, 0][:b]),      # batch 2 sees nothing
+            "from_fn": M.from_fn(lambda b_, h, qi, ki: (ki + b_) % 3 != 0)}[kind]
+
+
+_KV1_OPTS = {"fused": {}, "softcap": dict(softcap=2.0),
+             "score_mod": dict(score_mod=lambda s, b, h, qi, ki: s - 0.05 * (h + 1) * ki)}
+
+
+@pytest.mark.parametrize("path", list(_KV1_OPTS))
+@pytest.mark.parametrize("kind", ["none", "causal_br", "padding", "bool", "from_fn"])
+@pytest.mark.parametrize("hkv", [1, 2])
+def test_python_decode_kv_batch_one_matches_the_reference(path, kind, hkv, python_decode):
+    b, nq, nk = 3, 3, 97                                  # 6 chunks of 16 + a tail of 1
+    q = torch.randn(b, 4, nq, 16, dtype=F64)
+    k1, v1 = torch.randn(1, hkv, nk, 16, dtype=F64), torch.randn(1, hkv, nk, 16, dtype=F64)
+    mask, opts = _kv1_mask(kind, b, nq, nk), _KV1_OPTS[path]
+    out, lse = ak.attention(q, k1, v1, backend="decode", mask=mask, return_lse=True, **opts)
+    assert python_decode == [0]                           # the Python engine, stride-0 K/V
+    ref, ref_lse = ak.attention(q, k1.repeat(b, 1, 1, 1), v1.repeat(b, 1, 1, 1),
+                                backend="reference", mask=mask, return_lse=True, **opts)
+    assert torch.equal(lse == -math.inf, ref_lse == -math.inf)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.parametrize("path", list(_KV1_OPTS))
+@pytest.mark.parametrize("kind", ["none", "padding", "bool"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_python_decode_never_copies_kv_per_batch_element(path, kind, dtype, python_decode):
+    # 37 chunks of 16 + a tail: the chunk view is not one reshape of the cache. Scores and
+    # stacked queries stay below 2·H_kv·N_k·D, so an output that large holds K or V for
+    # more than one batch element (old code: matmul's broadcast, the chunk reshape of the
+    # stride-0 view, the float32 cast of it)
+    b, nq, nk, d = 3, 2, 600, 64
+    q = torch.randn(b, 4, nq, d).to(dtype)
+    k1, v1 = torch.randn(1, 2, nk, d).to(dtype), torch.randn(1, 2, nk, d).to(dtype)
+    mask, opts = _kv1_mask(kind, b, nq, nk), _KV1_OPTS[path]
+    with _BigFloatOutputs(2 * k1.numel()) as rec:
+        out = ak.attention(q, k1, v1, backend="decode", mask=mask, **opts)
+    assert python_decode == [0]
+    assert rec.hits == []
+    ref = ak.attention(q.double(), k1.double().repeat(b, 1, 1, 1),
+                       v1.double().repeat(b, 1, 1, 1), backend="reference", mask=mask, **opts)
+    tol = 5e-3 if dtype == torch.float16 else 2e-5
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)

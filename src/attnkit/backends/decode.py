@@ -16,13 +16,17 @@ into ``C`` chunks of ``L`` keys; every chunk computes its own softmax pieces —
 Without softcap/score_mod the chunks run as extra "heads" of torch's fused CPU flash kernel
 (one pass over K and V, chunks in parallel, LSE returned); with them, as batched matmuls.
 K and V are read in place (chunks are views, never copies); the query heads that share a K/V
-head are stacked as rows (GQA without repeating K/V).
+head are stacked as rows (GQA without repeating K/V). K/V of batch 1 broadcast over the
+queries' batch (stride-0 views from ``attention()``) are read once for all of it, never
+copied per batch element: the batched matmuls take the batch's queries as more rows
+``B·R`` of each K/V head, and the fused kernel reads the stride-0 view as it is.
 
 Shape legend::
 
     q (B, H_q, N_q, D_k)  N_q ≤ 16        k (B, H_kv, N_k, D_k)     v (B, H_kv, N_k, D_v)
     grouped queries       (B, H_kv, 1, R, D_k)      R = G · N_q rows per K/V head
     chunked keys          (B, H_kv, C, L, D_k)      scores (B, H_kv, C, R, L)
+    shared K/V (batch 1)  k (1, H_kv, N_k, D_k)     rows of a head (H_kv, B·R, ·)
     out (B, H_q, N_q, D_v)                          lse (B, H_q, N_q)
 
 Caution
@@ -34,7 +38,7 @@ Caution
   Caution: CPU, float32/bfloat16/float16, a score_mod only if ALiBi by spec, not
   ``ATTNKIT_NATIVE=0`` nor ``tiled.use_native(False)``); it reads half-precision caches in
   place. On the Python engine, float16/bfloat16 K/V are cast to float32 once per call (a copy
-  of the cache): that engine is tuned for float32 caches.
+  of the cache, of batch 1 for shared K/V): that engine is tuned for float32 caches.
 - Masks are evaluated densely on ``N_q × N_k`` with ``Mask.evaluate`` (tiny for ≤ 16
   queries); chunks with no allowed key are computed anyway (their weight is exactly 0).
 - A query row holding NaN/inf is computed on the batched-matmul path (IEEE arithmetic, as in
@@ -91,7 +95,8 @@ def _decode(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     B, hkv, g, n_q = p.batch, p.heads_kv, p.group, p.n_q
     r = g * n_q
     q = (p.q.to(acc) * p.scale).reshape(B, hkv, 1, r, p.d_k)      # (B, H_kv, 1, R, D_k)
-    k, v = p.k.to(acc), p.v.to(acc)
+    shared = B > 1 and p.k.stride(0) == 0 and p.v.stride(0) == 0   # K/V of batch 1
+    k, v = (p.k[:1].to(acc), p.v[:1].to(acc)) if shared else (p.k.to(acc), p.v.to(acc))
     c = chunk_count(p.n_k)
     main = c * (p.n_k // c)
     allowed = _grouped_allowed(p)
@@ -122,9 +127,14 @@ def _pieces(p: Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k0: i
     B, hkv, g, n_q, dev = p.batch, p.heads_kv, p.group, p.n_q, p.device
     r = g * n_q
     length = (k1 - k0) // n_chunks
-    kc = k[:, :, k0:k1].reshape(B, hkv, n_chunks, length, p.d_k)      # view when possible
-    vc = v[:, :, k0:k1].reshape(B, hkv, n_chunks, length, p.d_v)
-    s = torch.matmul(q, kc.transpose(-1, -2))                          # (B, H_kv, C, R, L)
+    shared = k.shape[0] == 1 and B > 1                                 # K/V of batch 1
+    if shared:                     # the batch's queries as rows of each K/V head
+        qf = q.reshape(B, hkv, r, p.d_k).transpose(0, 1).reshape(hkv, B * r, p.d_k)
+        s = torch.matmul(qf, k[0, :, k0:k1].transpose(-1, -2))         # (H_kv, B·R, keys)
+        s = s.view(hkv, B, r, n_chunks, length).permute(1, 0, 3, 2, 4)  # (B, H_kv, C, R, L)
+    else:
+        kc = k[:, :, k0:k1].reshape(B, hkv, n_chunks, length, p.d_k)  # view when possible
+        s = torch.matmul(q, kc.transpose(-1, -2))                      # (B, H_kv, C, R, L)
     if p.softcap is not None or p.score_mod is not None:
         # to the (B, H_q, N_q, keys) frame score mods are written for, and back
         x = s.view(B, hkv, n_chunks, g, n_q, length).permute(0, 1, 3, 4, 2, 5)
@@ -145,7 +155,15 @@ def _pieces(p: Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k0: i
         s = torch.where(al.transpose(2, 3), s, torch.full_like(s, -math.inf))
     m = softmax_shift(s.amax(-1))                                      # (B, H_kv, C, R)
     e = torch.exp(s - m.unsqueeze(-1))                                 # (B, H_kv, C, R, L)
-    return finish(torch.matmul(e, vc), e.sum(-1), m)                   # out_c, lse_c
+    if shared:
+        vc = v[0, :, k0:k1].reshape(hkv, n_chunks, length, p.d_v)      # (H_kv, C, L, D_v)
+        ef = e.permute(1, 2, 0, 3, 4).reshape(hkv, n_chunks, B * r, length)
+        o = torch.matmul(ef, vc).view(hkv, n_chunks, B, r, p.d_v)      # (H_kv, C, B, R, D_v)
+        o = o.permute(2, 0, 1, 3, 4)                                   # (B, H_kv, C, R, D_v)
+    else:
+        vc = v[:, :, k0:k1].reshape(B, hkv, n_chunks, length, p.d_v)
+        o = torch.matmul(e, vc)                                        # (B, H_kv, C, R, D_v)
+    return finish(o, e.sum(-1), m)                                     # out_c, lse_c
 
 
 def _fused_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: int,
@@ -154,7 +172,8 @@ def _fused_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: int,
     """Chunks as extra heads of torch's fused CPU flash kernel, merged by LSE.
 
     ``q (B, H_kv, R, D)`` pre-scaled and finite; keys ``[0, C·L)`` are viewed as
-    ``(B, H_kv·C, L, D)`` (no copy), the rest is one more call.
+    ``(B, H_kv·C, L, D)`` (no copy), the rest is one more call. K/V of batch 1 (shared by
+    the batch) are viewed so and expanded to B with stride 0: the kernel reads them as such.
     → out ``(B, H_kv, R, D_v)``, lse ``(B, H_kv, R)``.
     """
     B, hkv, r, d = q.shape
@@ -166,8 +185,8 @@ def _fused_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: int,
         if k1 <= k0:
             continue
         length = (k1 - k0) // n_chunks
-        kc = k[:, :, k0:k1].reshape(B, hkv * n_chunks, length, d)
-        vc = v[:, :, k0:k1].reshape(B, hkv * n_chunks, length, d)
+        kc = k[:, :, k0:k1].reshape(-1, hkv * n_chunks, length, d).expand(B, -1, -1, -1)
+        vc = v[:, :, k0:k1].reshape(-1, hkv * n_chunks, length, d).expand(B, -1, -1, -1)
         qc = q.repeat_interleave(n_chunks, dim=1)                       # (B, H_kv·C, R, D)
         add = has_key = None
         if allowed is not None or bias is not None:
