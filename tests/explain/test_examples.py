@@ -190,3 +190,75 @@ def test_examples_command_lists_every_example_with_a_description(capsys):
     ko = capsys.readouterr().out.strip().splitlines()
     assert [ln.split()[0] for ln in ko] == list(EXAMPLES)
     assert all(re.search("[가-힣]", ln) for ln in ko)
+
+
+# ------------------------------------------------------- Korean as the course speaks it
+
+# Hangul transliterations of the course's Latin-script terms (Query, Key, Value, Score, Mask,
+# Softmax), and 점수 for Score: none of them may appear in Korean output (issue 12, item 5).
+# (키 of the keyboard — "Tab 키", "화살표 키" — is another word.)
+TRANSLITERATED = re.compile(r"소프트맥스|마스크|쿼리|스코어|밸류|점수|"
+                            r"(?<![가-힣])(?<!Tab )(?<!화살표 )키(?=[를가의는에와로도 )]|$)")
+# English words the Korean output once carried ("(K, V alike)", "8 heads → concat", ...)
+ENGLISH = re.compile(r"\b(alike|concat|heads?|raw|scores?|queries|keys|values|weights|output|"
+                     r"scaled|sum to)\b")
+# a particle written right after a shape such as (3, 8): its final sound decides the particle
+SHAPE_PARTICLE = re.compile(r"\(\d+(?:, \d+)+\)(?:이어야|여야|[이가은는을를])(?![가-힣])")
+
+
+def korean_outputs(capsys) -> dict[str, str]:
+    """Every Korean text the command line and the page show for the built-in examples and
+    lessons, by name."""
+    from attnkit.explain.html import render_html
+    from attnkit.explain.lessons import LESSONS
+
+    out = {}
+    for name, ex in EXAMPLES.items():
+        out[name] = printed(capsys, name, "ko")
+        page = render_html(ex.traces(), lang="ko")
+        out[name + " (page)"] = re.sub(r"<(script|style)>.*?</\1>|<[^>]+>", " ", page, flags=re.S)
+        assert main(["explain", "--example", name, "--lang", "ko", "--scale", "1",
+                     "--color", "never"]) == 0
+        out[name + " --scale 1"] = capsys.readouterr().out
+    assert main(["examples", "--lang", "ko"]) == 0
+    out["examples"] = capsys.readouterr().out
+    for name in LESSONS:
+        assert main(["lesson", name, "--lang", "ko"]) == 0
+        out["lesson " + name] = capsys.readouterr().out
+    return out
+
+
+def test_korean_keeps_the_courses_terms_in_latin_script(capsys):
+    """No 소프트맥스 / 마스크 / 쿼리 / 키 / 점수 in any Korean output (was: "4. 소프트맥스
+    (Softmax)", "마스크(−∞)로 가려져", "원점수"), and the step names are the Latin ones."""
+    from attnkit.explain.inputs import MESSAGES
+    from attnkit.explain.strings import STRINGS
+
+    outputs = korean_outputs(capsys)
+    outputs["strings"] = "\n".join(STRINGS["ko"].values())
+    outputs["messages"] = "\n".join(MESSAGES["ko"].values())
+    for name, text in outputs.items():
+        bad = sorted({m.group(0) for m in TRANSLITERATED.finditer(text)})
+        assert not bad, f"{name}: {bad}"
+        assert not SHAPE_PARTICLE.search(text), (name, SHAPE_PARTICLE.search(text).group(0))
+    for name in EXAMPLES:
+        text = outputs[name]
+        for step in ("1. MatMul", "3. Mask", "4. Softmax"):
+            assert step in text, (name, step)
+        prose = "\n".join(ln for ln in text.splitlines() if "#" not in ln)   # not the code
+        assert not ENGLISH.search(prose), (name, ENGLISH.search(prose).group(0))
+
+
+def test_korean_particles_after_the_courses_terms(capsys):
+    """The particle after a Latin word follows how it is read (소프트맥스, 마스크: a vowel):
+    Softmax는/가/를, Mask로/가; word labels are quoted before a particle ('학교에'의)."""
+    outputs = korean_outputs(capsys)
+    text = "\n".join(outputs.values())
+    for wrong in ("Softmax은", "Softmax이 ", "Softmax을", "Mask은", "Mask이 ", "Mask을",
+                  "Key은", "Key을", "Query은", "Query을", "Value은", "Value을", "Score은",
+                  "Score을", "Score이 "):
+        assert wrong not in text, wrong
+    assert "Softmax는" in text and "Mask(−∞)로 가려져" in outputs["masked"]
+    assert "Key '학교에'의 가중치는" in outputs["cross"]
+    assert "Key 'I'의 가중치는" in outputs["multihead"]
+    assert "Query q1: Key k3의 Score(3.000)가 가장 컸지만" in outputs["masked"]

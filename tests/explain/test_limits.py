@@ -137,7 +137,7 @@ def test_overflow_in_the_scores_is_named():
         ak.explain(f, torch.ones(2, 3, 4) * 1e19, torch.ones(2, 3, 4))
     with pytest.raises(ExplainError) as e:
         ak.explain(x, x, x)
-    assert e.value.message("ko").startswith("Q·Kᵀ가 float64 범위를 넘칩니다 (쿼리 q1, 키 k1)")
+    assert e.value.message("ko").startswith("Q·Kᵀ가 float64 범위를 넘칩니다 (Query q1, Key k1)")
 
 
 def test_overflow_of_the_scale_and_of_a_score_mod_is_named():

@@ -131,8 +131,9 @@ def test_colour_only_when_asked_or_on_a_terminal(monkeypatch):
 def test_korean_walkthrough():
     tr = _trace(is_causal=True)
     ko = tr.to_text(lang="ko")
-    for s in ("단계", "하는 일", "수식", "모양", "소프트맥스 (Softmax)", "입력", "눈여겨볼 점"):
-        assert s in ko, s
+    for s in ("단계", "하는 일", "수식", "모양", "4. Softmax", "입력", "눈여겨볼 점"):
+        assert s in ko, s            # the course's terms in Latin script (issue 12, item 5)
+    assert "소프트맥스" not in ko and "마스크" not in ko
     assert "what it does" not in ko
     assert parse(ko)[0].values("4") == parse(tr.to_text())[0].values("4")
 

@@ -75,7 +75,7 @@ def causal_three_tokens() -> list[Trace]:
         "A decoder may not look ahead: token i attends to tokens 1..i only. The causal mask\n"
         "puts −∞ above the diagonal, so row 1 sees one key, row 2 two, row 3 all three.\n"
         "V's first three columns are one-hot, so the output shows the weights themselves.",
-        "디코더는 미래 토큰을 볼 수 없습니다: 토큰 i는 토큰 1..i에만 주의를 기울입니다.\n"
+        "디코더는 미래 토큰을 볼 수 없습니다: 토큰 i는 토큰 1..i만 봅니다.\n"
         "인과 Mask는 대각선 위에 −∞를 넣으므로 1행은 Key 1개, 2행은 2개, 3행은 3개를 봅니다.\n"
         "V의 앞 세 열이 원-핫이라서 출력에 가중치가 그대로 나타납니다.",
     ))]
@@ -101,9 +101,10 @@ def masked() -> list[Trace]:
         "M = [0, 0, −∞] hides it (think of a future token). Scaling by 1/√4 and adding M\n"
         "gives the logits; e^−∞ = 0, so k3 gets weight 0 and its value [10, 10] never\n"
         "reaches the output — however large its score.",
-        "Query 1개(d_k = 4)와 Key 3개. k3의 원점수가 가장 크지만 Mask M = [0, 0, −∞]가\n"
+        "Query 1개(d_k = 4)와 Key 3개. k3의 Score가 가장 크지만 Mask M = [0, 0, −∞]가\n"
         "k3을 가립니다(미래 토큰이라고 생각하세요). 1/√4로 스케일하고 M을 더하면 로짓이 되고,\n"
-        "e^−∞ = 0이므로 k3의 가중치는 0, Value [10, 10]은 점수가 아무리 커도 출력에 닿지 않습니다.",
+        "e^−∞ = 0이므로 k3의 가중치는 0입니다. Score가 아무리 커도 k3의 Value [10, 10]은\n"
+        "출력에 닿지 않습니다.",
     ))]
 
 
@@ -124,8 +125,8 @@ def worked() -> list[Trace]:
     ), (
         "q = [1, 0, 1, 0]. The keys are chosen so that the raw scores q·k are [2, 0, 1].\n"
         "Scale by 1/√d_k = 1/2, softmax, and mix the three value rows with the weights.",
-        "q = [1, 0, 1, 0]. 원점수 q·k가 [2, 0, 1]이 되도록 Key를 골랐습니다.\n"
-        "1/√d_k = 1/2로 스케일하고, Softmax를 거쳐, 가중치로 V의 세 행을 섞습니다.",
+        "q = [1, 0, 1, 0]. Score q·k가 [2, 0, 1]이 되도록 Key를 골랐습니다.\n"
+        "1/√d_k = 1/2로 스케일하고, Softmax를 거쳐, 가중치로 Value의 세 행을 섞습니다.",
     ))
     sharp = _text(explain(q, k, v, scale=10 * 0.5), (
         "The same logits × 10: softmax sharpens",
@@ -159,7 +160,7 @@ def scaling() -> list[Trace]:
         "With d_k = 64, dot products grow large: here the raw scores are [16, 8, 0].\n"
         "Used as logits directly (scale = 1), softmax puts nearly all weight on one key.\n"
         "V is the identity, so the output equals the weights.",
-        "d_k = 64이면 내적이 커집니다: 여기서 원점수는 [16, 8, 0]입니다.\n"
+        "d_k = 64일 때는 내적이 커집니다: 여기서 Score는 [16, 8, 0]입니다.\n"
         "그대로 로짓으로 쓰면(scale = 1) Softmax가 거의 모든 가중치를 Key 하나에 줍니다.\n"
         "V가 단위행렬이라 출력이 곧 가중치입니다.",
     ))
@@ -169,7 +170,7 @@ def scaling() -> list[Trace]:
     ), (
         "The same scores divided by √64 = 8 become [2, 1, 0]: the weights stay soft,\n"
         "every key keeps a share, and gradients can flow to all of them.",
-        "같은 점수를 √64 = 8로 나누면 [2, 1, 0]: 가중치가 부드럽게 유지되어\n"
+        "같은 Score를 √64 = 8로 나누면 [2, 1, 0]: 가중치가 부드럽게 유지되어\n"
         "모든 Key가 몫을 갖고, 기울기도 모두에게 흐릅니다.",
     ))
     return [raw, scaled]
@@ -188,6 +189,13 @@ W = np.exp(X - X.max(-1, keepdims=True))      # (2, 2) softmax, max-subtracted
 W = W / W.sum(-1, keepdims=True)              #        rows sum to 1
 O = W @ V                                     # (2, 2) output"""
 
+# The same code with Korean comments (the code itself is the same: a test runs both).
+NUMPY_CODE_KO = (NUMPY_CODE.replace("# (2, 2) raw scores", "# (2, 2) Score")
+                 .replace("scaled by 1/√d_k", "1/√d_k로 스케일")
+                 .replace("softmax, max-subtracted", "Softmax (행 최댓값을 먼저 뺌)")
+                 .replace("rows sum to 1", "행마다 합이 1")
+                 .replace("(2, 2) output", "(2, 2) 출력"))
+
 
 def two_tokens_numpy() -> list[Trace]:
     """Q = [[1,0,1,0],[0,1,0,1]], K = [[1,0,1,0],[1,1,1,1]], V = [[10,0],[0,10]]."""
@@ -200,7 +208,7 @@ def two_tokens_numpy() -> list[Trace]:
     ), (
         "The whole computation in plain NumPy (the walkthrough below is the same):\n\n"
         + NUMPY_CODE,
-        "NumPy만으로 전체 계산 (아래 풀이와 같은 계산입니다):\n\n" + NUMPY_CODE,
+        "NumPy만으로 전체 계산 (아래 풀이와 같은 계산입니다):\n\n" + NUMPY_CODE_KO,
     ))]
 
 
@@ -229,7 +237,7 @@ def multihead() -> list[Trace]:
         "attends on its own and gives a (3, 4) output; concatenating them gives (3, 8).",
         "Q, K, V는 (3, 8)입니다. 두 헤드가 각각 4칸짜리 조각을 맡습니다: 헤드 1은 1–4열,\n"
         "헤드 2는 5–8열이므로 d_k = 8 / 2 = 4, 각 헤드는 1/√4로 스케일합니다. 헤드마다\n"
-        "따로 주의를 계산해 (3, 4) 출력을 내고, 이어 붙이면 (3, 8)이 됩니다.",
+        "따로 어텐션을 계산해 (3, 4) 출력을 내고, 이어 붙이면 (3, 8) 모양이 됩니다.",
     ))]
 
 
@@ -274,7 +282,7 @@ def shape_walk() -> list[Trace]:
         + "\n\nOnly head 1 is printed below; every head has the same shapes.",
         f"폭 {d_model}인 토큰 {n}개 (시드 고정 난수: 모양만 중요합니다).\n"
         "각 헤드는 X를 자신의 Q, K, V로 사영합니다:\n\n  "
-        + walk("(K, V도 같음)", "헤드 출력", f"헤드 {h}개", "이어붙이기(concat)")
+        + walk("(K, V도 같음)", "헤드 출력", f"헤드 {h}개", "이어붙이기")
         + "\n\n아래에는 헤드 1만 출력합니다. 모든 헤드의 모양은 같습니다.",
     ))]
 
@@ -320,23 +328,23 @@ def shared_qk() -> list[Trace]:
     apart = explain(_t(x @ w_q), _t(x @ w_k), _t(x)).labelled(words, words)
     return [_text(tied, (
         "One shared W for Q and K: symmetric scores",
-        "Q와 K가 W 하나를 공유: 대칭인 점수",
+        "Q와 K가 W 하나를 공유: 대칭인 Score",
     ), (
         "Q = X W and K = X W with the same W. Then q_i·k_j = x_i W Wᵀ x_jᵀ = q_j·k_i: the\n"
         "score matrix S equals its transpose, and each token's score with itself is\n"
         "|x_i W|², never negative. The model cannot score 'i looks at j' differently from\n"
         "'j looks at i'.",
-        "같은 W로 Q = X W, K = X W. 그러면 q_i·k_j = x_i W Wᵀ x_jᵀ = q_j·k_i: 점수 행렬 S가\n"
-        "자기 전치와 같고, 자기 자신과의 점수는 |x_i W|²로 음수가 될 수 없습니다. 모델은\n"
-        "'i가 j를 본다'와 'j가 i를 본다'를 다르게 점수 매길 수 없습니다.",
+        "같은 W로 Q = X W, K = X W. 그러면 q_i·k_j = x_i W Wᵀ x_jᵀ = q_j·k_i: Score 행렬 S가\n"
+        "자기 전치와 같고, 토큰이 자기 자신과 얻는 Score는 |x_i W|²이라 음수가 될 수 없습니다.\n"
+        "모델은 'i가 j를 본다'와 'j가 i를 본다'에 서로 다른 Score를 줄 수 없습니다.",
     )), _text(apart, (
         "Separate W_Q and W_K: asymmetric scores",
-        "W_Q와 W_K를 따로: 비대칭 점수",
+        "W_Q와 W_K를 따로: 비대칭 Score",
     ), (
         "The same X with separate projections W_Q ≠ W_K: S is no longer symmetric, so\n"
         "attention can be one-directional.",
-        "같은 X에 서로 다른 사영 W_Q ≠ W_K: S가 더는 대칭이 아니므로 주의가 한 방향일 수\n"
-        "있습니다.",
+        "같은 X에 서로 다른 사영 W_Q ≠ W_K: S가 더는 대칭이 아니므로, i가 j를 보는 정도와\n"
+        "j가 i를 보는 정도가 달라질 수 있습니다.",
     ))]
 
 
@@ -406,9 +414,9 @@ EXAMPLES: dict[str, Example] = {e.name: e for e in [
     _ex("causal", "three tokens, d_k = 4, causal mask (the default example)",
         "세 토큰, d_k = 4, 인과 Mask (기본 예제)", causal_three_tokens),
     _ex("masked", "the key with the largest raw score is masked and contributes nothing",
-        "원점수가 가장 큰 Key가 Mask로 가려져 아무것도 기여하지 않음", masked),
+        "Score가 가장 큰 Key가 Mask로 가려져 아무것도 기여하지 않음", masked),
     _ex("worked", "one query, raw scores [2, 0, 1], d_k = 4; then the same logits ×10",
-        "Query 1개, 원점수 [2, 0, 1], d_k = 4; 이어서 같은 로짓 ×10", worked),
+        "Query 1개, Score [2, 0, 1], d_k = 4; 이어서 같은 로짓 ×10", worked),
     _ex("scaling", "d_k = 64: unscaled logits saturate softmax, 1/√d_k fixes it",
         "d_k = 64: 스케일 없는 로짓은 Softmax를 포화시키고 1/√d_k가 이를 막음", scaling),
     _ex("numpy", "two tokens, the whole computation in plain NumPy",
@@ -420,6 +428,6 @@ EXAMPLES: dict[str, Example] = {e.name: e for e in [
     _ex("cross", "cross-attention: 4 target words query a 3-word source",
         "크로스 어텐션: 목표 단어 4개가 원문 단어 3개에 질의", cross),
     _ex("shared-qk", "one shared W for Q and K gives symmetric scores",
-        "Q와 K가 W 하나를 공유하면 점수가 대칭", shared_qk),
+        "Q와 K가 W 하나를 공유하면 Score가 대칭", shared_qk),
 ]}
 DEFAULT = "causal"

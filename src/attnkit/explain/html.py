@@ -93,6 +93,7 @@ table.steps{border-collapse:collapse;font-size:14px;margin:4px 0 10px}
 table.steps th,table.steps td{border-bottom:1px solid var(--line);padding:4px 10px;
  text-align:left}
 table.steps td.f{font-family:ui-monospace,monospace}
+.steps-wrap{max-width:100%;overflow-x:auto}
 .tabs{display:flex;gap:6px;flex-wrap:wrap;margin:10px 0}
 .tabs button{border:1px solid var(--line);background:#f7f8fb;border-radius:16px;
  padding:3px 12px;cursor:pointer;font:inherit}
@@ -125,11 +126,17 @@ table.hm td:hover{outline:2px solid #111}
  border-radius:6px;font:12px ui-monospace,monospace;display:none;z-index:10}
 #js-errors{color:#b00020;white-space:pre-wrap}
 footer{color:var(--mute);font-size:12px;margin:20px 0}
-html[lang=ko] body{word-break:keep-all;overflow-wrap:anywhere}
+html[lang=ko] body{word-break:keep-all;overflow-wrap:break-word}
 @media (max-width:600px){main{padding:10px}section.trace{padding:12px 10px}
  header h1{font-size:21px}.formula{font-size:16px;padding:8px 10px}
  .flow-wrap{overflow-x:auto}.flow-wrap svg.flow{min-width:640px}
- .steps-wrap{overflow-x:auto}table.steps th,table.steps td{padding:3px 6px}}
+ table.steps,table.steps tbody,table.steps tr,table.steps td{display:block;width:100%}
+ table.steps thead{display:none}
+ table.steps tr{border:1px solid var(--line);border-radius:8px;margin:0 0 8px;padding:4px 0}
+ table.steps td{border:0;padding:2px 10px;display:flex;gap:10px}
+ table.steps td::before{content:attr(data-label);flex:0 0 6.5em;color:var(--mute);
+  font:12px/1.9 system-ui,sans-serif}
+ table.steps td.n{font-weight:700}}
 """
 
 JS = """
@@ -248,11 +255,6 @@ def heatmap(m: np.ndarray, rows: Sequence[str], cols: Sequence[str], kind: str, 
     return "".join(out)
 
 
-def _short(name: str) -> str:
-    """A step name without its bracketed English (Korean "행렬곱 (MatMul)" → "행렬곱")."""
-    return name.split(" (")[0]
-
-
 def flow_svg(trace: Trace, lang: str, anchor: str) -> str:
     """The flow diagram: Q, K → Score → Scale & Mask → Softmax → Weighted sum (← V) → O.
 
@@ -281,7 +283,7 @@ def flow_svg(trace: Trace, lang: str, anchor: str) -> str:
     io(8, 22, "Q", pre + shape_str((n_q, d_k)))
     io(8, 104, "K", pre + shape_str((n_k, d_k)))
     xs = [170, 390, 610, 830]
-    names = [_short(step_name(st, lang)) for st in trace.steps]       # the table's names
+    names = [step_name(st, lang) for st in trace.steps]       # the step table's own names
     nums = {1: "1. " + names[0], 2: f"2. {names[1]} · 3. {names[2]}", 4: "4. " + names[3],
             5: "5. " + names[4]}
     for (name, formula, step), x in zip(stages, xs, strict=True):
@@ -323,18 +325,22 @@ def _color_legend(lang: str) -> str:
 
 
 def _step_table(trace: Trace, lang: str) -> str:
+    """The five steps as a table; each cell carries its column's name (``data-label``), which
+    a phone-width page shows when the rows become stacked cards (see CSS)."""
     t = check_lang(lang)
-    rows = [f"<tr><th>{E(t['step'])}</th><th>{E(t['page_stage'])}</th><th>{E(t['what'])}</th>"
-            f"<th>{E(t['formula'])}</th><th>{E(t['shape'])}</th></tr>"]
+    heads = [t["step"], t["page_stage"], t["what"], t["formula"], t["shape"]]
     stage = {"scores": "page_stage_score", "scaled": "page_stage_scale_mask",
              "logits": "page_stage_scale_mask", "weights": "page_stage_softmax",
              "output": "page_stage_sum"}
+    rows = []
     for i, s in enumerate(trace.steps):
-        rows.append(f"<tr><td>{i + 1}. {E(step_name(s, lang))}</td>"
-                    f"<td>{E(t.get(stage.get(s.key, ''), ''))}</td><td>{E(step_what(s, lang))}"
-                    f'</td><td class="f">{E(step_formula(s, lang))}</td>'
-                    f'<td class="f">{shape_str(s.shape)}</td></tr>')
-    return '<table class="steps">' + "".join(rows) + "</table>"
+        cells = [("n", f"{i + 1}. {step_name(s, lang)}"), ("st", t.get(stage.get(s.key, ""), "")),
+                 ("w", step_what(s, lang)), ("f", step_formula(s, lang)),
+                 ("f", shape_str(s.shape))]
+        rows.append("<tr>" + "".join(f'<td class="{c}" data-label="{E(h)}">{E(v)}</td>'
+                                     for (c, v), h in zip(cells, heads, strict=True)) + "</tr>")
+    return ('<table class="steps"><thead><tr>' + "".join(f"<th>{E(h)}</th>" for h in heads)
+            + "</tr></thead><tbody>" + "".join(rows) + "</tbody></table>")
 
 
 def _card_head(title: str, shape: tuple[int, ...], t: dict[str, str], grid: int | None) -> str:

@@ -167,34 +167,34 @@ MESSAGES: dict[str, dict[str, str]] = {
                          "(h, n, d) 또는 (b, h, n, d)를 주세요",
         "bool_qkv": "--{name} {path}에 true/false 값이 있습니다: Q, K, V는 숫자여야 합니다",
         "nonfinite": "--{name} {path}의 인덱스 {idx}에 유한하지 않은 값 {val}이(가) 있습니다: "
-                     "Q, K, V는 유한한 숫자여야 합니다 (마스크는 --mask로)",
+                     "Q, K, V는 유한한 숫자여야 합니다 (Mask는 --mask로)",
         "mask_dims": "--mask {path}의 모양이 {shape}입니다: "
-                     "모양이 ({n_q}, {n_k})인 마스크를 주세요",
-        "mask_shape": "--mask {path}의 모양은 {shape}인데 점수는 (n_q, n_k) = ({n_q}, {n_k})"
-                      "입니다: ({n_q}, {n_k}) 마스크, 또는 모든 쿼리가 함께 쓰는 한 행 "
-                      "(1, {n_k}) 모양의 마스크를 주세요",
-        "mask_values": "--mask {path}에 {val}이(가) 있습니다: 숫자 마스크는 로짓에 더해지므로 "
+                     "모양이 ({n_q}, {n_k})인 Mask를 주세요",
+        "mask_shape": "--mask {path}의 모양은 {shape}인데 Score는 (n_q, n_k) = ({n_q}, {n_k})"
+                      "입니다: ({n_q}, {n_k}) Mask, 또는 모든 Query가 함께 쓰는 한 행 "
+                      "(1, {n_k}) 모양의 Mask를 주세요",
+        "mask_values": "--mask {path}에 {val}이(가) 있습니다: 숫자 Mask는 로짓에 더해지므로 "
                        "0(유지) 또는 -inf(차단)을 쓰세요",
-        "mask_01": "--mask {path}에 {val}이(가) 있습니다: 숫자 마스크는 로짓에 더해지므로 "
+        "mask_01": "--mask {path}에 {val}이(가) 있습니다: 숫자 Mask는 로짓에 더해지므로 "
                    "0(유지) 또는 -inf(차단)을 쓰세요 (0/1로 유지/차단을 뜻했다면 true/false로 "
                    "쓰세요)",
-        "heads_divide": "--heads {h}은(는) --{name} {path} {shape}의 특성 폭을 나누지 못합니다: "
+        "heads_divide": "--heads {h}은(는) --{name} {path} {shape}의 특징 폭을 나누지 못합니다: "
                         "{w} / {h}이(가) 정수가 아닙니다; {divs} 중 하나를 쓰세요",
         "ndim": "Q, K, V의 차원 수가 같아야 합니다; 받은 것: {seen}: 모두 (n, d) 또는 모두 "
                 "(h, n, d)로 주세요",
         "d_k": "내적을 하려면 Q와 K의 폭 d_k(마지막 차원)가 같아야 합니다; 받은 것: {seen}: "
-               "d_k {a} 대 {b}, 그러므로 K는 {fit}이어야 합니다",
-        "n_k": "K와 V의 행 수 n_k가 같아야 합니다 (키마다 값 하나); 받은 것: {seen}: "
-               "n_k {a} 대 {b}, 그러므로 V는 {fit}이어야 합니다",
+               "d_k {a} 대 {b}. K를 {fit} 모양으로 주세요",
+        "n_k": "K와 V의 행 수 n_k가 같아야 합니다 (Key마다 Value 하나); 받은 것: {seen}: "
+               "n_k {a} 대 {b}. V를 {fit} 모양으로 주세요",
         "lead": "Q, K, V의 앞쪽(헤드) 차원이 같아야 합니다; 받은 것: {seen}",
         "heads_min": "--heads는 1 이상이어야 합니다, 받은 값: {h}",
         "heads_3d": "--heads는 (n, d) 입력을 헤드로 나누는데, 파일에 이미 헤드가 있습니다: "
                     "{seen}; --heads를 빼세요",
-        "causal_and_mask": "--causal과 --mask 중 하나만 주세요 (인과 패턴을 마스크 파일에 "
+        "causal_and_mask": "--causal과 --mask 중 하나만 주세요 (인과 패턴을 Mask 파일에 "
                            "넣으세요)",
-        "q_labels": "--q-labels의 레이블은 {n}개({text!r})인데 쿼리는 {m}개입니다: 쉼표로 "
+        "q_labels": "--q-labels의 레이블은 {n}개({text!r})인데 Query는 {m}개입니다: 쉼표로 "
                     "구분해 {m}개를 주세요",
-        "k_labels": "--k-labels의 레이블은 {n}개({text!r})인데 키는 {m}개입니다: 쉼표로 "
+        "k_labels": "--k-labels의 레이블은 {n}개({text!r})인데 Key는 {m}개입니다: 쉼표로 "
                     "구분해 {m}개를 주세요",
         "finite": "--{name}은(는) 유한한 숫자여야 합니다, 받은 값: {x}",
         "decimals": "--decimals는 0에서 12 사이여야 합니다, 받은 값: {d}",

@@ -119,14 +119,14 @@ _SQRT = {
         "  q·k = Σ_i q_i k_i,  E[q_i k_i] = 0,  Var(q_i k_i) = E[q_i²] E[k_i²] = 1\n"
         "이므로 Var(q·k) = d_k (독립인 항 d_k개의 합)이고, Var(q·k / √d_k) = 1입니다.\n"
         "나누지 않으면 로짓이 √d_k에 비례해 퍼집니다: Softmax가 거의 원-핫이 되고,\n"
-        "기울기가 지나가는 통로인 Softmax의 기울기 p(1−p)가 사라집니다.\n"
+        "Softmax의 기울기 p(1−p)가 사라집니다 — 역전파의 기울기가 지나가는 곳이 바로 이 값입니다.\n"
         "측정값 (Query {trials}개 × 각각 Key {n}개, 시드 {seed}):",
         "한계: 이 유도는 성분이 서로 독립이고 분산이 1이라고 가정합니다 — 초기화 때만\n"
         "맞는 가정입니다. 학습하면서 W_Q, W_K가 바뀌고 q, k의 노름이 커지면 ÷√d_k만으로는\n"
         "로짓의 분산을 1 근처로 붙잡지 못합니다. 여기서 QK-Norm이 등장합니다: q와 k 자체를\n"
         "정규화하므로 학습 중에도 로짓이 유계로 남습니다 (`attnkit lesson bounds` 참고).",
-        ("d_k", "Var(q·k)", "Var(q·k/√d_k)", "최대 w 원래", "최대 w ÷√d_k", "H 원래",
-         "H ÷√d_k", "p(1−p) 원래", "p(1−p) ÷√d_k"),
+        ("d_k", "Var(q·k)", "Var(q·k/√d_k)", "최대 w 그대로", "최대 w ÷√d_k", "H 그대로",
+         "H ÷√d_k", "p(1−p) 그대로", "p(1−p) ÷√d_k"),
         "엔트로피 H의 단위는 nat (Key {n}개에 고르게 퍼지면 ln {n} = {ln})",
     ),
 }
@@ -171,8 +171,8 @@ def _sqrt_plot(path: Path, lang: str) -> Path:
     with mpl.rc_context({"font.family": ["DejaVu Sans", font] if font else ["DejaVu Sans"]}):
         axes = fig.subplots(1, 3)
         for ax, (a, b, la, lb, ylab) in zip(axes, [
-            ("var", "var_scaled", head[1], head[2], "variance"),
-            ("pmax_raw", "pmax_scaled", head[3], head[4], "max w"),
+            ("var", "var_scaled", head[1], head[2], "variance" if lang == "en" else "분산"),
+            ("pmax_raw", "pmax_scaled", head[3], head[4], "max w" if lang == "en" else "최대 w"),
             ("slope_raw", "slope_scaled", head[7], head[8], "p(1−p)"),
         ], strict=True):
             ax.plot(d, [r[a] for r in rows], "o-", color="#b2182b", label=la)
@@ -196,31 +196,31 @@ def _sqrt_plot(path: Path, lang: str) -> Path:
 def _bounds_text(lang: str) -> str:
     rows = [(a, 50 * math.tanh(a / 50)) for a in (1, 10, 25, 50, 100, 1000, -1000)]
     en = lang == "en"
-    head = ("method", "acts on", "what it bounds") if en else ("방법", "어디에", "무엇을 묶나")
+    head = ("method", "acts on", "what it bounds") if en else ("방법", "어디에", "무엇을 제한하나")
     table = _table(head, [
         ["÷√d_k", "S = QKᵀ, after the dot product" if en else "내적 뒤의 S = QKᵀ",
          "nothing: it fixes the variance at initialisation only" if en else
-         "아무것도: 초기화 때의 분산만 맞춤"],
+         "제한하지 않음: 초기화 때의 분산만 1로 맞춤"],
         ["QK-Norm", "q and k, before the dot product" if en else "내적 전의 q와 k",
          "|q̂·k̂| ≤ 1, so every logit ≤ g (the learned gain)" if en else
-         "|q̂·k̂| ≤ 1이므로 모든 로짓 ≤ g (학습되는 이득)"],
-        ["soft-cap c", "the scaled score, before the mask" if en else
-         "Mask 전의 스케일된 점수", "c·tanh(a/c) ∈ (−c, c)"],
+         "|q̂·k̂| ≤ 1이므로 모든 로짓 ≤ g (g: 학습되는 배율)"],
+        ["soft-cap c" if en else "소프트캡 c", "the scaled score, before the mask" if en else
+         "Mask 전의 스케일된 Score", "c·tanh(a/c) ∈ (−c, c)"],
     ])
     caps = _table(("a", "50·tanh(a/50)"), [[f"{a:g}", f"{x:.3f}"] for a, x in rows])
     intro = ("√d_k scaling, QK-Norm and soft-capping, side by side: where each acts and what "
              "it bounds.\n  QK-Norm: q̂ = q/‖q‖, k̂ = k/‖k‖, logit = g · q̂·k̂ (RMSNorm in "
              "practice).\n  soft-cap (Gemma 2: c = 50): a ↦ c·tanh(a/c) — near a for |a| ≪ c, "
              "never beyond ±c." if en else
-             "√d_k 스케일, QK-Norm, soft-capping을 나란히: 각각 어디에 작용하고 무엇을 묶는가.\n"
+             "√d_k 스케일, QK-Norm, 소프트캡을 나란히: 각각 어디에 작용하고 무엇을 제한하는가.\n"
              "  QK-Norm: q̂ = q/‖q‖, k̂ = k/‖k‖, 로짓 = g · q̂·k̂ (실제로는 RMSNorm).\n"
-             "  soft-cap (Gemma 2: c = 50): a ↦ c·tanh(a/c) — |a| ≪ c이면 거의 a, ±c를 "
+             "  소프트캡 (Gemma 2: c = 50): a ↦ c·tanh(a/c) — |a| ≪ c이면 거의 a이고, ±c를 "
              "넘지 않음.")
     tail = ("In attnkit: ak.attention(..., scale=...), MultiHeadAttention(qk_norm=True), "
             "ak.attention(..., softcap=50)." if en else
             "attnkit에서는: ak.attention(..., scale=...), MultiHeadAttention(qk_norm=True), "
             "ak.attention(..., softcap=50).")
-    title = "Scaling vs QK-Norm vs soft-capping" if en else "스케일 vs QK-Norm vs soft-capping"
+    title = "Scaling vs QK-Norm vs soft-capping" if en else "스케일 vs QK-Norm vs 소프트캡"
     return "\n".join([title, "=" * 40, intro, "", table, "", caps, "", tail]) + "\n"
 
 
@@ -280,7 +280,8 @@ def _heads_text(lang: str, n: int = 3, d: int = 8, h: int = 2) -> str:
     lines += ["",
               (f"  each head: softmax(Q_i K_iᵀ / √{dh}) V_i  →  O_i ({n}, {dh})" if en else
                f"  헤드마다: softmax(Q_i K_iᵀ / √{dh}) V_i  →  O_i ({n}, {dh})"),
-              f"  concat [O_1 | … | O_{h}]  →  ({n}, {d})  ·  W_O ({d}, {d})  →  ({n}, {d})", "",
+              f"  {'concat' if en else '이어붙이기'} [O_1 | … | O_{h}]  →  ({n}, {d})  ·  "
+              f"W_O ({d}, {d})  →  ({n}, {d})", "",
               (f"Head 2 is d{dh + 1}–d{2 * dh}, not d1–d{dh}: a head is a slice of the columns "
                "(features), every token keeps all its rows." if en else
                f"헤드 2는 d1–d{dh}가 아니라 d{dh + 1}–d{2 * dh}입니다: 헤드는 열(특징)의 조각이고, "
@@ -295,7 +296,7 @@ LESSONS: dict[str, Lesson] = {x.name: x for x in [
                          "왜 ÷√d_k인가, 직접 재어 보기: 분산, 최대 가중치, 엔트로피, p(1−p)"),
            _sqrt_text, _sqrt_plot),
     Lesson("bounds", _p("√d_k scaling vs QK-Norm vs soft-capping: where each acts",
-                        "√d_k 스케일 vs QK-Norm vs soft-capping: 어디에 작용하나"), _bounds_text),
+                        "√d_k 스케일 vs QK-Norm vs 소프트캡: 어디에 작용하나"), _bounds_text),
     Lesson("attn-vs-ffn", _p("attention vs FFN: 4d² vs 8d² weights, 8nd² + 4n²d vs 16nd²",
                              "어텐션 vs FFN: 가중치 4d² vs 8d², FLOPs 8nd² + 4n²d vs 16nd²"),
            _ffn_text),

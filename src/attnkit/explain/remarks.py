@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .common import axis_labels, default_scale, fmt, head_label, n_matrices
-from .strings import check_lang
+from .strings import check_lang, ko_label
 
 if TYPE_CHECKING:
     from .trace import Trace
@@ -62,8 +62,21 @@ def remarks(trace: Trace, lang: str = "en", decimals: int = 3, limit: int = 2) -
     ql = axis_labels(trace.q_labels, n_q, "q")
     kl = axis_labels(trace.k_labels, n_k, "k")
 
+    q_words = not (trace.q_labels is None or isinstance(trace.q_labels, str))
+    k_words = not (trace.k_labels is None or isinstance(trace.k_labels, str))
+
     def q_name(h: int, i: int) -> str:
         return (f"[{head_label(lead, h, lang)}] " if many else "") + ql[i]
+
+    def q_noun(h: int, i: int) -> str:
+        """The query as the subject of a remark (Korean: "Query 'like'", quoted words)."""
+        if lang != "ko":
+            return q_name(h, i)
+        return ((f"[{head_label(lead, h, lang)}] " if many else "") + "Query "
+                + ko_label(ql[i], q_words, lang))
+
+    def k_noun(j: int) -> str:
+        return ko_label(kl[j], k_words, lang)
 
     # (sort key, text maker) per occurrence; the key orders kinds by their first occurrence
     found: dict[str, list[tuple[tuple[int, int, int], int, int]]] = {}
@@ -97,18 +110,18 @@ def remarks(trace: Trace, lang: str = "en", decimals: int = 3, limit: int = 2) -
 
     def text(kind: str, h: int, i: int) -> str:
         if kind == "empty":
-            return t["r_empty_row"].format(q=q_name(h, i))
+            return t["r_empty_row"].format(qn=q_noun(h, i))
         if kind == "masked":
             j = int(s[h, i].argmax())
-            return t["r_masked_max"].format(q=q_name(h, i), k=kl[j],
+            return t["r_masked_max"].format(qn=q_noun(h, i), kn=k_noun(j),
                                             s=fmt(float(s[h, i, j]), decimals))
         if kind == "zero":
             j = int(np.flatnonzero(zeros[h, i])[0])
             return t["r_zero_score"].format(q=q_name(h, i) if many else ql[i], k=kl[j],
-                                            w=fmt(float(w[h, i, j]), decimals))
+                                            kn=k_noun(j), w=fmt(float(w[h, i, j]), decimals))
         if kind == "saturated":
             fin = lg[h, i][al[h, i]]
-            out = t["r_saturated"].format(q=q_name(h, i), w=fmt(float(w[h, i].max()), decimals),
+            out = t["r_saturated"].format(qn=q_noun(h, i), w=fmt(float(w[h, i].max()), decimals),
                                           spread=fmt(float(fin.max() - fin.min()), 1))
             default = default_scale(trace)
             if trace.scale > default * 1.5 and trace.softcap is None:

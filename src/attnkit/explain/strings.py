@@ -8,9 +8,14 @@ of :class:`~attnkit.explain.guard.ExplainError`. The term helpers below (:func:`
 mask gets its display name. (The command line's messages about input files live with the
 file readers: ``inputs.MESSAGES``.)
 
-Korean follows the course's wording: the step names keep the English term in brackets
-(``소프트맥스 (Softmax)``), and no particle is written right after a number or a name that
-is filled in (``{x}``), since its final sound is unknown.
+Korean follows the course's wording: the course's own terms stay in Latin script — Query,
+Key, Value, Score, Mask, Softmax (``Softmax를``, ``Mask가``: the particle follows the word
+as it is read aloud, 소프트맥스, 마스크 — every one of the six ends in a vowel) — and so do
+the step names, which are the labels of the course's diagram (MatMul, Scale, Mask, Softmax,
+Concat; the flow diagram and the step table show the same names); the sentences around them
+are Korean (행렬곱, 스케일, 가중치, 이어붙이기). No particle is written right after a
+number, a shape or a label that is filled in (``{x}``), since its final sound is unknown; a
+word label the user gave is quoted (``'나는'의``, see :func:`ko_label`).
 
 Caution
 -------
@@ -25,7 +30,7 @@ if TYPE_CHECKING:
     from .trace import Step
 
 __all__ = ["LANGS", "STRINGS", "SYMBOLIC", "check_lang", "step_name", "step_what",
-           "step_formula", "mask_label"]
+           "step_formula", "mask_label", "ko_label"]
 
 LANGS = ("en", "ko")
 
@@ -54,12 +59,12 @@ STRINGS: dict[str, dict[str, str]] = {
         "more_heads": "… {n} more heads with the same shapes (see --html or --plot)",
         # ---- teaching remarks
         "remarks": "What to notice",
-        "r_masked_max": "{q}: key {k} had the largest raw score ({s}) but is masked (−∞), "
+        "r_masked_max": "{qn}: key {kn} had the largest raw score ({s}) but is masked (−∞), "
                         "so its weight is 0 — it contributes nothing to the output.",
-        "r_zero_score": "{q}·{k} = 0, yet {k} still gets weight {w}: softmax turns a logit "
+        "r_zero_score": "{q}·{k} = 0, yet {kn} still gets weight {w}: softmax turns a logit "
                         "of 0 into e⁰\u00a0=\u00a01 before normalising — a zero score is not "
                         "a zero weight.",
-        "r_saturated": "{q} is saturated: one key takes {w} of the weight (its logits span "
+        "r_saturated": "{qn} is saturated: one key takes {w} of the weight (its logits span "
                        "{spread}). Softmax of large logits is almost one-hot, and its "
                        "gradient almost vanishes.",
         "r_saturated_scale": " Here scale = {scale}; the usual 1/√d_k = {default} would "
@@ -68,7 +73,7 @@ STRINGS: dict[str, dict[str, str]] = {
                        "come from one shared W. The score from i to j equals the score "
                        "from j to i; the weights still differ, because each row is "
                        "normalised on its own.",
-        "r_empty_row": "{q} may see no key: its weights are all 0 and its output is 0 "
+        "r_empty_row": "{qn} may see no key: its weights are all 0 and its output is 0 "
                        "(never NaN).",
         "r_cross": "n_q = {nq} queries but n_k = {nk} keys: the queries and keys come from "
                    "different sequences, as in cross-attention. The weights are ({nq}, {nk}) "
@@ -179,14 +184,13 @@ STRINGS: dict[str, dict[str, str]] = {
         # ---- the walkthrough (text, page and plot)
         "title": "어텐션 단계별 풀이:  O = softmax(Q Kᵀ · scale + M) V",
         "step": "단계", "what": "하는 일", "formula": "수식", "shape": "모양",
-        "name_MatMul": "행렬곱 (MatMul)", "name_Scale": "스케일 (Scale)",
-        "name_Mask": "마스크 (Mask)", "name_Softmax": "소프트맥스 (Softmax)",
-        "name_Concat": "이어붙이기 (Concat)",
-        "MatMul_scores": "모든 Query와 모든 Key의 점수 계산 (내적)",
-        "Scale": "d_k가 커져도 점수의 퍼짐이 커지지 않도록 스케일링",
+        "name_MatMul": "MatMul", "name_Scale": "Scale", "name_Mask": "Mask",
+        "name_Softmax": "Softmax", "name_Concat": "Concat",
+        "MatMul_scores": "행렬곱: 모든 Query와 모든 Key 사이의 Score 계산 (내적)",
+        "Scale": "d_k가 커져도 Score가 넓게 퍼지지 않도록 줄임",
         "Mask": "Query가 볼 수 없는 Key를 가림 (−∞)",
         "Softmax": "각 행을 합이 1인 가중치로 변환",
-        "MatMul_output": "가중치로 Value(V)를 섞음",
+        "MatMul_output": "행렬곱: 가중치로 Value(V)를 섞음",
         "Concat": "헤드들의 출력을 옆으로 이어 붙임",
         "head": "헤드", "kv_head": "KV 헤드", "heads": "헤드", "batch": "배치",
         "row_sums": "가중치 행의 합",
@@ -200,33 +204,35 @@ STRINGS: dict[str, dict[str, str]] = {
         "more_heads": "… 같은 모양의 헤드 {n}개 더 (--html 또는 --plot 참고)",
         # ---- teaching remarks
         "remarks": "눈여겨볼 점",
-        "r_masked_max": "{q}: Key {k}의 원점수({s})가 가장 컸지만 마스크(−∞)로 가려져 "
+        "r_masked_max": "{qn}: Key {kn}의 Score({s})가 가장 컸지만 Mask(−∞)로 가려져 "
                         "가중치가 0입니다 — 출력에 전혀 기여하지 않습니다.",
-        "r_zero_score": "{q}·{k} = 0이어도 Key {k}의 가중치는 {w}입니다: Softmax는 정규화 "
-                        "전에 로짓 0을 e⁰\u00a0=\u00a01로 바꾸므로 점수 0이 가중치 0은 아닙니다.",
-        "r_saturated": "Query {q}: 포화 상태입니다 — 가중치 중 {w}만큼을 Key 하나가 가져갑니다 "
+        "r_zero_score": "{q}·{k} = 0이어도 Key {kn}의 가중치는 {w}입니다: Softmax는 정규화 "
+                        "전에 로짓 0을 e⁰\u00a0=\u00a01로 바꾸므로, Score가 0이라고 가중치가 "
+                        "0인 것은 아닙니다.",
+        "r_saturated": "{qn}: 포화 상태입니다 — 가중치 중 {w}만큼을 Key 하나가 가져갑니다 "
                        "(로짓 범위 {spread}). 로짓이 크면 Softmax는 거의 원-핫이 되고 "
                        "기울기가 거의 사라집니다.",
-        "r_saturated_scale": " 여기서는 scale = {scale}; 보통의 값(1/√d_k = {default})을 쓰면 "
-                             "로짓이 {ratio}분의 1로 줄어듭니다.",
+        "r_saturated_scale": " 여기서는 scale = {scale}입니다. 보통의 값(1/√d_k = {default})을 "
+                             "쓰면 로짓이 {ratio}분의 1로 줄어듭니다.",
         "r_symmetric": "S가 대칭입니다 (S = Sᵀ): {q1}·{k2} = {q2}·{k1}. Q와 K가 같은 W에서 "
-                       "나오면 이렇게 됩니다. i에서 j로의 점수와 j에서 i로의 점수가 같고, "
+                       "나오면 이렇게 됩니다. i에서 j로의 Score와 j에서 i로의 Score가 같고, "
                        "가중치는 행마다 따로 정규화되므로 여전히 다릅니다.",
-        "r_empty_row": "Query {q}: 볼 수 있는 Key가 없습니다. 가중치는 모두 0, 출력도 0입니다 "
+        "r_empty_row": "{qn}: 볼 수 있는 Key가 없습니다. 가중치는 모두 0, 출력도 0입니다 "
                        "(NaN이 아님).",
         "r_cross": "Query n_q = {nq}개, Key n_k = {nk}개: Query와 Key가 서로 다른 시퀀스에서 "
                    "옵니다 (크로스 어텐션). 가중치는 ({nq}, {nk}), 출력은 Query마다 "
                    "한 행입니다.",
-        "r_concat": "{h}개의 헤드가 {dk}차원 조각에서 각각 따로 계산했고, ({nq}, {dv}) 출력들을 "
-                    "이어 붙인 모양은 ({nq},\u00a0{hdv})입니다.",
+        "r_concat": "헤드 {h}개가 각각 {dk}차원 조각에서 따로 계산한 ({nq}, {dv}) 출력을 "
+                    "이어 붙이면 ({nq},\u00a0{hdv}) 모양이 됩니다.",
         "and_more": "(같은 경우 {n}개 더)",
         # ---- the HTML page
         "page_doc_title": "어텐션 단계별 풀이",
-        "page_legend": "모든 Query가 모든 Key에 점수를 매기고, 점수는 Key에 대해 합이 1인 가중치가 "
-                       "되며, 가중치가 값을 섞습니다. 셀 위에 마우스를 올리면 값이 보입니다.",
+        "page_legend": "모든 Query가 모든 Key에 Score를 매기고, Score는 Key에 대해 합이 1인 "
+                       "가중치가 되며, 가중치가 Value를 섞습니다. 셀 위에 마우스를 올리면 값이 "
+                       "보입니다.",
         "page_flow": "흐름", "page_table": "다섯 단계", "page_stage": "흐름의 칸",
-        "page_stage_score": "점수", "page_stage_scale_mask": "스케일 & 마스크",
-        "page_stage_softmax": "소프트맥스", "page_stage_sum": "가중합",
+        "page_stage_score": "Score", "page_stage_scale_mask": "Scale & Mask",
+        "page_stage_softmax": "Softmax", "page_stage_sum": "가중합",
         "page_f_score": "S = Q Kᵀ", "page_f_scale_mask": "L = S·scale + M",
         "page_f_softmax": "W = softmax(L)", "page_f_sum": "O = W V",
         "page_concat": "헤드 이어붙이기", "page_blocked": "가려짐 (−∞)",
@@ -234,7 +240,7 @@ STRINGS: dict[str, dict[str, str]] = {
         "page_options": "옵션",
         "page_per_head": "헤드 {h}개: 여기의 모든 모양은 헤드 하나 기준",
         "page_colors": "색", "page_c_weights": "가중치", "page_c_other": "다른 행렬",
-        "page_c_masked": "마스크됨 (−∞)",
+        "page_c_masked": "Mask로 가려짐 (−∞)",
         "page_generated": "attnkit으로 만든 독립 실행형 페이지: 네트워크가 필요 없습니다.",
         "page_pooled": "셀 하나하나 보여 주기에는 너무 큽니다: 행이나 열이 {g}개보다 많은 "
                        "히트맵은 여러 행과 열을 한 블록으로 묶어, 블록마다 셀 하나에 평균값의 "
@@ -244,7 +250,7 @@ STRINGS: dict[str, dict[str, str]] = {
         "page_more_heads": "… 헤드 {n}개 더 있음: 이 페이지에는 처음 {m}개만 보여 줍니다",
         # ---- an example under the learner's --scale / --softcap (examples.with_overrides)
         "ov_intro": "직접 준 값({given})으로 다시 계산했습니다. 예제의 원래 설명은 "
-                    "scale = {theirs} 기준이므로, 실제로 쓴 값을 보여 줍니다 (Query 1): 원점수 "
+                    "scale = {theirs} 기준이므로, 실제로 쓴 값을 보여 줍니다 (Query 1): Score "
                     "S = {s} → 로짓 (scale = {scale}) {x} → 가중치 {w}, 합 = {sum}.",
         "ov_dropped": "뺀 비교: {names} — 그 비교는 scale을 스스로 정하므로, 직접 준 값을 "
                       "쓰면 이 결과와 같은 숫자가 나옵니다.",
@@ -267,8 +273,8 @@ STRINGS: dict[str, dict[str, str]] = {
         "m_top": "가중치가 큰 Key: {items}",
         "m_strongest": "이 모델에서 Query {a}의 가중치가 Key {b}에 가장 많이 가는 곳은 "
                        "레이어 {l}, 헤드 {h}입니다 ({w}). 다른 헤드는 다른 곳을 봅니다.",
-        "m_head_note": "이 헤드의 전체 행렬 (d_h = {dh}는 페이지의 직접 해 보기에 넣기에는 "
-                       "너무 넓습니다. 직접 해 보기는 작은 예제로 해 보세요):",
+        "m_head_note": "이 헤드의 전체 행렬 (폭 d_h = {dh}: 페이지의 직접 해 보기에 넣기에는 "
+                       "너무 넓으니, 직접 해 보기는 작은 예제로 해 보세요):",
         # ---- the page's playground (live.py)
         "play_title": "직접 해 보기: 입력을 바꾸고 모든 단계를 지켜보세요",
         "play_help": "Q, K, V의 셀을 고치거나, 슬라이더를 움직이거나, Mask를 바꿔 보세요. "
@@ -285,7 +291,7 @@ STRINGS: dict[str, dict[str, str]] = {
         "play_mode_none": "없음", "play_mode_causal": "인과(causal): 미래 Key를 가림",
         "play_mode_padding": "패딩",
         "play_cell": "{m}의 {r} 행, {c} 열",
-        "play_block_cell": "Query {r}에서 Key {c}를 가리거나 다시 열기",
+        "play_block_cell": "Query {r}의 Key {c} 가리기 또는 다시 열기",
         "play_f_scores": "S = Q Kᵀ", "play_f_scaled": "X = S · scale",
         "play_f_logits": "L = X + M", "play_f_weights": "W = softmax_keys(L)",
         "play_f_output": "O = W V",
@@ -293,28 +299,28 @@ STRINGS: dict[str, dict[str, str]] = {
                      "Query, Key, 특징이 각각 {n}개 이하이고, 입력이 모두 유한하며, score_mod나 "
                      "실수 bias가 없는 풀이뿐입니다.",
         # ---- the heatmaps (PNG)
-        "plot_weights": "가중치 W = softmax(L)", "plot_scores": "원점수 S = Q Kᵀ",
-        "plot_scaled": "스케일된 점수 X = S · scale", "plot_logits": "로짓 L = X + M",
+        "plot_weights": "가중치 W = softmax(L)", "plot_scores": "Score S = Q Kᵀ",
+        "plot_scaled": "스케일된 Score X = S · scale", "plot_logits": "로짓 L = X + M",
         "plot_masked": "회색 = Mask로 가려짐 (−∞)",
         "plot_pooled": "축소됨: 한 칸은 {br} × {bc} 블록의 평균",
         "plot_more_heads": "헤드 {n}개 중 처음 {m}개만 그림",
         # ---- errors (ExplainError)
-        "err_too_large": "explain은 모든 단계를 float64 행렬로 보관하는데, 이 호출의 점수는 "
+        "err_too_large": "explain은 모든 단계를 float64 행렬로 보관하는데, 이 호출의 Score는 "
                          "{cells}개(batch·heads·n_q·n_k = {expr})로 한도 {limit}개를 넘습니다: "
-                         "쿼리, 키, 헤드를 줄인 일부만 explain 하거나(예: 처음 {fit}개의 "
-                         "쿼리와 키) 전체 크기는 ak.attention으로 계산하세요",
+                         "Query, Key, 헤드를 줄인 일부만 explain하거나(예: 처음 {fit}개의 "
+                         "Query와 Key) 전체 크기는 ak.attention으로 계산하세요",
         "err_input_large": "explain은 모든 입력을 float64 행렬로 보관하는데, {name} {shape}의 "
                            "값은 {n}개로 한도 {limit}개를 넘습니다: 행, 열, 헤드를 줄인 일부만 "
                            "explain 하세요",
-        "err_overflow_s": "Q·Kᵀ가 {dtype} 범위를 넘칩니다 (쿼리 q{i}, 키 k{j}{where}): 내적은 "
+        "err_overflow_s": "Q·Kᵀ가 {dtype} 범위를 넘칩니다 (Query q{i}, Key k{j}{where}): 내적은 "
                           "±{max} 안에 있어야 하는데 Q와 K의 가장 큰 |값|은 각각 {qmax}, "
                           "{kmax}입니다 — Q와 K의 크기를 줄이세요",
-        "err_overflow_x": "S · scale이 {dtype} 범위를 넘칩니다 (쿼리 q{i}, 키 k{j}{where}): "
+        "err_overflow_x": "S · scale이 {dtype} 범위를 넘칩니다 (Query q{i}, Key k{j}{where}): "
                           "S = {s}, scale = {scale}: 곱이 ±{max} 범위를 벗어납니다 — "
                           "더 작은 scale을 쓰세요 (또는 Q와 K의 크기를 줄이세요)",
-        "err_overflow_mod": "쿼리 q{i}, 키 k{j}{where} 위치의 스케일된 로짓 X 값이 {val}입니다 "
+        "err_overflow_mod": "Query q{i}, Key k{j}{where} 위치의 스케일된 로짓 X 값이 {val}입니다 "
                             "(S · scale 값은 유한: {s}): {what}에서 생긴 값입니다 — 유한한 수를 "
-                            "돌려주게 하세요 (키를 가릴 때만 −∞)",
+                            "돌려주게 하세요 (Key를 가릴 때만 −∞)",
         "err_decimals": "decimals는 0에서 12 사이의 정수여야 합니다, 받은 값: {d}",
     },
 }
@@ -323,8 +329,8 @@ STRINGS: dict[str, dict[str, str]] = {
 SYMBOLIC = {"scores": "(n_q, n_k)", "scaled": "(n_q, n_k)", "logits": "(n_q, n_k)",
             "weights": "(n_q, n_k)", "output": "(n_q, d_v)"}
 
-_MASK_KO = (("causal", "인과(causal)"), ("bool mask", "참/거짓 마스크"),
-            ("float mask", "실수 마스크"), ("sliding_window", "슬라이딩 윈도우"),
+_MASK_KO = (("causal", "인과(causal)"), ("bool mask", "참/거짓 Mask"),
+            ("float mask", "실수 Mask"), ("sliding_window", "슬라이딩 윈도우"),
             ("padding", "패딩"), ("document", "문서"), ("prefix", "프리픽스"))
 
 
@@ -336,7 +342,7 @@ def check_lang(lang: str) -> dict[str, str]:
 
 
 def step_name(step: Step | str, lang: str) -> str:
-    """The step's display name in ``lang`` (Korean keeps the English term in brackets)."""
+    """The step's display name in ``lang`` (the same in the step table and the flow)."""
     name = step if isinstance(step, str) else step.name
     return STRINGS[lang].get(f"name_{name}", name)
 
@@ -350,6 +356,13 @@ def step_what(step: Step, lang: str) -> str:
 def step_formula(step: Step, lang: str) -> str:
     """The step's formula (the one word in it, "or", in ``lang``)."""
     return step.formula.replace(" or ", " 또는 ") if lang == "ko" else step.formula
+
+
+def ko_label(label: str, words: bool, lang: str) -> str:
+    """A row or column label as a noun in a sentence: in Korean a word label the user gave
+    is quoted, so the particle after it reads as a particle (``'나는'의``, not ``나는의``);
+    numbered labels (q1, k3) and English stay as they are."""
+    return f"'{label}'" if words and lang == "ko" else label
 
 
 def mask_label(name: str | None, lang: str) -> str:
