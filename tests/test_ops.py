@@ -207,3 +207,137 @@ def test_any_band_is_an_operator_argument(build):
     r = ops.rebuild_mask(a.bands, None, None, None, None)
     assert torch.equal(r.to_dense(8, 6), m.to_dense(8, 6))
     assert torch.equal(r.to_dense(5, 9), m.to_dense(5, 9))
+
+
+# ------------------------------------------------ need_weights=True (attnkit::attention_weights)
+def _weight_masks() -> list[tuple[object, bool]]:
+    g = torch.Generator().manual_seed(6)
+    bm = torch.rand(B, 1, N, N, generator=g) > 0.4
+    bm[1, :, 3] = False                                    # a fully masked row: weights 0
+    return [(None, True), (ak.masks.padding([N, 7]), False), (bm, False)]
+
+
+class _WithWeights(torch.nn.Module):
+    """MHA (GQA, softcap) with need_weights=True under each mask, and torch's call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mha = ak.MultiHeadAttention(D, 4, n_kv_heads=2, softcap=30.0)
+        self.torch_style = ak.TorchStyleMultiheadAttention(D, 4, batch_first=True)
+
+    def forward(self, x: torch.Tensor, masks: list[tuple[object, bool]],
+                ) -> tuple[torch.Tensor, ...]:
+        res: list[torch.Tensor] = []
+        for m, causal in masks:
+            res += self.mha(x, mask=m, is_causal=causal, need_weights=True)
+        pad = torch.arange(N) >= torch.tensor([[N], [8]])  # key_padding_mask: True = pad
+        res += self.torch_style(x, x, x, key_padding_mask=pad, need_weights=True,
+                                average_attn_weights=False)
+        return tuple(res)
+
+
+def test_mha_need_weights_compiles_fullgraph_with_eager_outputs_weights_and_gradients():
+    torch.manual_seed(7)
+    model = _WithWeights()
+    x = torch.randn(B, N, D, requires_grad=True)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    masks = _weight_masks()
+    want, got = model(x, masks), compiled(x, masks)
+    assert len(got) == len(want) == 8
+    for a, b in zip(got, want, strict=True):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert want[-3][1, :, 3].abs().sum() == 0              # the fully masked row
+    torch.testing.assert_close(want[1].sum(-1)[0], torch.ones(4, N))   # rows sum to 1
+    # gradients through outputs and weights alike
+    gs = [torch.randn_like(t) for t in want]
+    params = [x, *model.parameters()]
+    g0 = torch.autograd.grad(sum((t * g).sum() for t, g in zip(want, gs, strict=True)),
+                             params, allow_unused=True)
+    g1 = torch.autograd.grad(sum((t * g).sum() for t, g in zip(got, gs, strict=True)),
+                             params, allow_unused=True)
+    for a, b in zip(g1, g0, strict=True):
+        if b is None:
+            assert a is None
+            continue
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_mha_need_weights_compiles_with_inductor():
+    torch.manual_seed(8)
+    mha = ak.MultiHeadAttention(D, 4)
+    x = torch.randn(B, N, D)
+    f = torch.compile(mha, fullgraph=True)
+    with torch.no_grad():
+        out, w = f(x, mask=ak.masks.padding([N, 5]) & ak.masks.causal(), need_weights=True)
+        ref, ref_w = mha(x, mask=ak.masks.padding([N, 5]) & ak.masks.causal(),
+                         need_weights=True)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w, ref_w, rtol=1e-6, atol=1e-6)
+
+
+def test_export_captures_the_weights_operator():
+    torch.manual_seed(9)
+
+    class Layer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mha = ak.MultiHeadAttention(D, 4, n_kv_heads=2)
+
+        def forward(self, x: torch.Tensor, bool_mask: torch.Tensor,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+            o1, w1 = self.mha(x, is_causal=True, need_weights=True)
+            o2, w2 = self.mha(x, mask=bool_mask, need_weights=True)
+            return o1, w1, o2, w2
+
+    layer, x = Layer(), torch.randn(B, N, D)
+    bm = torch.rand(N, N) > 0.5
+    ep = torch.export.export(layer, (x, bm))
+    targets = [n.target for n in ep.graph.nodes]
+    assert targets.count(torch.ops.attnkit.attention_weights.default) == 2
+    assert targets.count(torch.ops.attnkit.attention.default) == 2
+    x2, bm2 = torch.randn(B, N, D), torch.rand(N, N) > 0.5
+    for a, b in zip(ep.module()(x2, bm2), layer(x2, bm2), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("mask", [
+    ak.masks.causal("bottom_right") & ak.masks.padding([7, 3], q_lengths=[4, 2]),
+    "float",
+], ids=["structured", "float"])
+def test_weights_opcheck(mask):
+    torch.manual_seed(10)
+    q, k = (torch.randn(2, 2, n, 8, dtype=torch.float64, requires_grad=True) for n in (4, 7))
+    if mask == "float":
+        mask = torch.randn(2, 1, 4, 7, dtype=torch.float64, requires_grad=True)
+    a = ops.op_args(mask, 4, 7)
+    assert not isinstance(a, str)
+    args = (q, k, a.tensor, a.bands, a.kv_lengths, a.q_lengths, a.doc_ids, a.doc_kv_ids,
+            None, 5.0)
+    torch.library.opcheck(ops.attention_weights_op, args)
+    w = ops.attention_weights_op(*args)
+    want = ops.attention_weights(q, k, k, mask=mask, softcap=5.0)      # eager: the reference
+    torch.testing.assert_close(w, want, rtol=0, atol=0)
+    g = torch.randn_like(w)
+    leaves = [t for t in (q, k, a.tensor) if t is not None and t.requires_grad]
+    for x, y in zip(torch.autograd.grad(w, leaves, g), torch.autograd.grad(want, leaves, g),
+                    strict=True):
+        torch.testing.assert_close(x, y)
+
+
+def test_weights_of_a_mask_an_operator_cannot_carry_run_eagerly_with_one_warning():
+    torch.manual_seed(11)
+    mha = ak.MultiHeadAttention(D, 4)
+    x = torch.randn(B, N, D)
+    fn_mask = ak.masks.from_fn(lambda b, h, q, k: k <= q)
+    f = torch.compile(mha, backend="eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        outs = [f(x, mask=fn_mask, need_weights=True) for _ in range(3)]
+    ours = [w for w in caught if "attention weights under torch.compile" in str(w.message)]
+    assert len(ours) == 1, [str(w.message) for w in caught]
+    assert "from_fn" in str(ours[0].message)
+    ref, ref_w = mha(x, mask=fn_mask, need_weights=True)
+    for o, w in outs:
+        torch.testing.assert_close(o, ref)
+        torch.testing.assert_close(w, ref_w)

@@ -5,11 +5,16 @@
                                 backend) -> (out, lse)
     torch.ops.attnkit.attention_backward(grad_out, grad_lse, <the same inputs>, needs)
                                 -> (dq, dk, dv, dmask)
+    torch.ops.attnkit.attention_weights(q, k, tensor_mask, bands, kv_lengths, q_lengths,
+                                        doc_ids, doc_kv_ids, scale, softcap) -> weights
+    torch.ops.attnkit.attention_weights_backward(grad_weights, <the same inputs>, needs)
+                                -> (dq, dk, dmask)
 
 Shape legend: as :func:`attnkit.attention` (user layout, any leading dims)::
 
     q (..., H_q, N_q, D_k)   k (..., H_kv, N_k, D_k)   v (..., H_kv, N_k, D_v)
     out (..., H_q, N_q, D_v)    lse (..., H_q, N_q)  (float32; float64 for float64 inputs)
+    weights (B, H_q, N_q, N_k)  B = the leading dims of q flattened (1 without them)
     tensor_mask   the user's bool or float mask tensor, unchanged
     bands         flat [lo, hi, bottom_right] per band term (causal, windows, any band)
     kv_lengths, q_lengths (B,)    padding term        doc_ids (B|1, N_q), doc_kv_ids (B|1, N_k)
@@ -22,15 +27,19 @@ call computes (validation, NaN screens and backend choice included, at run time)
 
 :func:`attnkit.attention` routes here only while ``torch.compiler.is_compiling()`` (compile
 and export); an eager call never touches the operator, so it costs eager calls nothing.
+The same holds for :func:`attention_weights` (what ``need_weights=True`` and
+``output_attentions=True`` return): eager, the reference's softmax; traced, one
+``attnkit::attention_weights`` node whose implementation is that same eager call.
 
 Caution
 -------
-- What an operator argument cannot carry: a Python ``score_mod`` (also ``scores.alibi`` /
-  ``relative_bias``), ``from_fn`` masks, masks combined with ``|`` or ``~`` (``prefix_lm``
-  too), a ``from_tensor`` Mask object (pass the bool tensor itself as ``mask=``), band masks
-  other than ``causal`` / ``sliding_window`` / ``full``, more than one padding or document
-  term, and NumPy inputs. Such a call runs the plain eager path outside the graph (a graph
-  break: ``fullgraph=True`` raises), with one warning per call site.
+- What an operator argument cannot carry (for the weights too): a Python ``score_mod``
+  (also ``scores.alibi`` / ``relative_bias``), ``from_fn`` masks, masks combined with ``|``
+  or ``~`` (``prefix_lm`` too), a ``from_tensor`` Mask object (pass the bool tensor itself
+  as ``mask=``), band masks other than ``causal`` / ``sliding_window`` / ``full``, more
+  than one padding or document term, and NumPy inputs. Such a call runs the plain eager
+  path outside the graph (a graph break: ``fullgraph=True`` raises), with one warning per
+  call site.
 - The backward recomputes the forward with autograd (one more forward per backward) and
   gives first derivatives only.
 - Dropout in a compiled call draws a seed in the graph; forward and backward use the same
@@ -42,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -51,7 +61,8 @@ from . import masks as _masks
 from .backends.base import compute_dtype
 
 __all__ = ["OpArgs", "op_args", "rebuild_mask", "attention_op", "attention_backward_op",
-           "eager_fallback"]
+           "eager_fallback", "attention_weights", "attention_weights_op",
+           "attention_weights_backward_op"]
 
 Tensor = torch.Tensor
 
@@ -276,3 +287,155 @@ def eager_fallback(q: Any, k: Any, v: Any, **options: Any) -> Any:
     from .api import attention
 
     return attention(q, k, v, **options)
+
+
+# ------------------------------------------------------------------ the attention weights
+def _weights_shape(q: Tensor, k: Tensor) -> tuple[int, ...]:
+    """The reference's weights layout ``(B, H_q, N_q, N_k)``: q's leading dims flattened."""
+    b = math.prod(q.shape[:-3]) if q.dim() > 3 else 1
+    return (b, q.shape[-3] if q.dim() > 2 else 1, q.shape[-2], k.shape[-2])
+
+
+def _eager_weights(q: Tensor, k: Tensor, v: Tensor, **options: Any) -> Tensor:
+    """The weights ``(B, H_q, N_q, N_k)`` of an :func:`attnkit.attention` call by the
+    reference (dropout excluded), in q's dtype."""
+    from .api import prepare  # api imports this module
+    from .reference import reference
+
+    return reference(prepare(q, k, v, **options).problem).weights.to(q.dtype)
+
+
+def _op_weights(q: Tensor, k: Tensor, tensor_mask: Tensor | None, bands: list[float],
+                kv_lengths: Tensor | None, q_lengths: Tensor | None, doc_ids: Tensor | None,
+                doc_kv_ids: Tensor | None, scale: float | None, softcap: float | None,
+                ) -> Tensor:
+    mask = tensor_mask if tensor_mask is not None else \
+        rebuild_mask(bands, kv_lengths, q_lengths, doc_ids, doc_kv_ids)
+    # the weights do not read V: K stands in for it (same keys, so the same checks pass)
+    return _eager_weights(q, k, k, mask=mask, scale=scale, softcap=softcap)
+
+
+@torch.library.custom_op("attnkit::attention_weights", mutates_args=())
+def attention_weights_op(q: Tensor, k: Tensor, tensor_mask: Tensor | None, bands: list[float],
+                         kv_lengths: Tensor | None, q_lengths: Tensor | None,
+                         doc_ids: Tensor | None, doc_kv_ids: Tensor | None,
+                         scale: float | None, softcap: float | None) -> Tensor:
+    """:func:`attention_weights` (the eager reference's softmax) as one operator."""
+    return _op_weights(q, k, tensor_mask, bands, kv_lengths, q_lengths, doc_ids, doc_kv_ids,
+                       scale, softcap).contiguous()
+
+
+@attention_weights_op.register_fake
+def _attention_weights_fake(q: Tensor, k: Tensor, tensor_mask: Tensor | None,
+                            bands: list[float], kv_lengths: Tensor | None,
+                            q_lengths: Tensor | None, doc_ids: Tensor | None,
+                            doc_kv_ids: Tensor | None, scale: float | None,
+                            softcap: float | None) -> Tensor:
+    from .api import check_inputs
+
+    check_inputs(q, k, k)
+    return q.new_empty(_weights_shape(q, k))                       # (B, H_q, N_q, N_k)
+
+
+@torch.library.custom_op("attnkit::attention_weights_backward", mutates_args=())
+def attention_weights_backward_op(grad_weights: Tensor, q: Tensor, k: Tensor,
+                                  tensor_mask: Tensor | None, bands: list[float],
+                                  kv_lengths: Tensor | None, q_lengths: Tensor | None,
+                                  doc_ids: Tensor | None, doc_kv_ids: Tensor | None,
+                                  scale: float | None, softcap: float | None,
+                                  needs: list[bool]) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of :func:`attention_weights_op` for q, k and a float ``tensor_mask``: the
+    eager weights recomputed with autograd. One not needed comes back as zeros (an empty
+    tensor for the mask)."""
+    with torch.enable_grad(), _autograd_dispatch():
+        ins = [t.detach().requires_grad_(n) if t is not None else None
+               for t, n in zip((q, k, tensor_mask), needs, strict=True)]
+        w = _op_weights(*ins, bands, kv_lengths, q_lengths, doc_ids, doc_kv_ids, scale,
+                        softcap)
+        wanted = [t for t in ins if t is not None and t.requires_grad]
+        got = iter(torch.autograd.grad([w], wanted, [grad_weights], allow_unused=True)
+                   if wanted else [])
+    res = []
+    for t, like in zip(ins, (q, k), strict=False):
+        g = next(got) if t.requires_grad else None
+        res.append(like.new_zeros(like.shape) if g is None else g.contiguous())
+    dm = next(got, None) if ins[2] is not None and ins[2].requires_grad else None
+    res.append(q.new_empty(0) if dm is None else dm.contiguous())
+    return tuple(res)  # type: ignore[return-value]
+
+
+@attention_weights_backward_op.register_fake
+def _attention_weights_backward_fake(grad_weights: Tensor, q: Tensor, k: Tensor,
+                                     tensor_mask: Tensor | None, bands: list[float],
+                                     kv_lengths: Tensor | None, q_lengths: Tensor | None,
+                                     doc_ids: Tensor | None, doc_kv_ids: Tensor | None,
+                                     scale: float | None, softcap: float | None,
+                                     needs: list[bool]) -> tuple[Tensor, Tensor, Tensor]:
+    dm = (tensor_mask.new_empty(tensor_mask.shape) if tensor_mask is not None and needs[2]
+          else q.new_empty(0))
+    return q.new_empty(q.shape), k.new_empty(k.shape), dm
+
+
+_N_WEIGHT_ARGS = 10   # attention_weights_op's inputs
+
+
+def _weights_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    (q, k, tensor_mask, bands, kv_lengths, q_lengths, doc_ids, doc_kv_ids, scale,
+     softcap) = inputs
+    ctx.save_for_backward(q, k, tensor_mask, kv_lengths, q_lengths, doc_ids, doc_kv_ids)
+    ctx.options = (bands, scale, softcap)
+
+
+def _weights_backward(ctx: Any, grad_weights: Tensor) -> tuple[Any, ...]:
+    q, k, tensor_mask, kv_lengths, q_lengths, doc_ids, doc_kv_ids = ctx.saved_tensors
+    bands, scale, softcap = ctx.options
+    needs = [bool(n) for n in ctx.needs_input_grad[:3]]
+    if tensor_mask is None or not tensor_mask.dtype.is_floating_point:
+        needs[2] = False
+    dq, dk, dm = attention_weights_backward_op(
+        grad_weights, q, k, tensor_mask, bands, kv_lengths, q_lengths, doc_ids, doc_kv_ids,
+        scale, softcap, needs)
+    grads = [dq if needs[0] else None, dk if needs[1] else None, dm if needs[2] else None]
+    return (*grads, *([None] * (_N_WEIGHT_ARGS - 3)))
+
+
+attention_weights_op.register_autograd(_weights_backward, setup_context=_weights_setup_context)
+
+
+@torch.compiler.disable
+def _eager_weights_outside(q: Tensor, k: Tensor, v: Tensor, **options: Any) -> Tensor:
+    """:func:`_eager_weights` run outside any graph being traced."""
+    return _eager_weights(q, k, v, **options)
+
+
+def attention_weights(q: Tensor, k: Tensor, v: Tensor, *, mask: Any = None,
+                      is_causal: bool = False, scale: float | None = None,
+                      softcap: float | None = None) -> Tensor:
+    """The attention weights ``(B, H_q, N_q, N_k)`` of an :func:`attnkit.attention` call with
+    the same options (dropout excluded: the softmax before it), computed by the reference
+    (O(N_q·N_k) memory). While torch.compile / torch.export trace, one
+    ``attnkit::attention_weights`` node (``fullgraph=True`` holds), or — for a mask an
+    operator argument cannot carry — the eager call outside the graph, with one warning
+    per call site."""
+    options = dict(mask=mask, is_causal=is_causal, scale=scale, softcap=softcap)
+    if not torch.compiler.is_compiling():
+        return _eager_weights(q, k, v, **options)
+    reason: str | None = None
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        reason = "NumPy inputs"
+    elif is_causal and mask is not None:
+        reason = "mask together with is_causal (an error, raised by the eager call)"
+    else:
+        args = op_args(_masks.causal() if is_causal else mask, q.shape[-2], k.shape[-2])
+        if isinstance(args, str):
+            reason = args
+    if reason is not None:
+        warnings.warn(
+            f"attnkit attention weights under torch.compile/export: {reason} cannot be an "
+            "operator argument, so the weights are computed eagerly outside the graph (a "
+            "graph break; fullgraph=True fails). Use the mask builders causal / "
+            "sliding_window / padding / document (and &) or a mask tensor to stay in the "
+            "graph", UserWarning, stacklevel=2)
+        return _eager_weights_outside(q, k, v, **options)
+    return attention_weights_op(q, k, args.tensor, args.bands, args.kv_lengths,
+                                args.q_lengths, args.doc_ids, args.doc_kv_ids, scale, softcap)

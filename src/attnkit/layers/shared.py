@@ -17,7 +17,9 @@ Caution
 - With a cache, ``is_causal=True`` aligns bottom-right (the last query sees the last key),
   which is what decoding needs; without a cache it is top-left, exactly like torch.
 - ``need_weights=True`` recomputes the weights with the reference (O(N_q·N_k) memory); the
-  weights are the softmax before dropout.
+  weights are the softmax before dropout. Under torch.compile / torch.export they are one
+  ``attnkit::attention_weights`` operator node (:func:`attnkit.ops.attention_weights`), so
+  ``fullgraph=True`` compiles with the masks ``attention()`` itself carries as an operator.
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ import torch
 from torch import nn
 
 from .. import masks as _masks
-from ..api import attention, prepare
-from ..reference import reference
+from .. import ops as _ops
+from ..api import attention
 from .cache import KVCache, check_cache
 from .common import check_input, merge_heads, shape_of
 
@@ -116,8 +118,9 @@ def cache_step(layer: nn.Module, cache: KVCache | None, **streams: torch.Tensor
 def attention_weights(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any
                       ) -> torch.Tensor:
     """The attention weights ``(B, H, N_q, N_k)`` of an :func:`attnkit.attention` call
-    (same options, dropout excluded), computed by the reference."""
-    return reference(prepare(q, k, v, **options).problem).weights.to(q.dtype)
+    (same options, dropout excluded), computed by the reference — one operator node under
+    torch.compile / export (:func:`attnkit.ops.attention_weights`)."""
+    return _ops.attention_weights(q, k, v, **options)
 
 
 def attend(
