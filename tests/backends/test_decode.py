@@ -248,6 +248,9 @@ def _kv1_mask(kind, b, nq, nk):  # noqa: ANN001, ANN202
         allowed = torch.rand(b, 1, nq, nk, generator=g) > 0.5
         allowed[1, :, 0] = False                       # a fully masked row
         return allowed
+    if kind == "float":                                # an additive mask, −∞ = blocked
+        fm = torch.randn(b, 4, nq, nk, generator=g, dtype=F64)
+        return fm.masked_fill(torch.rand(b, 1, nq, nk, generator=g) > 0.6, -math.inf)
     return {"none": None, "causal_br": M.causal(align="bottom_right"),
             "padding": M.padding([nk, 5, 0][:b]),      # batch 2 sees nothing
             "from_fn": M.from_fn(lambda b_, h, qi, ki: (ki + b_) % 3 != 0)}[kind]
@@ -258,7 +261,7 @@ _KV1_OPTS = {"fused": {}, "softcap": dict(softcap=2.0),
 
 
 @pytest.mark.parametrize("path", list(_KV1_OPTS))
-@pytest.mark.parametrize("kind", ["none", "causal_br", "padding", "bool", "from_fn"])
+@pytest.mark.parametrize("kind", ["none", "causal_br", "padding", "bool", "float", "from_fn"])
 @pytest.mark.parametrize("hkv", [1, 2])
 def test_python_decode_kv_batch_one_matches_the_reference(path, kind, hkv, python_decode):
     b, nq, nk = 3, 3, 97                                  # 6 chunks of 16 + a tail of 1

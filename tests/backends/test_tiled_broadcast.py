@@ -73,6 +73,10 @@ def _options(kind: str, nq: int, nk: int, dtype: torch.dtype = F64) -> dict[str,
         return dict(softcap=4.0, mask=allowed)
     if kind == "padding":
         return dict(softcap=3.0, mask=M.padding([nk, 5, 0]))   # batch 2 sees nothing
+    if kind == "float":                               # an additive mask: a bias, −∞ = blocked
+        fm = torch.randn(1, 4, nq, nk, generator=g, dtype=dtype)
+        return dict(softcap=3.0, mask=fm.masked_fill(torch.rand(B, 1, nq, nk, generator=g)
+                                                     > 0.6, -math.inf))
     raise AssertionError(kind)
 
 
@@ -90,7 +94,7 @@ def _reference(q, k1, v1, **opts):  # noqa: ANN001, ANN202
     return ak.attention(q.double(), k, v, backend="reference", return_lse=True, **opts)
 
 
-@pytest.mark.parametrize("kind", ["score_mod", "from_fn", "bool", "padding"])
+@pytest.mark.parametrize("kind", ["score_mod", "from_fn", "bool", "padding", "float"])
 @pytest.mark.parametrize("hkv", [1, 2])
 @pytest.mark.parametrize("nq,nk", [(9, 97), (37, 1025)])
 def test_general_engine_with_kv_batch_one_matches_the_reference(kind, hkv, nq, nk,
