@@ -79,3 +79,27 @@ def test_plot_without_matplotlib_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(ImportError, match=r'pip install "attnkit\[plot\]"'):
         tr.plot("unused.png")
+
+
+def test_png_and_page_use_the_same_colour_scale():
+    """Positive scores red and negative blue in both (RdBu_r in the PNG, the page's own mix
+    towards RdBu_r's ends), weights white → dark blue in both (Blues); darker with |v|."""
+    from matplotlib import colormaps
+
+    from attnkit.explain.html import cell_color
+
+    def rgb(hex_: str) -> np.ndarray:
+        return np.array([int(hex_[i:i + 2], 16) / 255 for i in (1, 3, 5)])
+
+    rdbu, blues = colormaps["RdBu_r"], colormaps["Blues"]
+    for v in (-1.0, -0.6, -0.2, 0.2, 0.6, 1.0):
+        page = rgb(cell_color(v, "value", 1.0)[0])
+        png = np.array(rdbu((v + 1) / 2)[:3])
+        for c in (page, png):
+            assert (c[0] > c[2]) == (v > 0), (v, page, png)     # red above 0, blue below
+        assert np.abs(page - png).max() < 0.35, (v, page, png)
+    dark = [rgb(cell_color(w, "weights", 1.0)[0]).sum() for w in (0.0, 0.3, 0.7, 1.0)]
+    assert dark == sorted(dark, reverse=True)
+    for w in (0.3, 0.7, 1.0):
+        page, png = rgb(cell_color(w, "weights", 1.0)[0]), np.array(blues(w)[:3])
+        assert page.argmax() == png.argmax() == 2 and np.abs(page - png).max() < 0.3, (w, page, png)
