@@ -212,8 +212,8 @@ STRINGS: dict[str, dict[str, str]] = {
         "r_saturated": "{qn}: 포화 상태입니다 — 가중치 중 {w}만큼을 Key 하나가 가져갑니다 "
                        "(로짓 범위 {spread}). 로짓이 크면 Softmax는 거의 원-핫이 되고 "
                        "기울기가 거의 사라집니다.",
-        "r_saturated_scale": " 여기서는 scale\u00a0=\u00a0{scale}입니다. 보통의 값(1/√d_k = {default})을 "
-                             "쓰면 로짓이 {ratio}분의 1로 줄어듭니다.",
+        "r_saturated_scale": " 여기서는 scale\u00a0=\u00a0{scale}입니다. 보통의 값"
+                             "(1/√d_k = {default})을 쓰면 로짓이 {ratio}분의 1로 줄어듭니다.",
         "r_symmetric": "S가 대칭입니다 (S = Sᵀ): {q1}·{k2} = {q2}·{k1}. Q와 K가 같은 W에서 "
                        "나오면 이렇게 됩니다. i에서 j로의 Score와 j에서 i로의 Score가 같고, "
                        "가중치는 행마다 따로 정규화되므로 여전히 다릅니다.",
