@@ -176,7 +176,7 @@ def test_model_options_need_model(capsys):
 def test_korean_output(capsys):
     rc, out, _ = run(capsys, "--example", "masked", "--lang", "ko")
     assert rc == 0
-    assert "단계" in out and "가장 컸지만 마스크" in out
+    assert "단계" in out and "가장 컸지만 Mask" in out
     assert all_close(parse(out)[0].values("4")[0], ["0.44", "0.56", "0"])
 
 
