@@ -14,7 +14,8 @@ in float16/bfloat16 are read as such and converted in registers.
 Shape legend (the Problem layout of ``backends/base.py``)::
 
     q (B, H_q, N_q, D_k)   k (B, H_kv, N_k, D_k)   v (B, H_kv, N_k, D_v)    H_q = G · H_kv
-    out (B, H_q, N_q, D_v)  (q's dtype)            lse (B, H_q, N_q)  float32, −∞ = no key
+    out (B, H_q, N_q, D_v)  (q's dtype)            lse (B, H_q, N_q)  −∞ = no key, float32
+                                                   (float64 for float64 inputs)
     alibi_slopes (H_q,)     bias, dense_mask       broadcastable to (B, H_q, N_q, N_k)
     rel_table (H_q, 2·rel_max_distance + 1)        any float dtype; gradient flows to it
     kv_lengths, q_lengths   (B,) or (1,)           doc_ids (B|1, N_q)  kv_doc_ids (B|1, N_k)
@@ -51,8 +52,11 @@ Caution
   threads give the same bits; only the columns some |k − q| reaches are passed, so the
   per-thread buffer is at most H_q × (2·max(N_q, N_k) − 1) float64) and to
   ``alibi_slopes`` (likewise). A bias that requires grad is refused. The backward keeps
-  one float32 dQ buffer per thread (threads × the size of q).
-- float32, bfloat16 and float16 on CPU; float64 is refused (accumulation is float32).
+  one dQ buffer per thread in the compute dtype (threads × the size of q).
+- float32, bfloat16 and float16 on CPU compute in float32; float64 computes in float64 (the
+  score terms, the softmax, the LSE and the gradients too) with the C library's exp / tanh
+  per lane and plain-loop GEMMs: exact to float64 rounding, but several times slower than
+  float32 (it is there for gradcheck and float64 reference work).
 - The first call in a fresh environment compiles the kernel (~10 s of one core on a quiet
   machine, up to ~40 s on a loaded one; see ``loader``); later processes load the cached
   build. ``ATTNKIT_NATIVE=0`` turns the kernel off.
@@ -80,7 +84,7 @@ from . import loader
 __all__ = ["available", "why_unavailable", "forward", "decode", "supports", "forward_problem",
            "DTYPES", "DECODE_MAX_QUERIES", "DENSE_MASK_LIMIT"]
 
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 DECODE_MAX_QUERIES = 16
 DENSE_MASK_LIMIT = 256 * 2**20      # bytes of a dense mask supports() accepts
 _ROWS_PER_ITEM = 128                # query rows (G heads × block_q) per work item
@@ -137,6 +141,11 @@ def _ids(x: object, B: int, n: int, what: str) -> torch.Tensor:
     return t.expand(B, n)
 
 
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The kernel's compute (and LSE) dtype for inputs of ``dtype``."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def _auto_splits(items: int, n_k: int) -> int:
     """Key splits so that there are a few work items per thread (decode-sized calls)."""
     threads = max(1, torch.get_num_threads())
@@ -167,8 +176,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float |
             raise ValueError(f"native.forward: {name} must be a 4-D tensor (B, H, N, D), got "
                              f"{getattr(t, 'shape', type(t))}")
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in DTYPES:
-        raise TypeError(f"native.forward: q, k, v must share one dtype of float32 / bfloat16 / "
-                        f"float16, got {q.dtype}, {k.dtype}, {v.dtype}")
+        raise TypeError(f"native.forward: q, k, v must share one dtype of float32 / float64 / "
+                        f"bfloat16 / float16, got {q.dtype}, {k.dtype}, {v.dtype}")
     if q.device.type != "cpu" or k.device.type != "cpu" or v.device.type != "cpu":
         raise ValueError(f"native.forward runs on CPU tensors, got {q.device}, {k.device}, "
                          f"{v.device}")
@@ -183,16 +192,17 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float |
                            "alibi_slopes, not bias: detach it, or use the tiled engine for "
                            "its gradient")
     rel = _rel_table(rel_table, rel_max_distance, Hq)
+    cdt = _compute_dtype(q.dtype)                            # score terms and LSE
     if Nq == 0 or Nk == 0:                                   # no query, or nothing to see
         return (q.new_zeros(B, Hq, Nq, v.shape[3]),
-                torch.full((B, Hq, Nq), -math.inf, dtype=torch.float32))
+                torch.full((B, Hq, Nq), -math.inf, dtype=cdt))
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     shape4 = (B, Hq, Nq, Nk)
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be > 0, got {softcap}")
     slopes = None
     if alibi_slopes is not None:
-        slopes = torch.as_tensor(alibi_slopes).detach().to(torch.float32).reshape(-1)
+        slopes = torch.as_tensor(alibi_slopes).detach().to(cdt).reshape(-1)
         slopes = slopes.contiguous()
         if slopes.numel() != Hq:
             raise ValueError(f"alibi_slopes must have H_q={Hq} entries, got {slopes.numel()}")
@@ -214,9 +224,9 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float |
         float(Dk ** -0.5 if scale is None else scale), float(softcap or 0.0),
         slopes, float(alibi_offset),
         None if rel is None else                              # (H_q, 2M' + 1), M' <= N
-        rel.detach()[:, cut:rel.shape[1] - cut].to(torch.float32).contiguous(),
+        rel.detach()[:, cut:rel.shape[1] - cut].to(cdt).contiguous(),
         0 if rel is None else int(rel_max_distance) - cut,  # type: ignore[arg-type]
-        None if bias is None else _as4d(bias, shape4, "bias", torch.float32),
+        None if bias is None else _as4d(bias, shape4, "bias", cdt),
         lo, hi,
         None if kv_lengths is None else _per_batch(kv_lengths, B, "kv_lengths"),
         None if q_lengths is None else _per_batch(q_lengths, B, "q_lengths"),
@@ -272,9 +282,10 @@ class _NativeAttention(torch.autograd.Function):
     def backward(ctx, dout, dlse):  # noqa: ANN001, ANN205
         refuse_double_backward("native")
         q, k, v, out, lse = ctx.saved_tensors
-        delta = (dout.float() * out.float()).sum(-1)               # (B, H_q, N_q)
+        cdt = lse.dtype                                            # float32, or float64
+        delta = (dout.to(cdt) * out.to(cdt)).sum(-1)               # (B, H_q, N_q)
         if dlse is not None:
-            delta = delta - dlse.float()                           # d lse / d s = P
+            delta = delta - dlse.to(cdt)                           # d lse / d s = P
         dout = dout.to(q.dtype)
         dout = dout if dout.stride(-1) == 1 else dout.contiguous()
         dq, dk, dv, drel, dali = _ops().attend_backward(
@@ -367,7 +378,7 @@ def supports(p: Problem) -> list[str]:
     if p.device.type != "cpu":
         out.append(f"runs on CPU only (inputs are on {p.device})")
     if p.dtype not in DTYPES:
-        out.append(f"dtype {p.dtype} is not supported (float32, bfloat16, float16)")
+        out.append(f"dtype {p.dtype} is not supported (float32, float64, bfloat16, float16)")
     if p.requires_grad and p.bias is not None and p.bias.requires_grad:
         out.append("no gradient for a bias tensor (q, k, v only)")
     if p.dropout_p > 0.0:

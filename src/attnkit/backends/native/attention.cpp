@@ -2,13 +2,14 @@
 //
 // Shape legend (the Problem layout of attnkit/backends/base.py):
 //   q    (B, H_q,  N_q, D_k)   k (B, H_kv, N_k, D_k)   v (B, H_kv, N_k, D_v)
-//   out  (B, H_q,  N_q, D_v)   lse (B, H_q, N_q) float32
+//   out  (B, H_q,  N_q, D_v)   lse (B, H_q, N_q) float32 (float64 for float64 inputs)
 //   G = H_q / H_kv query heads share one K/V head (GQA). A work item is
 //   (b, kv head, query block, key split); its R = G * rows query rows are stacked
 //   head-major (row r = g * rows + i  <->  head kvh * G + g, query q0 + i).
 //   Per key tile of n <= BK keys:
 //     S   (R, BK)    scores, then probabilities P in place
-//     acc (R, DVP)   sum_j P v_j (float32)          m, l (R,) running max / sum
+//     acc (R, DVP)   sum_j P v_j                    m, l (R,) running max / sum
+//   all in the compute type A = compute_t<T>: float, or double for float64 inputs.
 //
 // Order of score terms (attnkit/scores.py): S*scale -> softcap -> ALiBi -> + relative bias
 // table[h, clamp(k - q, -M, M) + M] (rel_table (H_q, 2M+1)) -> + bias -> mask.
@@ -31,21 +32,24 @@ template <typename P> const P* opt_ptr(const std::optional<Tensor>& t) {
   return t.has_value() ? t->data_ptr<P>() : nullptr;
 }
 
-// The call's parameters from the operator's arguments (shared by forward and backward).
-Args make_args(const Tensor& q, const Tensor& k, const Tensor& v, double scale, double softcap,
-               const std::optional<Tensor>& alibi, double alibi_offset,
-               const std::optional<Tensor>& rel, int64_t rel_max_distance,
-               const std::optional<Tensor>& bias, double band_lo, double band_hi,
-               const std::optional<Tensor>& kv_len, const std::optional<Tensor>& q_len,
-               const std::optional<Tensor>& q_doc, const std::optional<Tensor>& k_doc,
-               const std::optional<Tensor>& mask) {
+// The call's parameters from the operator's arguments (shared by forward and backward); the
+// score terms' tensors (alibi, rel, bias) come in A's dtype.
+template <typename A>
+Args<A> make_args(const Tensor& q, const Tensor& k, const Tensor& v, double scale,
+                  double softcap, const std::optional<Tensor>& alibi, double alibi_offset,
+                  const std::optional<Tensor>& rel, int64_t rel_max_distance,
+                  const std::optional<Tensor>& bias, double band_lo, double band_hi,
+                  const std::optional<Tensor>& kv_len, const std::optional<Tensor>& q_len,
+                  const std::optional<Tensor>& q_doc, const std::optional<Tensor>& k_doc,
+                  const std::optional<Tensor>& mask) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
               "attnkit native: q, k, v must be 4-D (B, H, N, D)");
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
               "attnkit native: the last dim of q, k, v must be contiguous");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
               "attnkit native: q, k, v must share one dtype");
-  Args a{};
+  constexpr at::ScalarType kA = c10::CppTypeToScalarType<A>::value;
+  Args<A> a{};
   a.B = q.size(0); a.Hq = q.size(1); a.Nq = q.size(2); a.Dk = q.size(3);
   a.Hkv = k.size(1); a.Nk = k.size(2); a.Dv = v.size(3);
   a.G = a.Hq / a.Hkv;
@@ -53,16 +57,19 @@ Args make_args(const Tensor& q, const Tensor& k, const Tensor& v, double scale, 
   for (int i = 0; i < 3; ++i) {
     a.sq[i] = q.stride(i); a.sk[i] = k.stride(i); a.sv[i] = v.stride(i);
   }
-  a.scale = float(scale); a.softcap = float(softcap);
-  a.alibi = opt_ptr<float>(alibi); a.alibi_offset = float(alibi_offset);
-  a.rel = opt_ptr<float>(rel); a.rel_M = rel_max_distance;
+  for (const auto* t : {&alibi, &rel, &bias})
+    TORCH_CHECK(!t->has_value() || (*t)->scalar_type() == kA,
+                "attnkit native: alibi, rel_table and bias must be ", kA, " for ",
+                q.scalar_type(), " inputs, got ", (*t)->scalar_type());
+  a.scale = A(scale); a.softcap = A(softcap);
+  a.alibi = opt_ptr<A>(alibi); a.alibi_offset = A(alibi_offset);
+  a.rel = opt_ptr<A>(rel); a.rel_M = rel_max_distance;
   if (a.rel)
-    TORCH_CHECK(rel->scalar_type() == at::kFloat && rel->is_contiguous() && rel->dim() == 2 &&
-                    rel->size(0) == a.Hq && rel->size(1) == 2 * rel_max_distance + 1 &&
-                    rel_max_distance >= 0,
-                "attnkit native: rel_table must be contiguous float32 (H_q, 2*max_distance+1) "
+    TORCH_CHECK(rel->is_contiguous() && rel->dim() == 2 && rel->size(0) == a.Hq &&
+                    rel->size(1) == 2 * rel_max_distance + 1 && rel_max_distance >= 0,
+                "attnkit native: rel_table must be contiguous (H_q, 2*max_distance+1) "
                 "= (", a.Hq, ", ", 2 * rel_max_distance + 1, "), got ", rel->sizes());
-  a.bias = opt_ptr<float>(bias);
+  a.bias = opt_ptr<A>(bias);
   if (a.bias) for (int i = 0; i < 4; ++i) a.sb[i] = bias->stride(i);
   a.band_lo = band_lo; a.band_hi = band_hi;
   a.kv_len = opt_ptr<int64_t>(kv_len); if (a.kv_len) a.skl = kv_len->stride(0);
@@ -79,14 +86,27 @@ Args make_args(const Tensor& q, const Tensor& k, const Tensor& v, double scale, 
 #define ATTNKIT_DISPATCH(dtype, ...)                                                       \
   switch (dtype) {                                                                         \
     case at::kFloat: { using T = float; __VA_ARGS__; break; }                              \
+    case at::kDouble: { using T = double; __VA_ARGS__; break; }                            \
     case at::kBFloat16: { using T = at::BFloat16; __VA_ARGS__; break; }                    \
     case at::kHalf: { using T = at::Half; __VA_ARGS__; break; }                            \
     default:                                                                               \
       TORCH_CHECK(false, "attnkit native: dtype ", dtype,                                  \
-                  " is not supported (use float32, bfloat16 or float16)");                 \
+                  " is not supported (use float32, float64, bfloat16 or float16)");        \
   }
 
-// Forward: (out (B, H_q, N_q, D_v) in q's dtype, lse (B, H_q, N_q) float32).
+// The launch of a forward call: rows per item, key splits on the tile grid, and whether a
+// whole head's Kᵀ is cached per thread (all threads' copies within 64 MB).
+template <typename A> void plan_forward(Args<A>& a, int64_t splits, int64_t block_q) {
+  a.rows = std::max<int64_t>(1, std::min(block_q, a.Nq));
+  a.n_qblocks = (a.Nq + a.rows - 1) / a.rows;
+  a.splits = std::max<int64_t>(1, std::min(splits, a.Nk));
+  a.split_len = round_up((a.Nk + a.splits - 1) / a.splits, BK);  // on the tile grid
+  a.splits = (a.Nk + a.split_len - 1) / a.split_len;
+  a.cache_kt = a.Dk * a.NKP * i64(sizeof(A)) * std::max(1, at::get_num_threads()) <= (64 << 20);
+}
+
+// Forward: (out (B, H_q, N_q, D_v) in q's dtype, lse (B, H_q, N_q) in A: float32, or float64
+// for float64 inputs).
 std::tuple<Tensor, Tensor> attend(
     const Tensor& q, const Tensor& k, const Tensor& v, double scale, double softcap,
     const std::optional<Tensor>& alibi, double alibi_offset, const std::optional<Tensor>& rel,
@@ -94,25 +114,23 @@ std::tuple<Tensor, Tensor> attend(
     double band_hi, const std::optional<Tensor>& kv_len, const std::optional<Tensor>& q_len,
     const std::optional<Tensor>& q_doc, const std::optional<Tensor>& k_doc,
     const std::optional<Tensor>& mask, int64_t splits, int64_t block_q) {
-  Args a = make_args(q, k, v, scale, softcap, alibi, alibi_offset, rel, rel_max_distance, bias,
-                     band_lo, band_hi, kv_len, q_len, q_doc, k_doc, mask);
-  a.rows = std::max<int64_t>(1, std::min(block_q, a.Nq));
-  a.n_qblocks = (a.Nq + a.rows - 1) / a.rows;
-  a.splits = std::max<int64_t>(1, std::min(splits, a.Nk));
-  a.split_len = round_up((a.Nk + a.splits - 1) / a.splits, BK);  // on the tile grid
-  a.splits = (a.Nk + a.split_len - 1) / a.split_len;
-  // a whole head's Kᵀ per thread while all threads' copies stay within 64 MB
-  a.cache_kt = a.Dk * a.NKP * 4 * std::max(1, at::get_num_threads()) <= (64 << 20);
-  Tensor out = at::empty({a.B, a.Hq, a.Nq, a.Dv}, q.options());
-  Tensor lse = at::empty({a.B, a.Hq, a.Nq}, q.options().dtype(at::kFloat));
-  ATTNKIT_DISPATCH(q.scalar_type(),
-                   run(a, q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), out.data_ptr<T>(),
-                       lse.data_ptr<float>()));
+  Tensor out, lse;
+  ATTNKIT_DISPATCH(q.scalar_type(), {
+    using A = compute_t<T>;
+    Args<A> a = make_args<A>(q, k, v, scale, softcap, alibi, alibi_offset, rel,
+                             rel_max_distance, bias, band_lo, band_hi, kv_len, q_len, q_doc,
+                             k_doc, mask);
+    plan_forward(a, splits, block_q);
+    out = at::empty({a.B, a.Hq, a.Nq, a.Dv}, q.options());
+    lse = at::empty({a.B, a.Hq, a.Nq}, q.options().dtype(c10::CppTypeToScalarType<A>::value));
+    run(a, q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), out.data_ptr<T>(),
+        lse.data_ptr<A>());
+  });
   return {out, lse};
 }
 
-// Backward: (dq, dk, dv) like q, k, v (contiguous), d rel_table (H_q, 2M+1) float32 (empty
-// without a table) and d alibi (H_q,) float32 (empty unless alibi_grad).
+// Backward: (dq, dk, dv) like q, k, v (contiguous), d rel_table (H_q, 2M+1) in A (empty
+// without a table) and d alibi (H_q,) in A (empty unless alibi_grad); lse, delta in A.
 // delta = rowsum(dout * out) - dlse.
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> attend_backward(
     const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& dout, const Tensor& lse,
@@ -122,28 +140,31 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> attend_backward(
     const std::optional<Tensor>& kv_len, const std::optional<Tensor>& q_len,
     const std::optional<Tensor>& q_doc, const std::optional<Tensor>& k_doc,
     const std::optional<Tensor>& mask, bool alibi_grad) {
-  Args a = make_args(q, k, v, scale, softcap, alibi, alibi_offset, rel, rel_max_distance, bias,
-                     band_lo, band_hi, kv_len, q_len, q_doc, k_doc, mask);
-  a.alibi_grad = alibi_grad && a.alibi;
-  TORCH_CHECK(dout.sizes() == at::IntArrayRef({a.B, a.Hq, a.Nq, a.Dv}) && dout.stride(3) == 1 &&
-                  dout.scalar_type() == q.scalar_type(),
-              "attnkit native: dout must be like out (B, H_q, N_q, D_v), last dim contiguous");
-  TORCH_CHECK(lse.is_contiguous() && delta.is_contiguous() &&
-                  lse.scalar_type() == at::kFloat && delta.scalar_type() == at::kFloat,
-              "attnkit native: lse and delta must be contiguous float32 (B, H_q, N_q)");
-  const i64 sdo[3] = {dout.stride(0), dout.stride(1), dout.stride(2)};
-  Tensor dq = at::empty({a.B, a.Hq, a.Nq, a.Dk}, q.options());
-  Tensor dk = at::empty({a.B, a.Hkv, a.Nk, a.Dk}, q.options());
-  Tensor dv = at::empty({a.B, a.Hkv, a.Nk, a.Dv}, q.options());
-  Tensor dtab = at::empty({a.rel ? a.Hq : 0, a.rel ? 2 * a.rel_M + 1 : 0},
-                          q.options().dtype(at::kFloat));
-  Tensor dslope = at::empty({a.alibi_grad ? a.Hq : 0}, q.options().dtype(at::kFloat));
-  ATTNKIT_DISPATCH(q.scalar_type(),
-                   run_backward(a, q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(),
-                                dout.data_ptr<T>(), sdo, lse.data_ptr<float>(),
-                                delta.data_ptr<float>(), dq.data_ptr<T>(), dk.data_ptr<T>(),
-                                dv.data_ptr<T>(), dtab.data_ptr<float>(),
-                                dslope.data_ptr<float>()));
+  Tensor dq, dk, dv, dtab, dslope;
+  ATTNKIT_DISPATCH(q.scalar_type(), {
+    using A = compute_t<T>;
+    constexpr at::ScalarType kA = c10::CppTypeToScalarType<A>::value;
+    Args<A> a = make_args<A>(q, k, v, scale, softcap, alibi, alibi_offset, rel,
+                             rel_max_distance, bias, band_lo, band_hi, kv_len, q_len, q_doc,
+                             k_doc, mask);
+    a.alibi_grad = alibi_grad && a.alibi;
+    TORCH_CHECK(dout.sizes() == at::IntArrayRef({a.B, a.Hq, a.Nq, a.Dv}) &&
+                    dout.stride(3) == 1 && dout.scalar_type() == q.scalar_type(),
+                "attnkit native: dout must be like out (B, H_q, N_q, D_v), last dim "
+                "contiguous");
+    TORCH_CHECK(lse.is_contiguous() && delta.is_contiguous() && lse.scalar_type() == kA &&
+                    delta.scalar_type() == kA,
+                "attnkit native: lse and delta must be contiguous ", kA, " (B, H_q, N_q)");
+    const i64 sdo[3] = {dout.stride(0), dout.stride(1), dout.stride(2)};
+    dq = at::empty({a.B, a.Hq, a.Nq, a.Dk}, q.options());
+    dk = at::empty({a.B, a.Hkv, a.Nk, a.Dk}, q.options());
+    dv = at::empty({a.B, a.Hkv, a.Nk, a.Dv}, q.options());
+    dtab = at::empty({a.rel ? a.Hq : 0, a.rel ? 2 * a.rel_M + 1 : 0}, q.options().dtype(kA));
+    dslope = at::empty({a.alibi_grad ? a.Hq : 0}, q.options().dtype(kA));
+    run_backward(a, q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), dout.data_ptr<T>(),
+                 sdo, lse.data_ptr<A>(), delta.data_ptr<A>(), dq.data_ptr<T>(),
+                 dk.data_ptr<T>(), dv.data_ptr<T>(), dtab.data_ptr<A>(), dslope.data_ptr<A>());
+  });
   return {dq, dk, dv, dtab, dslope};
 }
 

@@ -5,12 +5,13 @@
 //   S, P (nq, BK)  = Q K_blockᵀ -> fused score terms -> e^(x - lse)
 //   dP   (nq, BK)  = dO V_blockᵀ          dS = P * (dP - delta) * d(capped)/d(score)
 //   dV_block += Pᵀ dO    dK_block += dSᵀ Q    (accumulated in the item, no races)
-//   dQ rows  += dS K_block                     (per-thread float32 buffers, summed at the end)
+//   dQ rows  += dS K_block                     (per-thread buffers in A, summed at the end)
 //   d table[h, bucket] += dX  (dX = P * (dP - delta), the gradient of the score after the
 //                              soft-cap; per-thread float64 (H_q, 2M+1), summed in thread order)
 //   d slope[h] -= dX * |q + offset - k|   (when alibi_grad; per-thread float64 (H_q,) likewise)
 // delta = rowsum(dO * O) - dLSE (B, H_q, N_q). A key with P == 0 gives dS == 0 exactly, and
 // K rows holding inf/NaN are zeroed for dQ, so NaN in masked K/V rows stays out.
+// Everything is in the compute type A (float; double for float64 inputs), lse and delta too.
 #pragma once
 #include "common.h"
 
@@ -19,62 +20,65 @@ namespace {
 
 constexpr int BQ = 64;  // queries per backward tile
 
-struct BackBuffers {
-  std::vector<float> kt, kb, vt, q, dout, s, dp, fac, pt, dk, dv, row;
-  explicit BackBuffers(const Args& a)
+template <typename A> struct BackBuffers {
+  std::vector<A> kt, kb, vt, q, dout, s, dp, fac, pt, dk, dv, row;
+  explicit BackBuffers(const Args<A>& a)
       : kt(a.Dk * BK), kb(BK * a.DKP), vt(a.Dv * BK), q(BQ * a.DKP), dout(BQ * a.DVP),
         s(BQ * BK), dp(BQ * BK), fac(BQ * BK), pt(BK * BQ), dk(BK * a.DKP), dv(BK * a.DVP),
         row(std::max(a.DKP, a.DVP)) {}
 };
 
 // kt (D_k, BK) = Kᵀ, kb (n, DKP) = K (non-finite rows zeroed), vt (D_v, BK) = Vᵀ of the block.
-template <typename T>
-void load_key_block(const Args& a, const T* kh, const T* vh, i64 k0, i64 n, BackBuffers& bb) {
-  float* row = bb.row.data();
+template <typename A, typename T>
+void load_key_block(const Args<A>& a, const T* kh, const T* vh, i64 k0, i64 n,
+                    BackBuffers<A>& bb) {
+  A* row = bb.row.data();
   for (i64 j = 0; j < n; ++j) {
-    row_to_float(kh + (k0 + j) * a.sk[2], row, a.Dk, a.DKP);
+    row_to_compute(kh + (k0 + j) * a.sk[2], row, a.Dk, a.DKP);
     for (i64 d = 0; d < a.Dk; ++d) bb.kt[d * BK + j] = row[d];
     const bool finite = all_finite(row, a.Dk);
-    for (i64 d = 0; d < a.DKP; ++d) bb.kb[j * a.DKP + d] = finite ? row[d] : 0.f;
-    row_to_float(vh + (k0 + j) * a.sv[2], row, a.Dv, a.DVP);
+    for (i64 d = 0; d < a.DKP; ++d) bb.kb[j * a.DKP + d] = finite ? row[d] : A(0);
+    row_to_compute(vh + (k0 + j) * a.sv[2], row, a.Dv, a.DVP);
     for (i64 d = 0; d < a.Dv; ++d) bb.vt[d * BK + j] = row[d];
   }
 }
 
 // dst (cols, ld_dst) = srcᵀ for src (rows, ld_src) with rows x cols used.
-inline void transpose(const float* src, i64 rows, i64 cols, i64 ld_src, float* dst,
-                      i64 ld_dst) {
+template <typename A>
+inline void transpose(const A* src, i64 rows, i64 cols, i64 ld_src, A* dst, i64 ld_dst) {
   for (i64 i = 0; i < rows; ++i)
     for (i64 j = 0; j < cols; ++j) dst[j * ld_dst + i] = src[i * ld_src + j];
 }
 
 // One tile of nq queries [q0, q0 + nq) of head h against the loaded key block.
-template <typename T>
-void backward_tile(const Args& a, const T* q, const T* dout, const i64* sdo, const float* lse,
-                   const float* delta, const Item& it, i64 h, i64 k0, i64 n, bool full,
-                   float* dq, double* dtab, double* dslope, BackBuffers& bb) {
+template <typename A, typename T>
+void backward_tile(const Args<A>& a, const T* q, const T* dout, const i64* sdo, const A* lse,
+                   const A* delta, const Item& it, i64 h, i64 k0, i64 n, bool full,
+                   A* dq, double* dtab, double* dslope, BackBuffers<A>& bb) {
+  using V = vec<A>;
+  constexpr int L = lanes<A>;
   const i64 nq = it.nr, npad = round_up(n, W);
-  for (i64 i = 0; i < nq; ++i) {                           // Q and dO rows in float32
+  for (i64 i = 0; i < nq; ++i) {                           // Q and dO rows in A
     const i64 qi = it.q0 + i;
-    row_to_float(q + it.b * a.sq[0] + h * a.sq[1] + qi * a.sq[2], bb.q.data() + i * a.DKP,
-                 a.Dk, a.DKP);
-    row_to_float(dout + it.b * sdo[0] + h * sdo[1] + qi * sdo[2], bb.dout.data() + i * a.DVP,
-                 a.Dv, a.DVP);
+    row_to_compute(q + it.b * a.sq[0] + h * a.sq[1] + qi * a.sq[2], bb.q.data() + i * a.DKP,
+                   a.Dk, a.DKP);
+    row_to_compute(dout + it.b * sdo[0] + h * sdo[1] + qi * sdo[2],
+                   bb.dout.data() + i * a.DVP, a.Dv, a.DVP);
   }
-  using at::native::cpublas::brgemm;
-  brgemm(nq, n, a.Dk, a.DKP, BK, BK, false, bb.q.data(), bb.kt.data(), bb.s.data(), false);
-  brgemm(nq, n, a.Dv, a.DVP, BK, BK, false, bb.dout.data(), bb.vt.data(), bb.dp.data(), false);
+  gemm(nq, n, a.Dk, a.DKP, BK, BK, false, bb.q.data(), bb.kt.data(), bb.s.data());
+  gemm(nq, n, a.Dv, a.DVP, BK, BK, false, bb.dout.data(), bb.vt.data(), bb.dp.data());
   for (i64 i = 0; i < nq; ++i) {                           // P and dS, row by row
     const i64 qi = it.q0 + i, flat = (it.b * a.Hq + h) * a.Nq + qi;
-    float *x = bb.s.data() + i * BK, *f = bb.fac.data() + i * BK, *dp = bb.dp.data() + i * BK;
+    A *x = bb.s.data() + i * BK, *f = bb.fac.data() + i * BK, *dp = bb.dp.data() + i * BK;
     scale_and_cap(a, x, npad, f);
     position_terms_and_mask(a, x, n, npad, it.b, h, qi, k0, full);
-    const vf shift = splat(lse[flat] == NEG_INF ? 0.f : lse[flat]), dl = splat(delta[flat]);
+    const V shift = splat(lse[flat] == NEG_INF ? A(0) : lse[flat]), dl = splat(delta[flat]);
+    const V zero = splat(A(0));
     if (!a.rel && !a.alibi_grad) {
-      for (i64 j = 0; j < npad; j += W) {
-        const vf p = vexp_neg(load(x + j) - shift);
+      for (i64 j = 0; j < npad; j += L) {
+        const V p = vexp_neg(load(x + j) - shift);
         store(x + j, p);
-        store(dp + j, select(p == 0.f, splat(0.f), p * (load(dp + j) - dl) * load(f + j)));
+        store(dp + j, select(p == A(0), zero, p * (load(dp + j) - dl) * load(f + j)));
       }
       continue;
     }
@@ -83,23 +87,23 @@ void backward_tile(const Args& a, const T* q, const T* dout, const i64* sdo, con
     // alibi_grad it sums dX * |qi + offset - k|
     i64 jl = 0, jh = 0;
     if (a.rel) rel_segments(a.rel_M, n, qi, k0, jl, jh);
-    const vf lane = iota(), vjl = splat(float(jl)), vjh = splat(float(jh));
-    const vf dist0 = splat(float(qi - k0) + a.alibi_offset);
-    vf lo = splat(0.f), hi = splat(0.f), sl = splat(0.f);
-    for (i64 j = 0; j < npad; j += W) {
-      const vf p = vexp_neg(load(x + j) - shift);
+    const V lane = iota<A>(), vjl = splat(A(jl)), vjh = splat(A(jh));
+    const V dist0 = splat(A(qi - k0) + a.alibi_offset);
+    V lo = zero, hi = zero, sl = zero;
+    for (i64 j = 0; j < npad; j += L) {
+      const V p = vexp_neg(load(x + j) - shift);
       store(x + j, p);
-      const vf dx = select(p == 0.f, splat(0.f), p * (load(dp + j) - dl));  // 0 past n
-      const vf jv = lane + float(j);
+      const V dx = select(p == A(0), zero, p * (load(dp + j) - dl));  // 0 past n
+      const V jv = lane + A(j);
       store(dp + j, dx * load(f + j));
       if (a.rel) {
-        lo += select(jv < vjl, dx, splat(0.f));
-        hi += select(jv >= vjh, dx, splat(0.f));
+        lo += select(jv < vjl, dx, zero);
+        hi += select(jv >= vjh, dx, zero);
         store(f + j, dx);
       }
       if (a.alibi_grad) {
-        vf d = dist0 - jv;
-        d = select(d < 0.f, -d, d);
+        V d = dist0 - jv;
+        d = select(d < A(0), -d, d);
         sl += dx * d;
       }
     }
@@ -112,38 +116,38 @@ void backward_tile(const Args& a, const T* q, const T* dout, const i64* sdo, con
     for (i64 j = jl; j < jh; ++j) dt[off + j] += f[j];
   }
   transpose(bb.s.data(), nq, n, BK, bb.pt.data(), BQ);     // Pᵀ (n, nq)
-  brgemm(n, a.Dv, nq, BQ, a.DVP, a.DVP, true, bb.pt.data(), bb.dout.data(), bb.dv.data(), false);
+  gemm(n, a.Dv, nq, BQ, a.DVP, a.DVP, true, bb.pt.data(), bb.dout.data(), bb.dv.data());
   transpose(bb.dp.data(), nq, n, BK, bb.pt.data(), BQ);    // dSᵀ (n, nq)
-  brgemm(n, a.Dk, nq, BQ, a.DKP, a.DKP, true, bb.pt.data(), bb.q.data(), bb.dk.data(), false);
-  float* dq_rows = dq + ((it.b * a.Hq + h) * a.Nq + it.q0) * a.DKP;
-  brgemm(nq, a.Dk, n, BK, a.DKP, a.DKP, true, bb.dp.data(), bb.kb.data(), dq_rows, false);
+  gemm(n, a.Dk, nq, BQ, a.DKP, a.DKP, true, bb.pt.data(), bb.q.data(), bb.dk.data());
+  A* dq_rows = dq + ((it.b * a.Hq + h) * a.Nq + it.q0) * a.DKP;
+  gemm(nq, a.Dk, n, BK, a.DKP, a.DKP, true, bb.dp.data(), bb.kb.data(), dq_rows);
 }
 
-// dq, dk, dv (contiguous, dtype T) of the whole call; dtab (H_q, 2M+1) float32 when a.rel,
-// dslope (H_q,) float32 when a.alibi_grad.
-template <typename T>
-void run_backward(const Args& a, const T* q, const T* k, const T* v, const T* dout,
-                  const i64* sdo, const float* lse, const float* delta, T* dq, T* dk, T* dv,
-                  float* dtab, float* dslope) {
+// dq, dk, dv (contiguous, dtype T) of the whole call; dtab (H_q, 2M+1) in A when a.rel,
+// dslope (H_q,) in A when a.alibi_grad.
+template <typename A, typename T>
+void run_backward(const Args<A>& a, const T* q, const T* k, const T* v, const T* dout,
+                  const i64* sdo, const A* lse, const A* delta, T* dq, T* dk, T* dv,
+                  A* dtab, A* dslope) {
   const i64 NKB = (a.Nk + BK - 1) / BK, n_items = a.B * a.Hkv * NKB;
   const int threads = std::max(1, at::get_num_threads());
   const i64 n_tab = a.rel ? a.Hq * (2 * a.rel_M + 1) : 0, n_sl = a.alibi_grad ? a.Hq : 0;
-  std::vector<std::vector<float>> dq_t(threads);           // (B, H_q, N_q, DKP) per thread
+  std::vector<std::vector<A>> dq_t(threads);               // (B, H_q, N_q, DKP) per thread
   std::vector<std::vector<double>> dt_t(threads);          // (H_q, 2M+1) + (H_q,) per thread
   at::parallel_for(0, n_items, 1, [&](i64 begin, i64 end) {
     const int tid = std::min(at::get_thread_num(), threads - 1);
-    std::vector<float>& dqb = dq_t[tid];
-    if (dqb.empty()) dqb.assign(a.B * a.Hq * a.Nq * a.DKP, 0.f);
+    std::vector<A>& dqb = dq_t[tid];
+    if (dqb.empty()) dqb.assign(a.B * a.Hq * a.Nq * a.DKP, A(0));
     std::vector<double>& dtb = dt_t[tid];
     if (dtb.empty()) dtb.assign(n_tab + n_sl + 1, 0.0);
-    BackBuffers bb(a);
+    BackBuffers<A> bb(a);
     for (i64 t = begin; t < end; ++t) {
       const i64 kblk = t % NKB, kvh = (t / NKB) % a.Hkv, b = t / (NKB * a.Hkv);
       const i64 k0 = kblk * BK, kend = std::min(a.Nk, k0 + BK);
       const i64 kvl = a.kv_len ? std::min(kend, a.kv_len[b * a.skl]) : kend;
       const i64 n = std::max<i64>(0, kvl - k0);
-      std::fill(bb.dk.begin(), bb.dk.end(), 0.f);
-      std::fill(bb.dv.begin(), bb.dv.end(), 0.f);
+      std::fill(bb.dk.begin(), bb.dk.end(), A(0));
+      std::fill(bb.dv.begin(), bb.dv.end(), A(0));
       const T* kh = k + b * a.sk[0] + kvh * a.sk[1];
       const T* vh = v + b * a.sv[0] + kvh * a.sv[1];
       if (n > 0) load_key_block(a, kh, vh, k0, n, bb);
@@ -162,8 +166,8 @@ void run_backward(const Args& a, const T* q, const T* k, const T* v, const T* do
       for (i64 j = 0; j < kend - k0; ++j) {                // write the block (0 past kv_len)
         T* dkr = dk + ((b * a.Hkv + kvh) * a.Nk + k0 + j) * a.Dk;
         T* dvr = dv + ((b * a.Hkv + kvh) * a.Nk + k0 + j) * a.Dv;
-        for (i64 d = 0; d < a.Dk; ++d) dkr[d] = T(j < n ? bb.dk[j * a.DKP + d] : 0.f);
-        for (i64 d = 0; d < a.Dv; ++d) dvr[d] = T(j < n ? bb.dv[j * a.DVP + d] : 0.f);
+        for (i64 d = 0; d < a.Dk; ++d) dkr[d] = T(j < n ? bb.dk[j * a.DKP + d] : A(0));
+        for (i64 d = 0; d < a.Dv; ++d) dvr[d] = T(j < n ? bb.dv[j * a.DVP + d] : A(0));
       }
     }
   });
@@ -171,7 +175,7 @@ void run_backward(const Args& a, const T* q, const T* k, const T* v, const T* do
   at::parallel_for(0, rows, 64, [&](i64 begin, i64 end) {
     for (i64 r = begin; r < end; ++r)
       for (i64 d = 0; d < a.Dk; ++d) {
-        float s = 0.f;
+        A s = 0;
         for (const auto& buf : dq_t)
           if (!buf.empty()) s += buf[r * a.DKP + d];
         dq[r * a.Dk + d] = T(s);
@@ -181,7 +185,7 @@ void run_backward(const Args& a, const T* q, const T* k, const T* v, const T* do
     double s = 0.0;
     for (const auto& buf : dt_t)
       if (!buf.empty()) s += buf[i];
-    if (i < n_tab) dtab[i] = float(s); else dslope[i - n_tab] = float(s);
+    if (i < n_tab) dtab[i] = A(s); else dslope[i - n_tab] = A(s);
   }
 }
 

@@ -1,5 +1,8 @@
 // Shared pieces of the native kernel: SIMD helpers, dtype conversion, the call's
 // parameters, closed-form masks and the fused row pass (see attention.cpp for the legend).
+// Everything computing runs in a compute type A: float for float32 / bfloat16 / float16
+// inputs (W float lanes, the polynomial exp / tanh below), double for float64 inputs
+// (W / 2 double lanes, std::exp / std::tanh per lane: exact rather than fast).
 #pragma once
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -33,15 +36,35 @@ constexpr int W = 4;
 #endif
 typedef float vf __attribute__((vector_size(W * 4)));
 typedef int32_t vi __attribute__((vector_size(W * 4)));
+typedef double vd __attribute__((vector_size(W * 4)));   // W / 2 doubles, the same register
+typedef decltype(vd{} < vd{}) vl;                        // its comparison mask
+
+// The vector of compute type A and its lane count (W / 2 divides every padded length).
+template <typename A> struct Lanes;
+template <> struct Lanes<float> { using V = vf; static constexpr int L = W; };
+template <> struct Lanes<double> { using V = vd; static constexpr int L = W / 2; };
+template <typename A> using vec = typename Lanes<A>::V;
+template <typename A> constexpr int lanes = Lanes<A>::L;
+// float32 / bfloat16 / float16 inputs compute in float, float64 inputs in double.
+template <typename T>
+using compute_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 constexpr int BK = 128;  // keys per tile (a multiple of W)
 
-inline vf splat(float x) { return vf{} + x; }
-inline vf load(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
-inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
-inline vf select(vi c, vf a, vf b) { return c ? a : b; }
-inline vf iota() { vf v; for (int i = 0; i < W; ++i) v[i] = float(i); return v; }
+template <typename A> inline vec<A> splat(A x) { return vec<A>{} + x; }
+template <typename A> inline vec<A> load(const A* p) {
+  vec<A> v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+template <typename A> inline void store(A* p, vec<A> v) { std::memcpy(p, &v, sizeof v); }
+template <typename V, typename M> inline V select(M c, V a, V b) { return c ? a : b; }
+template <typename A> inline vec<A> iota() {
+  vec<A> v;
+  for (int i = 0; i < lanes<A>; ++i) v[i] = A(i);
+  return v;
+}
 inline i64 round_up(i64 x, i64 m) { return (x + m - 1) / m * m; }
 
 // Horizontal sum / max by halving the vector (log2 W shuffles; values stay in registers).
@@ -66,6 +89,16 @@ inline float hsum(vf v) {
 inline float hmax(vf v) {
   float m = v[0];
   for (int i = 1; i < W; ++i) m = v[i] > m ? v[i] : m;   // once per row and tile
+  return m;
+}
+inline double hsum(vd v) {
+  double s = v[0];
+  for (int i = 1; i < W / 2; ++i) s += v[i];
+  return s;
+}
+inline double hmax(vd v) {
+  double m = v[0];
+  for (int i = 1; i < W / 2; ++i) m = v[i] > m ? v[i] : m;
   return m;
 }
 
@@ -112,21 +145,32 @@ inline vf vtanh(vf x) {
   return select(x < 0.f, -r, r);                           // NaN -> NaN through both forms
 }
 
-// ------------------------------------------------------------------ dtype conversion
-template <typename T> inline float to_f(T x) { return static_cast<float>(x); }
-
-// dst[0:n] = float(src[0:n]), dst[n:npad] = 0.
-template <typename T> inline void row_to_float(const T* src, float* dst, i64 n, i64 npad) {
-  for (i64 i = 0; i < n; ++i) dst[i] = to_f(src[i]);
-  for (i64 i = n; i < npad; ++i) dst[i] = 0.f;
+// double: the C library per lane (e^x: 0 for -inf, NaN -> NaN; tanh exact at any size, so
+// c * tanh(x / c) stays exact at large caps).
+inline vd vexp_neg(vd x) {
+  for (int i = 0; i < W / 2; ++i) x[i] = std::exp(x[i]);
+  return x;
 }
-template <> inline void row_to_float<float>(const float* src, float* dst, i64 n, i64 npad) {
-  std::memcpy(dst, src, n * sizeof(float));
-  for (i64 i = n; i < npad; ++i) dst[i] = 0.f;
+inline vd vtanh(vd x) {
+  for (int i = 0; i < W / 2; ++i) x[i] = std::tanh(x[i]);
+  return x;
+}
+inline vd vtanh_small(vd x) { return vtanh(x); }
+
+// ------------------------------------------------------------------ dtype conversion
+// dst[0:n] = A(src[0:n]), dst[n:npad] = 0 (A = compute_t<T>).
+template <typename T, typename A> inline void row_to_compute(const T* src, A* dst, i64 n,
+                                                             i64 npad) {
+  if constexpr (std::is_same_v<T, A>) {
+    std::memcpy(dst, src, n * sizeof(A));
+  } else {
+    for (i64 i = 0; i < n; ++i) dst[i] = static_cast<A>(src[i]);
+  }
+  for (i64 i = n; i < npad; ++i) dst[i] = A(0);
 }
 // bfloat16 is the top half of a float32: widen and shift, W at a time.
-template <> inline void row_to_float<at::BFloat16>(const at::BFloat16* src, float* dst, i64 n,
-                                                    i64 npad) {
+template <> inline void row_to_compute<at::BFloat16, float>(const at::BFloat16* src, float* dst,
+                                                            i64 n, i64 npad) {
   typedef uint16_t v16 __attribute__((vector_size(W * 2)));
   typedef uint32_t v32 __attribute__((vector_size(W * 4)));
   const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
@@ -145,7 +189,8 @@ template <> inline void row_to_float<at::BFloat16>(const at::BFloat16* src, floa
 }
 #if defined(__F16C__)
 // float16 -> float32 in registers (vcvtph2ps), W at a time.
-template <> inline void row_to_float<at::Half>(const at::Half* src, float* dst, i64 n, i64 npad) {
+template <> inline void row_to_compute<at::Half, float>(const at::Half* src, float* dst, i64 n,
+                                                        i64 npad) {
   i64 i = 0;
 #if defined(__AVX512F__)
   for (; i + 16 <= n; i += 16)
@@ -158,12 +203,14 @@ template <> inline void row_to_float<at::Half>(const at::Half* src, float* dst, 
 }
 #endif
 
-// A row as float32 (npad,): src itself for unpadded float32 rows, else converted into tmp.
-template <typename T> inline const float* as_float(const T* src, float* tmp, i64 n, i64 npad) {
-  if constexpr (std::is_same_v<T, float>) {
+// A row in compute type (npad,): src itself for unpadded rows already in A, else converted
+// into tmp.
+template <typename T, typename A> inline const A* as_compute(const T* src, A* tmp, i64 n,
+                                                             i64 npad) {
+  if constexpr (std::is_same_v<T, A>) {
     if (n == npad) return src;
   }
-  row_to_float(src, tmp, n, npad);
+  row_to_compute(src, tmp, n, npad);
   return tmp;
 }
 
@@ -173,22 +220,42 @@ template <typename T> inline void prefetch_row(const T* row, i64 n) {
   for (i64 b = 0; b < n * i64(sizeof(T)); b += 64) __builtin_prefetch(p + b);
 }
 
-inline bool all_finite(const float* x, i64 n) {
-  float z = 0.f;
-  for (i64 i = 0; i < n; ++i) z += x[i] * 0.f;            // NaN once any x is inf/NaN
-  return z == 0.f;
+template <typename A> inline bool all_finite(const A* x, i64 n) {
+  A z = 0;
+  for (i64 i = 0; i < n; ++i) z += x[i] * A(0);           // NaN once any x is inf/NaN
+  return z == A(0);
+}
+
+// C (M, N) (+)= A (M, K) . B (K, N), row-major with leading dims: torch's brgemm for float,
+// plain loops for double (brgemm has none; float64 is for exactness, not speed).
+inline void gemm(i64 M, i64 N, i64 K, i64 lda, i64 ldb, i64 ldc, bool add, const float* a,
+                 const float* b, float* c) {
+  at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add, a, b, c, false);
+}
+inline void gemm(i64 M, i64 N, i64 K, i64 lda, i64 ldb, i64 ldc, bool add, const double* a,
+                 const double* b, double* c) {
+  for (i64 i = 0; i < M; ++i) {                            // row i of C (N,)
+    double* ci = c + i * ldc;
+    if (!add) std::fill(ci, ci + N, 0.0);
+    for (i64 p = 0; p < K; ++p) {                          // += a[i, p] * row p of B (N,)
+      const double aip = a[i * lda + p];
+      const double* bp = b + p * ldb;
+      for (i64 j = 0; j < N; ++j) ci[j] += aip * bp[j];
+    }
+  }
 }
 
 // ------------------------------------------------------------------ the call's parameters
-struct Args {
+// The score terms' values are in the compute type A (float, or double for float64 inputs).
+template <typename A> struct Args {
   i64 B, Hq, Hkv, G, Nq, Nk, Dk, Dv, DKP, DVP;
   i64 sq[3], sk[3], sv[3];          // strides (batch, head, row) of q, k, v; last dim is 1
-  float scale, softcap;             // softcap 0 = none
-  const float* alibi;               // (H_q,) slopes or null
-  float alibi_offset;               // distance |q + offset - k|
+  A scale, softcap;                 // softcap 0 = none
+  const A* alibi;                   // (H_q,) slopes or null
+  A alibi_offset;                   // distance |q + offset - k|
   bool alibi_grad;                  // backward: also d slopes (H_q,)
-  const float* rel; i64 rel_M;      // (H_q, 2M+1) relative-position bias table, or null
-  const float* bias; i64 sb[4];     // (B, H_q, N_q, N_k) broadcast strides, or null
+  const A* rel; i64 rel_M;          // (H_q, 2M+1) relative-position bias table, or null
+  const A* bias; i64 sb[4];         // (B, H_q, N_q, N_k) broadcast strides, or null
   double band_lo, band_hi;          // allowed <=> lo <= q - k <= hi
   const i64* kv_len; i64 skl;       // (B,) or null; stride 0 when broadcast
   const i64* q_len; i64 sql;
@@ -210,7 +277,8 @@ struct Item {
 enum TileKind { EMPTY = 0, PARTIAL = 1, FULL = 2 };
 
 // The keys any row of [q0, q0+nr) may see under band and lengths, within [lo_k, hi_k).
-inline void key_range(const Args& a, Item& it, i64 lo_k, i64 hi_k) {
+template <typename A>
+inline void key_range(const Args<A>& a, Item& it, i64 lo_k, i64 hi_k) {
   double kb = double(lo_k), ke = double(hi_k);
   if (a.kv_len) ke = std::min(ke, double(a.kv_len[it.b * a.skl]));
   kb = std::max(kb, double(it.q0) - a.band_hi);                  // k >= q - hi
@@ -220,7 +288,8 @@ inline void key_range(const Args& a, Item& it, i64 lo_k, i64 hi_k) {
 }
 
 // A dense mask's bytes over the item's rows (all G heads) x keys [k0, k0+n): any / all.
-inline TileKind scan_mask(const Args& a, const Item& it, i64 k0, i64 n) {
+template <typename A>
+inline TileKind scan_mask(const Args<A>& a, const Item& it, i64 k0, i64 n) {
   bool any = false, all = true;
   for (i64 g = 0; g < a.G; ++g)
     for (i64 i = 0; i < it.nr; ++i) {
@@ -237,7 +306,8 @@ inline TileKind scan_mask(const Args& a, const Item& it, i64 k0, i64 n) {
 }
 
 // Whether tile [k0, k0+n) is empty, full or partial for the item's rows (all G heads).
-inline TileKind classify(const Args& a, const Item& it, i64 k0, i64 n) {
+template <typename A>
+inline TileKind classify(const Args<A>& a, const Item& it, i64 k0, i64 n) {
   bool full = true;
   double dmin = double(it.q0 - (k0 + n - 1)), dmax = double(it.q0 + it.nr - 1 - k0);
   if (dmax < a.band_lo || dmin > a.band_hi) return EMPTY;
@@ -268,27 +338,29 @@ inline TileKind classify(const Args& a, const Item& it, i64 k0, i64 n) {
 // ------------------------------------------------------------------ the fused row pass
 // x (npad,) <- x * scale, soft-capped: c * tanh(x * scale / c). With fac, also the
 // derivative d(capped)/d(score) per key, scale * (1 - tanh^2) (the backward's chain rule).
-inline void scale_and_cap(const Args& a, float* x, i64 npad, float* fac) {
-  const vf sc = splat(a.scale);
-  if (a.softcap > 0.f) {
-    const vf c = splat(a.softcap), sc_c = splat(a.scale / a.softcap);
-    vf amax = splat(0.f);                        // a row whose |x * scale / c| < 0.625
-    for (i64 j = 0; j < npad; j += W) {          // (the usual case) needs the polynomial only
-      const vf v = load(x + j);
-      const vf av = select(v < 0.f, -v, v);
+template <typename A> inline void scale_and_cap(const Args<A>& a, A* x, i64 npad, A* fac) {
+  using V = vec<A>;
+  constexpr int L = lanes<A>;
+  const V sc = splat(a.scale);
+  if (a.softcap > A(0)) {
+    const V c = splat(a.softcap), sc_c = splat(a.scale / a.softcap);
+    V amax = splat(A(0));                        // a row whose |x * scale / c| < 0.625
+    for (i64 j = 0; j < npad; j += L) {          // (the usual case) needs the polynomial only
+      const V v = load(x + j);
+      const V av = select(v < A(0), -v, v);
       amax = av > amax ? av : amax;
     }
-    const bool small = hmax(amax) * (a.scale / a.softcap) < 0.625f;
-    for (i64 j = 0; j < npad; j += W) {
-      const vf y = load(x + j) * sc_c;
-      const vf t = small ? vtanh_small(y) : vtanh(y);
+    const bool small = hmax(amax) * (a.scale / a.softcap) < A(0.625);
+    for (i64 j = 0; j < npad; j += L) {
+      const V y = load(x + j) * sc_c;
+      const V t = small ? vtanh_small(y) : vtanh(y);
       store(x + j, c * t);
       if (fac) store(fac + j, sc - sc * t * t);
     }
   } else {
-    for (i64 j = 0; j < npad; j += W) store(x + j, load(x + j) * sc);
+    for (i64 j = 0; j < npad; j += L) store(x + j, load(x + j) * sc);
     if (fac)
-      for (i64 j = 0; j < npad; j += W) store(fac + j, sc);
+      for (i64 j = 0; j < npad; j += L) store(fac + j, sc);
   }
 }
 
@@ -301,12 +373,13 @@ inline void rel_segments(i64 M, i64 n, i64 qi, i64 k0, i64& jl, i64& jh) {
 }
 
 // x[j] += table[h, clamp(k0 + j - qi, -M, M) + M] for j in [0, n) (scores.relative_bias).
-inline void relative_bias_add(const Args& a, float* x, i64 n, i64 h, i64 qi, i64 k0) {
+template <typename A>
+inline void relative_bias_add(const Args<A>& a, A* x, i64 n, i64 h, i64 qi, i64 k0) {
   const i64 M = a.rel_M;
-  const float* t = a.rel + h * (2 * M + 1);                // (2M+1,) this head's row
+  const A* t = a.rel + h * (2 * M + 1);                    // (2M+1,) this head's row
   i64 jl, jh;
   rel_segments(M, n, qi, k0, jl, jh);
-  const float t_lo = t[0], t_hi = t[2 * M];
+  const A t_lo = t[0], t_hi = t[2 * M];
   const i64 off = k0 - qi + M;                             // bucket of key j = off + j
   for (i64 j = 0; j < jl; ++j) x[j] += t_lo;
   for (i64 j = jl; j < jh; ++j) x[j] += t[off + j];
@@ -315,20 +388,22 @@ inline void relative_bias_add(const Args& a, float* x, i64 n, i64 h, i64 qi, i64
 
 // x (npad,) of row (head h, query qi) against keys [k0, k0+n): ALiBi, the relative bias
 // table, bias, then the mask (skipped on FULL tiles); x[n:npad] = -inf.
-inline void position_terms_and_mask(const Args& a, float* x, i64 n, i64 npad, i64 b, i64 h,
+template <typename A>
+inline void position_terms_and_mask(const Args<A>& a, A* x, i64 n, i64 npad, i64 b, i64 h,
                                     i64 qi, i64 k0, bool full) {
+  using V = vec<A>;
   if (a.alibi) {                                    // x -= slope * |qi + off - (k0 + j)|
-    const vf slope = splat(a.alibi[h]);
-    const vf lane = iota();
-    for (i64 j = 0; j < npad; j += W) {
-      vf d = splat(float(qi - k0 - j) + a.alibi_offset) - lane;
-      d = select(d < 0.f, -d, d);
+    const V slope = splat(a.alibi[h]);
+    const V lane = iota<A>();
+    for (i64 j = 0; j < npad; j += lanes<A>) {
+      V d = splat(A(qi - k0 - j) + a.alibi_offset) - lane;
+      d = select(d < A(0), -d, d);
       store(x + j, load(x + j) - slope * d);
     }
   }
   if (a.rel) relative_bias_add(a, x, n, h, qi, k0);
   if (a.bias) {
-    const float* br = a.bias + b * a.sb[0] + h * a.sb[1] + qi * a.sb[2] + k0 * a.sb[3];
+    const A* br = a.bias + b * a.sb[0] + h * a.sb[1] + qi * a.sb[2] + k0 * a.sb[3];
     const i64 s = a.sb[3];
     for (i64 j = 0; j < n; ++j) x[j] += br[j * s];
   }
@@ -355,30 +430,33 @@ inline void position_terms_and_mask(const Args& a, float* x, i64 n, i64 npad, i6
 }
 
 // The whole fused pass on one row of scores: scale, softcap, ALiBi, relative bias, bias, mask.
-inline void score_terms(const Args& a, float* x, i64 n, i64 npad, i64 b, i64 h, i64 qi, i64 k0,
+template <typename A>
+inline void score_terms(const Args<A>& a, A* x, i64 n, i64 npad, i64 b, i64 h, i64 qi, i64 k0,
                         bool full) {
-  scale_and_cap(a, x, npad, nullptr);
+  scale_and_cap(a, x, npad, static_cast<A*>(nullptr));
   position_terms_and_mask(a, x, n, npad, b, h, qi, k0, full);
 }
 
 // Online softmax step on one row: x (npad,) -> P = e^(x - m_new) in place; updates the
 // running max m and sum l; returns alpha = e^(m_old - m_new), the factor for acc.
-inline float softmax_step(float* x, i64 npad, float& m, float& l) {
-  vf vm = splat(NEG_INF);
-  for (i64 j = 0; j < npad; j += W) {
-    vf v = load(x + j);
+template <typename A> inline A softmax_step(A* x, i64 npad, A& m, A& l) {
+  using V = vec<A>;
+  constexpr int L = lanes<A>;
+  V vm = splat(A(NEG_INF));
+  for (i64 j = 0; j < npad; j += L) {
+    V v = load(x + j);
     vm = v > vm ? v : vm;
   }
-  const float m_new = std::max(m, hmax(vm));
-  const float shift = m_new == NEG_INF ? 0.f : m_new;     // a row with no key yet: P = 0
-  const vf vs = splat(shift);
-  vf sum = splat(0.f);
-  for (i64 j = 0; j < npad; j += W) {
-    vf p = vexp_neg(load(x + j) - vs);
+  const A m_new = std::max(m, hmax(vm));
+  const A shift = m_new == NEG_INF ? A(0) : m_new;        // a row with no key yet: P = 0
+  const V vs = splat(shift);
+  V sum = splat(A(0));
+  for (i64 j = 0; j < npad; j += L) {
+    V p = vexp_neg(load(x + j) - vs);
     store(x + j, p);
     sum += p;
   }
-  const float alpha = m == NEG_INF ? 0.f : std::exp(m - shift);
+  const A alpha = m == NEG_INF ? A(0) : std::exp(m - shift);
   l = l * alpha + hsum(sum);
   m = m_new;
   return alpha;

@@ -10,48 +10,49 @@ namespace {
 // kt holds Kᵀ for brgemm: one tile (D_k, BK), or — when cache_kt — the whole head
 // (D_k, NKP), filled tile by tile as the thread's items of that head need them. It is
 // allocated (uninitialised) on first use: the dot-product path never needs it.
-struct Buffers {
-  std::vector<float> q, s, acc, v, row, tmp4, m, l;
-  std::unique_ptr<float[]> kt;
+template <typename A> struct Buffers {
+  std::vector<A> q, s, acc, v, row, tmp4, m, l;
+  std::unique_ptr<A[]> kt;
   std::vector<char> kt_done;        // (NKP / BK,) tiles of the cached head transposed
   i64 kt_b = -1, kt_h = -1;         // the cached head
-  Buffers(const Args& a, i64 R)
+  Buffers(const Args<A>& a, i64 R)
       : q(R * a.DKP), s(R * BK), acc(R * a.DVP), v(BK * a.DVP), row(std::max(a.DKP, a.DVP)),
         tmp4(4 * std::max(a.DKP, a.DVP)), m(R), l(R) {}
-  float* kt_buffer(const Args& a) {
+  A* kt_buffer(const Args<A>& a) {
     if (!kt) {
-      kt.reset(new float[a.Dk * (a.cache_kt ? a.NKP : BK)]);
+      kt.reset(new A[a.Dk * (a.cache_kt ? a.NKP : BK)]);
       kt_done.assign(a.cache_kt ? a.NKP / BK : 0, 0);
     }
     return kt.get();
   }
 };
 
-// Qs (R, DKP) <- the item's query rows, G heads stacked, float32, zero padded.
-template <typename T> void gather_q(const Args& a, const T* q, const Item& it, Buffers& buf) {
+// Qs (R, DKP) <- the item's query rows, G heads stacked, in A, zero padded.
+template <typename A, typename T>
+void gather_q(const Args<A>& a, const T* q, const Item& it, Buffers<A>& buf) {
   for (i64 g = 0; g < a.G; ++g)
     for (i64 i = 0; i < it.nr; ++i) {
       const T* src = q + it.b * a.sq[0] + (it.kvh * a.G + g) * a.sq[1] + (it.q0 + i) * a.sq[2];
-      row_to_float(src, buf.q.data() + (g * it.nr + i) * a.DKP, a.Dk, a.DKP);
+      row_to_compute(src, buf.q.data() + (g * it.nr + i) * a.DKP, a.Dk, a.DKP);
     }
 }
 
-// kt (D_k, ld) at column 0 <- K rows [k0, k0 + n) transposed, in float32.
-template <typename T>
-void transpose_tile(const Args& a, const T* kh, i64 k0, i64 n, float* kt, i64 ld,
-                    Buffers& buf) {
-  float* row = buf.row.data();
+// kt (D_k, ld) at column 0 <- K rows [k0, k0 + n) transposed, in A.
+template <typename A, typename T>
+void transpose_tile(const Args<A>& a, const T* kh, i64 k0, i64 n, A* kt, i64 ld,
+                    Buffers<A>& buf) {
+  A* row = buf.row.data();
   for (i64 j = 0; j < n; ++j) {                          // kt[d, j] = k[k0 + j, d]
-    row_to_float(kh + (k0 + j) * a.sk[2], row, a.Dk, a.Dk);
+    row_to_compute(kh + (k0 + j) * a.sk[2], row, a.Dk, a.Dk);
     for (i64 d = 0; d < a.Dk; ++d) kt[d * ld + j] = row[d];
   }
 }
 
-// S (R, BK) <- Qs (R, D_k) . K_tileᵀ through brgemm on the transposed tile.
-template <typename T>
-void scores_gemm(const Args& a, const T* kh, const Item& it, i64 k0, i64 n, i64 R,
-                 Buffers& buf) {
-  float* kt = buf.kt_buffer(a);
+// S (R, BK) <- Qs (R, D_k) . K_tileᵀ through brgemm (gemm) on the transposed tile.
+template <typename A, typename T>
+void scores_gemm(const Args<A>& a, const T* kh, const Item& it, i64 k0, i64 n, i64 R,
+                 Buffers<A>& buf) {
+  A* kt = buf.kt_buffer(a);
   i64 ld = BK;
   if (a.cache_kt) {                                      // k0 is a multiple of BK here
     if (buf.kt_b != it.b || buf.kt_h != it.kvh) {
@@ -68,43 +69,45 @@ void scores_gemm(const Args& a, const T* kh, const Item& it, i64 k0, i64 n, i64 
   } else {
     transpose_tile(a, kh, k0, n, kt, BK, buf);
   }
-  at::native::cpublas::brgemm(R, n, a.Dk, a.DKP, ld, BK, false, buf.q.data(), kt, buf.s.data(),
-                              false);
+  gemm(R, n, a.Dk, a.DKP, ld, BK, false, buf.q.data(), kt, buf.s.data());
 }
 
 constexpr i64 AHEAD = 48;  // rows prefetched ahead on the decode path (measured: 16..64)
 
 // S (R, BK) <- one dot product per (row, key); four keys at a time (four independent
 // accumulators), each K row read once for all R rows; the tile's V rows are prefetched.
-template <typename T>
-void scores_dot(const Args& a, const T* kh, const T* vh, i64 k0, i64 n, i64 R, Buffers& buf) {
-  float* tmp = buf.tmp4.data();                            // (4, DKP) converted K rows
+template <typename A, typename T>
+void scores_dot(const Args<A>& a, const T* kh, const T* vh, i64 k0, i64 n, i64 R,
+                Buffers<A>& buf) {
+  using V = vec<A>;
+  constexpr int L = lanes<A>;
+  A* tmp = buf.tmp4.data();                                // (4, DKP) converted K rows
   i64 j = 0;
   for (; j + 4 <= n; j += 4) {
-    const float* kj[4];
+    const A* kj[4];
     for (int u = 0; u < 4; ++u) {
       if (k0 + j + u + AHEAD < a.Nk) prefetch_row(kh + (k0 + j + u + AHEAD) * a.sk[2], a.Dk);
       prefetch_row(vh + (k0 + j + u) * a.sv[2], a.Dv);     // this tile's V, used next
-      kj[u] = as_float(kh + (k0 + j + u) * a.sk[2], tmp + u * a.DKP, a.Dk, a.DKP);
+      kj[u] = as_compute(kh + (k0 + j + u) * a.sk[2], tmp + u * a.DKP, a.Dk, a.DKP);
     }
     for (i64 r = 0; r < R; ++r) {
-      const float* qr = buf.q.data() + r * a.DKP;
-      vf s0 = splat(0.f), s1 = s0, s2 = s0, s3 = s0;
-      for (i64 d = 0; d < a.DKP; d += W) {
-        const vf qd = load(qr + d);
+      const A* qr = buf.q.data() + r * a.DKP;
+      V s0 = splat(A(0)), s1 = s0, s2 = s0, s3 = s0;
+      for (i64 d = 0; d < a.DKP; d += L) {
+        const V qd = load(qr + d);
         s0 += qd * load(kj[0] + d); s1 += qd * load(kj[1] + d);
         s2 += qd * load(kj[2] + d); s3 += qd * load(kj[3] + d);
       }
-      float* sr = buf.s.data() + r * BK + j;
+      A* sr = buf.s.data() + r * BK + j;
       sr[0] = hsum(s0); sr[1] = hsum(s1); sr[2] = hsum(s2); sr[3] = hsum(s3);
     }
   }
   for (; j < n; ++j) {
-    const float* kj = as_float(kh + (k0 + j) * a.sk[2], tmp, a.Dk, a.DKP);  // k_j (DKP,)
+    const A* kj = as_compute(kh + (k0 + j) * a.sk[2], tmp, a.Dk, a.DKP);  // k_j (DKP,)
     for (i64 r = 0; r < R; ++r) {
-      const float* qr = buf.q.data() + r * a.DKP;
-      vf acc = splat(0.f);
-      for (i64 d = 0; d < a.DKP; d += W) acc += load(qr + d) * load(kj + d);
+      const A* qr = buf.q.data() + r * a.DKP;
+      V acc = splat(A(0));
+      for (i64 d = 0; d < a.DKP; d += L) acc += load(qr + d) * load(kj + d);
       buf.s[r * BK + j] = hsum(acc);
     }
   }
@@ -112,43 +115,44 @@ void scores_dot(const Args& a, const T* kh, const T* vh, i64 k0, i64 n, i64 R, B
 
 // acc (R, D_v) += P (R, [j]) . v_j for one key, rows with P == 0 skipped (the row of V is
 // read only when some row uses it, so NaN in masked V rows stays out).
-template <typename T>
-inline void value_one(const Args& a, const T* vh, i64 k0, i64 j, i64 R, Buffers& buf) {
-  const float* vj = nullptr;
+template <typename A, typename T>
+inline void value_one(const Args<A>& a, const T* vh, i64 k0, i64 j, i64 R, Buffers<A>& buf) {
+  const A* vj = nullptr;
   for (i64 r = 0; r < R; ++r) {
-    const float p = buf.s[r * BK + j];
-    if (p == 0.f) continue;
-    if (!vj) vj = as_float(vh + (k0 + j) * a.sv[2], buf.tmp4.data(), a.Dv, a.DVP);
-    float* ar = buf.acc.data() + r * a.DVP;
-    const vf vp = splat(p);
-    for (i64 d = 0; d < a.DVP; d += W) store(ar + d, load(ar + d) + vp * load(vj + d));
+    const A p = buf.s[r * BK + j];
+    if (p == A(0)) continue;
+    if (!vj) vj = as_compute(vh + (k0 + j) * a.sv[2], buf.tmp4.data(), a.Dv, a.DVP);
+    A* ar = buf.acc.data() + r * a.DVP;
+    const vec<A> vp = splat(p);
+    for (i64 d = 0; d < a.DVP; d += lanes<A>) store(ar + d, load(ar + d) + vp * load(vj + d));
   }
 }
 
 // acc (R, D_v) += P (R, n) . V_tile (n, D_v), four keys per pass over acc where all their
 // P are nonzero, else key by key (value_one).
-template <typename T>
-void values_axpy(const Args& a, const T* vh, i64 k0, i64 n, i64 R, Buffers& buf) {
-  float* tmp = buf.tmp4.data();                            // (4, DVP) converted V rows
+template <typename A, typename T>
+void values_axpy(const Args<A>& a, const T* vh, i64 k0, i64 n, i64 R, Buffers<A>& buf) {
+  using V = vec<A>;
+  A* tmp = buf.tmp4.data();                                // (4, DVP) converted V rows
   i64 j = 0;
   for (; j + 4 <= n; j += 4) {
     bool dense = true;
     for (i64 r = 0; r < R && dense; ++r)
-      for (int u = 0; u < 4; ++u) dense = dense && buf.s[r * BK + j + u] != 0.f;
+      for (int u = 0; u < 4; ++u) dense = dense && buf.s[r * BK + j + u] != A(0);
     if (!dense) {
       for (int u = 0; u < 4; ++u) value_one(a, vh, k0, j + u, R, buf);
       continue;
     }
-    const float* vj[4];
+    const A* vj[4];
     for (int u = 0; u < 4; ++u) {
       if (k0 + j + u + AHEAD < a.Nk) prefetch_row(vh + (k0 + j + u + AHEAD) * a.sv[2], a.Dv);
-      vj[u] = as_float(vh + (k0 + j + u) * a.sv[2], tmp + u * a.DVP, a.Dv, a.DVP);
+      vj[u] = as_compute(vh + (k0 + j + u) * a.sv[2], tmp + u * a.DVP, a.Dv, a.DVP);
     }
     for (i64 r = 0; r < R; ++r) {
-      const float* pr = buf.s.data() + r * BK + j;
-      const vf p0 = splat(pr[0]), p1 = splat(pr[1]), p2 = splat(pr[2]), p3 = splat(pr[3]);
-      float* ar = buf.acc.data() + r * a.DVP;
-      for (i64 d = 0; d < a.DVP; d += W)
+      const A* pr = buf.s.data() + r * BK + j;
+      const V p0 = splat(pr[0]), p1 = splat(pr[1]), p2 = splat(pr[2]), p3 = splat(pr[3]);
+      A* ar = buf.acc.data() + r * a.DVP;
+      for (i64 d = 0; d < a.DVP; d += lanes<A>)
         store(ar + d, load(ar + d) + p0 * load(vj[0] + d) + p1 * load(vj[1] + d)
                                    + p2 * load(vj[2] + d) + p3 * load(vj[3] + d));
     }
@@ -156,38 +160,37 @@ void values_axpy(const Args& a, const T* vh, i64 k0, i64 n, i64 R, Buffers& buf)
   for (; j < n; ++j) value_one(a, vh, k0, j, R, buf);
 }
 
-// acc (R, D_v) += P (R, n) . V_tile through brgemm (V converted to float32 when needed);
+// acc (R, D_v) += P (R, n) . V_tile through brgemm (gemm; V converted to A when needed);
 // a tile holding inf/NaN takes the exact P == 0-skipping path instead.
-template <typename T>
-void values_gemm(const Args& a, const T* vh, i64 k0, i64 n, i64 R, Buffers& buf) {
-  const float* vt;
+template <typename A, typename T>
+void values_gemm(const Args<A>& a, const T* vh, i64 k0, i64 n, i64 R, Buffers<A>& buf) {
+  const A* vt;
   i64 ldv;
-  if constexpr (std::is_same_v<T, float>) {
+  if constexpr (std::is_same_v<T, A>) {
     vt = vh + k0 * a.sv[2];
     ldv = a.sv[2];
     for (i64 j = 0; j < n; ++j)
       if (!all_finite(vt + j * ldv, a.Dv)) return values_axpy(a, vh, k0, n, R, buf);
   } else {
     for (i64 j = 0; j < n; ++j)
-      row_to_float(vh + (k0 + j) * a.sv[2], buf.v.data() + j * a.DVP, a.Dv, a.DVP);
+      row_to_compute(vh + (k0 + j) * a.sv[2], buf.v.data() + j * a.DVP, a.Dv, a.DVP);
     if (!all_finite(buf.v.data(), n * a.DVP)) return values_axpy(a, vh, k0, n, R, buf);
     vt = buf.v.data();
     ldv = a.DVP;
   }
-  at::native::cpublas::brgemm(R, a.Dv, n, BK, ldv, a.DVP, true, buf.s.data(), vt,
-                              buf.acc.data(), false);
+  gemm(R, a.Dv, n, BK, ldv, a.DVP, true, buf.s.data(), vt, buf.acc.data());
 }
 
 // ------------------------------------------------------------------ one work item
 // Rows of the item over its keys: acc, m, l in buf (R = G * nr rows).
-template <typename T>
-void attend_item(const Args& a, const T* q, const T* k, const T* v, const Item& it,
-                 Buffers& buf) {
+template <typename A, typename T>
+void attend_item(const Args<A>& a, const T* q, const T* k, const T* v, const Item& it,
+                 Buffers<A>& buf) {
   const i64 R = a.G * it.nr;
-  const bool gemm = R >= 16;                               // brgemm pays off from 16 rows
-  std::fill(buf.acc.begin(), buf.acc.begin() + R * a.DVP, 0.f);
-  std::fill(buf.m.begin(), buf.m.begin() + R, NEG_INF);
-  std::fill(buf.l.begin(), buf.l.begin() + R, 0.f);
+  const bool by_gemm = R >= 16;                            // brgemm pays off from 16 rows
+  std::fill(buf.acc.begin(), buf.acc.begin() + R * a.DVP, A(0));
+  std::fill(buf.m.begin(), buf.m.begin() + R, A(NEG_INF));
+  std::fill(buf.l.begin(), buf.l.begin() + R, A(0));
   if (it.ke <= it.kb || it.nr <= 0) return;
   gather_q(a, q, it, buf);
   const T* kh = k + it.b * a.sk[0] + it.kvh * a.sk[1];
@@ -197,59 +200,61 @@ void attend_item(const Args& a, const T* q, const T* k, const T* v, const Item& 
     const i64 n = std::min<i64>(BK, it.ke - k0), npad = round_up(n, W);
     const TileKind kind = classify(a, it, k0, n);
     if (kind == EMPTY) continue;
-    if (gemm) scores_gemm(a, kh, it, k0, n, R, buf); else scores_dot(a, kh, vh, k0, n, R, buf);
+    if (by_gemm) scores_gemm(a, kh, it, k0, n, R, buf);
+    else scores_dot(a, kh, vh, k0, n, R, buf);
     for (i64 r = 0; r < R; ++r) {                          // row r: head h, query qi
       const i64 h = it.kvh * a.G + r / it.nr, qi = it.q0 + r % it.nr;
-      float* x = buf.s.data() + r * BK;
+      A* x = buf.s.data() + r * BK;
       score_terms(a, x, n, npad, it.b, h, qi, k0, kind == FULL);
-      const float alpha = softmax_step(x, npad, buf.m[r], buf.l[r]);
-      if (alpha != 1.f) {
-        float* ar = buf.acc.data() + r * a.DVP;
+      const A alpha = softmax_step(x, npad, buf.m[r], buf.l[r]);
+      if (alpha != A(1)) {
+        A* ar = buf.acc.data() + r * a.DVP;
         for (i64 d = 0; d < a.DVP; ++d) ar[d] *= alpha;
       }
     }
-    if (gemm) values_gemm(a, vh, k0, n, R, buf); else values_axpy(a, vh, k0, n, R, buf);
+    if (by_gemm) values_gemm(a, vh, k0, n, R, buf);
+    else values_axpy(a, vh, k0, n, R, buf);
   }
 }
 
 // out row (D_v,) = acc / l and lse = m + log l; l == 0 (no key) -> 0 and -inf.
-template <typename O>
-inline void finish_row(const float* acc, float m, float l, i64 Dv, O* out, float* lse) {
-  if (l == 0.f) {
-    for (i64 d = 0; d < Dv; ++d) out[d] = O(0.f);
+template <typename A, typename O>
+inline void finish_row(const A* acc, A m, A l, i64 Dv, O* out, A* lse) {
+  if (l == A(0)) {
+    for (i64 d = 0; d < Dv; ++d) out[d] = O(A(0));
     *lse = NEG_INF;
     return;
   }
-  const float inv = 1.f / l;
+  const A inv = A(1) / l;
   for (i64 d = 0; d < Dv; ++d) out[d] = O(acc[d] * inv);
   *lse = m + std::log(l);
 }
 
 // Partials (B, H_q, N_q, C, D_v) / (B, H_q, N_q, C) -> out, lse by log-sum-exp weights.
-template <typename O>
-void merge_splits(const Args& a, const float* po, const float* pl, O* out, float* lse) {
+template <typename A, typename O>
+void merge_splits(const Args<A>& a, const A* po, const A* pl, O* out, A* lse) {
   const i64 C = a.splits, rows = a.B * a.Hq * a.Nq;
   at::parallel_for(0, rows, 16, [&](i64 begin, i64 end) {
-    std::vector<float> accv(a.Dv);
+    std::vector<A> accv(a.Dv);
     for (i64 r = begin; r < end; ++r) {                    // r = flat (b, h, qi)
-      const float* lr = pl + r * C;
-      float M = NEG_INF;
+      const A* lr = pl + r * C;
+      A M = NEG_INF;
       for (i64 c = 0; c < C; ++c) M = std::max(M, lr[c]);
-      std::fill(accv.begin(), accv.end(), 0.f);
-      float s = 0.f;
+      std::fill(accv.begin(), accv.end(), A(0));
+      A s = 0;
       bool nan = false;
       for (i64 c = 0; c < C; ++c) {
         if (lr[c] != lr[c]) nan = true;
         if (lr[c] == NEG_INF) continue;                    // an empty split adds nothing
-        const float w = std::exp(lr[c] - M);
+        const A w = std::exp(lr[c] - M);
         s += w;
-        const float* o = po + (r * C + c) * a.Dv;
+        const A* o = po + (r * C + c) * a.Dv;
         for (i64 d = 0; d < a.Dv; ++d) accv[d] += w * o[d];
       }
-      if (nan) s = std::numeric_limits<float>::quiet_NaN();
+      if (nan) s = std::numeric_limits<A>::quiet_NaN();
       O* orow = out + r * a.Dv;
-      if (s == 0.f) {
-        for (i64 d = 0; d < a.Dv; ++d) orow[d] = O(0.f);
+      if (s == A(0)) {
+        for (i64 d = 0; d < a.Dv; ++d) orow[d] = O(A(0));
         lse[r] = NEG_INF;
       } else {
         for (i64 d = 0; d < a.Dv; ++d) orow[d] = O(accv[d] / s);
@@ -260,17 +265,17 @@ void merge_splits(const Args& a, const float* po, const float* pl, O* out, float
 }
 
 // All items in parallel: item -> (b, kv head, query block (zig-zag), split).
-template <typename T>
-void run(const Args& a, const T* q, const T* k, const T* v, T* out, float* lse) {
+template <typename A, typename T>
+void run(const Args<A>& a, const T* q, const T* k, const T* v, T* out, A* lse) {
   const i64 C = a.splits, NQB = a.n_qblocks;
   const i64 n_items = a.B * a.Hkv * NQB * C;
-  std::vector<float> po, pl;
+  std::vector<A> po, pl;
   if (C > 1) {
-    po.assign(a.B * a.Hq * a.Nq * C * a.Dv, 0.f);
-    pl.assign(a.B * a.Hq * a.Nq * C, NEG_INF);
+    po.assign(a.B * a.Hq * a.Nq * C * a.Dv, A(0));
+    pl.assign(a.B * a.Hq * a.Nq * C, A(NEG_INF));
   }
   at::parallel_for(0, n_items, 1, [&](i64 begin, i64 end) {
-    Buffers buf(a, a.G * a.rows);
+    Buffers<A> buf(a, a.G * a.rows);
     for (i64 t = begin; t < end; ++t) {
       const i64 c = t % C, zq = (t / C) % NQB, kvh = (t / (C * NQB)) % a.Hkv;
       const i64 b = t / (C * NQB * a.Hkv);
@@ -287,8 +292,8 @@ void run(const Args& a, const T* q, const T* k, const T* v, T* out, float* lse) 
         for (i64 i = 0; i < q_end - it.q0; ++i) {
           const i64 h = kvh * a.G + g, qi = it.q0 + i, r = g * it.nr + i;
           const bool ok = i < it.nr;
-          const float* acc = buf.acc.data() + (ok ? r : 0) * a.DVP;
-          const float m = ok ? buf.m[r] : NEG_INF, l = ok ? buf.l[r] : 0.f;
+          const A* acc = buf.acc.data() + (ok ? r : 0) * a.DVP;
+          const A m = ok ? buf.m[r] : A(NEG_INF), l = ok ? buf.l[r] : A(0);
           const i64 flat = (b * a.Hq + h) * a.Nq + qi;
           if (C == 1)
             finish_row(acc, m, l, a.Dv, out + flat * a.Dv, lse + flat);
