@@ -429,8 +429,8 @@ def test_native_reasons_name_why_the_python_engine_runs():
     q = _f32(1, 2, 40, 8)
     p = prepare(q, q, q, is_causal=True).problem
     assert tiled.native_reasons(p) == []
-    assert any("float64" in r for r in tiled.native_reasons(
-        prepare(q.double(), q.double(), q.double()).problem))
+    assert any("dropout" in r for r in tiled.native_reasons(
+        prepare(q, q, q, dropout_p=0.5).problem))
     assert any("score_mod" in r for r in tiled.native_reasons(
         prepare(q, q, q, score_mod=lambda s, b, h, i, j: s * 2).problem))
     with tiled.use_native(False):
@@ -438,8 +438,8 @@ def test_native_reasons_name_why_the_python_engine_runs():
     big = _f32(1, 1, 4096, 8)                      # a mask without closed form, 16 MB dense
     reasons = tiled.native_reasons(prepare(big, big, big, mask=M.prefix_lm(10)).problem)
     assert any("no closed form" in r and "16 MB" in r for r in reasons)
-    with tiled.counting() as stats:                # float64 and a Python score_mod: Python
-        ak.attention(q.double(), q.double(), q.double(), backend="tiled")
+    with tiled.counting() as stats:                # dropout and a Python score_mod: Python
+        ak.attention(q, q, q, dropout_p=0.5, backend="tiled")
         ak.attention(q, q, q, score_mod=lambda s, b, h, i, j: s * 2, backend="tiled")
     assert stats["native"] == 0 and stats["runs"] > 0
 
