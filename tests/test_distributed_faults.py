@@ -147,6 +147,11 @@ def _peer_dies_mid_ring(rank: int, world: int) -> None:
     took = time.monotonic() - t0
     msg = str(e.value)
     assert f"ring_attention on rank {rank} (of 3), forward hop " in msg, msg
+    if rank == 2 and "sending the K/V shard to rank 0 did not complete within timeout" in msg:
+        # a race, seen under load: rank 0 saw the loss first and stopped before taking
+        # rank 2's shard, so rank 2 can only time out (its message names the wait and why)
+        assert "failed, crashed" in msg and took >= 20, (took, msg)
+        return
     assert (f"the K/V shard {'to' if rank == 0 else 'from'} rank 1 failed" in msg
             or re.search(r"exchange the K/V shard with ranks (1 and \d|\d and 1) failed", msg)), msg
     assert "connection was lost" in msg and "crashed" in msg, msg
