@@ -80,7 +80,7 @@ __all__ = ["CompiledScoreMod", "for_problem", "compile_score_mod", "stats", "cle
            "Unsupported"]
 
 _CACHE_SIZE = 64
-_FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC"]
+_FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fopenmp-simd", "-shared", "-fPIC"]
 
 @dataclass
 class CompiledScoreMod:
@@ -237,7 +237,7 @@ def compile_score_mod(fn: Any, *, grad: bool | None = None) -> CompiledScoreMod:
     gm, examples = _trace(user)
     gen = Gen(gm, examples, torch.is_grad_enabled() if grad is None else grad)
     out = gen.run()
-    src = source(name, gen, out)
+    src = source(gen, out)
     with _LOCK:
         _STATS["traces"] += 1
         _STATS["trace_s"] += time.perf_counter() - t0
