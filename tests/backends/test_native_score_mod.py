@@ -124,6 +124,15 @@ def test_sizes_masks_and_softcap(nq: int, nk: int) -> None:
     check(q, k, v, score_mod=t5_buckets, mask=ak.masks.sliding_window(17, causal=False))
 
 
+def test_masking_by_score_mod_minus_inf() -> None:
+    def late_causal(score, b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202
+        return torch.where(q_idx >= kv_idx + 5, score, -float("inf"))   # rows 0..4: no key
+
+    q, k, v = qkv(1, H, 2, 97, 113, 32)
+    out, g = check(q, k, v, score_mod=late_causal)
+    assert (out[:, :, :5] == 0).all() and (g[0][:, :, :5] == 0).all()
+
+
 def test_fully_masked_rows_and_nan_in_masked_kv() -> None:
     q, k, v = qkv(2, H, 2, 97, 113, 32)
     k[1, :, 50:] = math.nan                                   # padded keys of batch 1

@@ -4,8 +4,8 @@ One fused forward kernel runs every call (C++: ``forward.h``, shared pieces in `
 the backward in ``backward.h``, the operators in ``attention.cpp`` — one translation unit):
 per (batch, K/V head, query block, key split) it computes a key tile's scores for the G
 query heads of a GQA group at once (brgemm, or one dot product per key for a handful of
-rows), then ONE pass over the tile for scale, soft-cap, ALiBi, an additive bias and the
-mask, an online softmax, and P·V.
+rows), then ONE pass over the tile for scale, soft-cap, ALiBi (or a relative-bias table, or
+a compiled Python score_mod), an additive bias and the mask, an online softmax, and P·V.
 Band, padding and document masks are computed in closed form (tiles they empty are skipped,
 tiles they fill skip the mask); any other mask is a dense bool tensor. Decoding (a few
 queries over a long cache) splits the keys across cores and merges the splits by LSE; K/V
@@ -59,7 +59,9 @@ Caution
 - ALiBi reaches :func:`forward_problem` as ``scores.alibi(H_q)`` or as any score_mod that
   carries ``score_mod.spec`` with ``slopes`` (H_q,) (and optionally ``offset``); a
   relative-bias table as ``scores.relative_bias(table, M)`` (its spec is read, the table's
-  gradient flows); any other Python score_mod is refused by :func:`supports`.
+  gradient flows); any other Python score_mod is traced and compiled into a small C++
+  function the fused pass calls (:mod:`.score_mod`; forward and backward, gradients to
+  q, k, v only); one it cannot compile is refused by :func:`supports` with the reason.
 - Masks without a closed form are evaluated densely, ``(B|1, H|1, N_q, N_k)`` bools; above
   ``DENSE_MASK_LIMIT`` bytes :func:`supports` refuses them.
 """

@@ -5,7 +5,7 @@ and four scalar indices. Here it is traced once per call with ``torch.fx.symboli
 (each of the five arguments a 0-d Proxy, so the trace has exactly the per-score semantics,
 chained indexing such as ``bias[b][h][q_idx][kv_idx]`` included), run once on 0-d example
 values (which gives every node its dtype, with torch's type promotion), and written as a C++
-loop over the keys of one row::
+loop over the keys of one row (``codegen.py``)::
 
     extern "C" void attnkit_mod(float* x, float* dx, int64_t n, int64_t b, int64_t h,
                                 int64_t q, int64_t k0, const void* const* caps)
@@ -31,7 +31,7 @@ Supported: Python scalars; arithmetic, comparisons, logical / bitwise ops, ``whe
 ``masked_fill``, ``clamp``, ``minimum`` / ``maximum``, dtype casts, ``floor`` / ``round`` /
 ``remainder`` / ``floor_divide`` and the common elementwise functions (``exp``, ``log``,
 ``sqrt``, ``rsqrt``, ``tanh``, ``sigmoid``, ``pow``, ``sin``, ``cos``, ``erf``, ...) — see
-``_UNARY`` and ``_BINARY``; captured tensors read by integer indices (``slopes[h]``,
+``codegen._UNARY`` and ``codegen._BINARY``; captured tensors read by integer indices (``slopes[h]``,
 ``table[h, q_idx - kv_idx + M]``, ``bias[b, h, q_idx, kv_idx]``, ``t.to(x.dtype)[h]``).
 
 Caution
@@ -46,9 +46,13 @@ Caution
   clamped / zeroed in the kernel (no out-of-bounds read) and raise ``IndexError`` after the
   call — but only where the kernel evaluated the score_mod: keys of tiles a mask leaves
   empty are never visited (the reference evaluates every score).
-- Integer index arithmetic is int64, float arithmetic in the node's dtype (float16 /
-  bfloat16 nodes compute in float32); ``exp`` / ``tanh`` / ``log`` ... are the C library's
-  (scalar calls; ``sqrt`` and arithmetic vectorise).
+- Integer arithmetic is int64 (``//`` and ``%`` through double: exact for |a| < 2^53),
+  float arithmetic in the node's dtype (float16 / bfloat16 nodes compute in float32).
+  Arithmetic, comparisons, ``where``, ``sqrt``, small integer powers, captured-tensor reads
+  and float32 ``exp`` / ``tanh`` / ``sigmoid`` (attnkit's own, ~1.5 ulp) vectorise; ``log``,
+  ``sin``, ``erf``, general ``pow`` ... are the C library's scalar calls, and a loop holding
+  one runs scalar (T5's log-buckets: ~0.4× the plain call's forward speed, against ~0.8–1.0×
+  for ALiBi-like or tanh soft-cap functions; fp32 N=4096, 2 cores).
 - The trace runs per call (a few ms); the build per new source (once per process, or never
   again when the on-disk cache has it).
 """
@@ -251,8 +255,12 @@ def compile_score_mod(fn: Any, *, grad: bool | None = None) -> CompiledScoreMod:
 def for_problem(score_mod: Any) -> CompiledScoreMod | str:
     """The compiled form of a call's ``score_mod`` (api's checked wrapper, or a raw
     function), or the reason it has none — remembered per wrapper object (one per call)."""
+    if torch.compiler.is_compiling():
+        return "inside torch.compile (the score_mod runs on the Python path there)"
     per_call = hasattr(score_mod, "__wrapped__")          # api's wrapper: one per call
-    got = _BY_CALL.get(score_mod) if per_call else None
+    got = None
+    with _LOCK, contextlib.suppress(TypeError):           # not weak-referenceable
+        got = _BY_CALL.get(score_mod) if per_call else None
     if got is not None:
         return got
     fn = getattr(score_mod, "__wrapped__", score_mod)
@@ -260,7 +268,11 @@ def for_problem(score_mod: Any) -> CompiledScoreMod | str:
         got = compile_score_mod(fn)
     except Unsupported as e:
         got = str(e)
+    except Exception as e:  # noqa: BLE001 — never worse than the Python path
+        got = f"compiling it failed ({type(e).__name__}: {e})"
+        warnings.warn(f"attnkit: the native score_mod compiler failed on {fn_name(fn)} "
+                      f"({got}); using the Python path for it", RuntimeWarning, stacklevel=3)
     if per_call:
-        with contextlib.suppress(TypeError):               # not weak-referenceable
+        with _LOCK, contextlib.suppress(TypeError):        # not weak-referenceable
             _BY_CALL[score_mod] = got
     return got
