@@ -211,3 +211,30 @@ def test_switched_off_and_cached(monkeypatch: pytest.MonkeyPatch) -> None:
     check(q, k, v, score_mod=lambda s, b, h, qi, ki: s + (qi - ki))   # same source: no build
     after = sm.stats()
     assert after["builds"] - before["builds"] <= 1 and after["traces"] >= before["traces"] + 2
+
+
+def test_trace_reused_only_while_captured_data_is_the_same() -> None:
+    """A second call of the same code on the same captured tensors reuses the trace; an
+    in-place update (here of a float16 tensor the kernel reads through a float32 copy), a
+    rebound closure or a changed Python constant is traced again — never stale."""
+    table = torch.randn(H, 64).half()
+    state = {"scale": 1.0}
+
+    def make(t):  # noqa: ANN001, ANN202
+        def mod(score, b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202
+            return score + state["scale"] * t[h, kv_idx % 64].float()
+        return mod
+
+    q, k, v = qkv(1, H, 2, 40, 70, 16)
+    mod = make(table)
+    check(q, k, v, score_mod=mod, is_causal=True)
+    before = sm.stats()
+    check(q, k, v, score_mod=mod, is_causal=True)
+    assert sm.stats()["traces"] == before["traces"] and sm.stats()["reused"] > before["reused"]
+    with torch.no_grad():
+        table.mul_(-3)                                        # in place: version changes
+    check(q, k, v, score_mod=mod, is_causal=True)
+    check(q, k, v, score_mod=make(torch.randn(H, 64).half()), is_causal=True)
+    state["scale"] = 0.25
+    check(q, k, v, score_mod=mod, is_causal=True)
+    assert sm.stats()["traces"] >= before["traces"] + 3
