@@ -19,7 +19,8 @@ import torch
 import attnkit as ak
 from attnkit.backends import native
 from attnkit.backends.native import score_mod as sm
-from attnkit.backends.tiled import counting
+from attnkit.api import prepare
+from attnkit.backends.tiled import counting, native_reasons
 from conftest import assert_low_precision_close
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernel unavailable: "
@@ -171,6 +172,8 @@ def test_unsupported_op_and_grad_tensor_fall_back() -> None:
 
     q, k, v = qkv(1, H, 2, 40, 50, 16)
     assert isinstance(sm.for_problem(atan_mod), str)
+    p = prepare(q.float(), k.float(), v.float(), score_mod=atan_mod).problem
+    assert any("atan" in r for r in native_reasons(p))       # tiled's reasons say why
     check(q, k, v, score_mod=atan_mod, is_causal=True, native_calls=0)
     w = torch.tensor(0.3, dtype=torch.float32, requires_grad=True)
 
