@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import attnkit as ak
+from attnkit.api import prepare
 from attnkit.backends import native
 from attnkit.backends.native import score_mod as sm
-from attnkit.api import prepare
 from attnkit.backends.tiled import counting, native_reasons
 from conftest import assert_low_precision_close
 
