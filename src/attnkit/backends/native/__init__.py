@@ -85,6 +85,7 @@ __all__ = ["available", "why_unavailable", "forward", "decode", "supports", "for
            "DTYPES", "DECODE_MAX_QUERIES", "DENSE_MASK_LIMIT"]
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MOD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # with a compiled score_mod
 DECODE_MAX_QUERIES = 16
 DENSE_MASK_LIMIT = 256 * 2**20      # bytes of a dense mask supports() accepts
 _ROWS_PER_ITEM = 128                # query rows (G heads × block_q) per work item
@@ -397,6 +398,9 @@ def supports(p: Problem) -> list[str]:
         if size > DENSE_MASK_LIMIT:
             out.append(f"mask {rest.name!r} has no closed form and its dense form would take "
                        f"{size / 2**20:.0f} MB (limit {DENSE_MASK_LIMIT / 2**20:.0f} MB)")
+    if _user_mod(p) is not None and p.dtype not in MOD_DTYPES and not out:
+        out.append(f"a compiled Python score_mod runs in the float32 kernel only (inputs "
+                   f"float32 / bfloat16 / float16), not {p.dtype}")
     if not out and _user_mod(p) is not None:                 # compiled only when it would run
         got = for_problem(p.score_mod)
         if isinstance(got, str):

@@ -7,6 +7,7 @@
 // data pointers of the tensors the score_mod captured.
 #pragma once
 #include <cstdint>
+#include <type_traits>
 
 namespace attnkit_native {
 namespace {
@@ -16,14 +17,18 @@ using ScoreModFn = void (*)(float*, float*, int64_t, int64_t, int64_t, int64_t, 
 
 // Row x (n,) of head h, query qi over keys [k0, k0 + n): the score_mod in place. With fac
 // (the backward's chain-rule factor d(capped)/d(score), (n,)), fac *= d mod / d(capped).
-template <typename A>
-inline void apply_score_mod(const A& a, float* x, float* fac, int64_t n, int64_t b, int64_t h,
+// The generated function works on float rows: a kernel instantiated for another
+// accumulation type never gets one (native.supports refuses the call).
+template <typename A, typename F>
+inline void apply_score_mod(const A& a, F* x, F* fac, int64_t n, int64_t b, int64_t h,
                             int64_t qi, int64_t k0) {
-  if (!a.mod) return;
-  if (!fac) return a.mod(x, nullptr, n, b, h, qi, k0, a.mod_caps);
-  float dm[512];                                           // n <= BK keys (BK = 128)
-  a.mod(x, dm, n, b, h, qi, k0, a.mod_caps);
-  for (int64_t j = 0; j < n; ++j) fac[j] *= dm[j];
+  if constexpr (std::is_same_v<F, float>) {
+    if (!a.mod) return;
+    if (!fac) return a.mod(x, nullptr, n, b, h, qi, k0, a.mod_caps);
+    float dm[512];                                         // n <= BK keys (BK = 128)
+    a.mod(x, dm, n, b, h, qi, k0, a.mod_caps);
+    for (int64_t j = 0; j < n; ++j) fac[j] *= dm[j];
+  }
 }
 
 }  // namespace
