@@ -20,8 +20,8 @@ using ScoreModFn = void (*)(float*, float*, int64_t, int64_t, int64_t, int64_t, 
 // The generated function works on float rows: a kernel instantiated for another
 // accumulation type never gets one (native.supports refuses the call).
 template <typename A, typename F>
-inline void apply_score_mod(const A& a, F* x, F* fac, int64_t n, int64_t b, int64_t h,
-                            int64_t qi, int64_t k0) {
+inline void apply_score_mod(const A& a, F* x, typename std::common_type<F>::type* fac,
+                            int64_t n, int64_t b, int64_t h, int64_t qi, int64_t k0) {
   if constexpr (std::is_same_v<F, float>) {
     if (!a.mod) return;
     if (!fac) return a.mod(x, nullptr, n, b, h, qi, k0, a.mod_caps);
