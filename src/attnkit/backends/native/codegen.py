@@ -123,7 +123,7 @@ _UNARY: dict[str, tuple[str, str | None]] = {
     "exp": ("ak_exp({a})", "({ta} * {y})"),
     "exp2": ("std::exp2({a})", "({ta} * {y} * (T)0.6931471805599453)"),
     "expm1": ("std::expm1({a})", "({ta} * ({y} + (T)1))"),
-    "log": ("std::log({a})", "({ta} / {a})"),
+    "log": ("ak_log({a})", "({ta} / {a})"),
     "log2": ("std::log2({a})", "({ta} / ({a} * (T)0.6931471805599453))"),
     "log10": ("std::log10({a})", "({ta} / ({a} * (T)2.302585092994046))"),
     "log1p": ("std::log1p({a})", "({ta} / ((T)1 + {a}))"),
@@ -241,6 +241,8 @@ class Gen:
             off.append(f"{i} * INT64_C({stride})")
             stride *= p.shape[d]
         addr = " + ".join(off) if off else "0"
+        if stride < 2**31:          # clamped indices: the offset fits int32 (faster gathers)
+            addr = f"(int32_t)({addr})"
         raw = _Val(f"c{p.cap}[{addr}]", self.cap_types[p.cap])
         ct = _ctype(p.dtype)
         return _Val(self.new(ct, _cast(raw, ct)), ct, p.dtype)
@@ -556,6 +558,39 @@ static inline float ak_tanh(float x) {
   return a < 0.625f ? p * z * x + x : (x < 0.f ? -big : big);
 }
 static inline double ak_tanh(double x) { return std::tanh(x); }
+// ln x in float, ~1 ulp, branch-free (Cephes' logf: mantissa in [sqrt(1/2), sqrt(2)),
+// degree-8 polynomial; subnormals scaled by 2^23; 0 -> -inf, x < 0 -> NaN, inf -> inf)
+static inline float ak_log(float x) {
+  const bool sub = x < 1.17549435e-38f;
+  const float xs = sub ? x * 8388608.f : x;
+  int32_t i;
+  __builtin_memcpy(&i, &xs, 4);
+  int32_t e = ((i >> 23) & 0xff) - 126 - (sub ? 23 : 0);
+  const int32_t mi = (i & 0x007fffff) | 0x3f000000;
+  float m;
+  __builtin_memcpy(&m, &mi, 4);                              // [0.5, 1)
+  const bool lo = m < 0.707106781186547524f;
+  e = lo ? e - 1 : e;
+  const float t = lo ? m + m - 1.f : m - 1.f, z = t * t, fe = (float)e;
+  float p = 7.0376836292e-2f;
+  p = p * t - 1.1514610310e-1f;
+  p = p * t + 1.1676998740e-1f;
+  p = p * t - 1.2420140846e-1f;
+  p = p * t + 1.4249322787e-1f;
+  p = p * t - 1.6668057665e-1f;
+  p = p * t + 2.0000714765e-1f;
+  p = p * t - 2.4999993993e-1f;
+  p = p * t + 3.3333331174e-1f;
+  float y = t * z * p;
+  y += -2.12194440e-4f * fe;
+  y += -0.5f * z;
+  float r = (t + y) + 0.693359375f * fe;
+  r = x == 0.f ? -INFINITY : r;
+  r = x < 0.f ? NAN : r;
+  r = x == INFINITY ? x : r;
+  return x != x ? x : r;
+}
+static inline double ak_log(double x) { return std::log(x); }
 // 1 / (1 + e^-x) through e = e^-|x| (both tails keep their relative accuracy)
 template <class T> static inline T ak_sigmoid(T x) {
   const T e = ak_exp(x < (T)0 ? x : -x);
