@@ -123,6 +123,8 @@ def test_sizes_masks_and_softcap(nq: int, nk: int) -> None:
     check(q, k, v, score_mod=alibi_captured, mask=ak.masks.causal("bottom_right"))
     check(q, k, v, score_mod=mixed_ops, softcap=5.0)          # d/ds = dmod(capped) * dcap
     check(q, k, v, score_mod=t5_buckets, mask=ak.masks.sliding_window(17, causal=False))
+    bias = torch.randn(nq, nk, dtype=F64)                     # added after the score_mod
+    check(q, k, v, score_mod=tanh_softcap, mask=bias)
 
 
 def test_masking_by_score_mod_minus_inf() -> None:
