@@ -1,6 +1,10 @@
 """The general engine's compiled path (tiled/compiled.py): a Python score_mod's tiles fused by
 torch.compile, forward and backward, against the float64 oracle; its fallback and switch.
 
+The native kernel runs a float32 / bfloat16 / float16 user score_mod itself when it can
+(native/score_mod.py), so these tests keep tiled on its Python engines (``use_native(False)``)
+except the one that checks that order.
+
 Compiles are few on purpose (each costs seconds here): one score_mod code for the compiled
 tests (float64 band, float64 tile mask, float32 band + softcap), and a stand-in for
 ``torch.compile`` where only the dispatch is under test.
@@ -14,7 +18,8 @@ import pytest
 import torch
 
 import attnkit as ak
-from attnkit.backends.tiled import compiled, tile_sizes
+from attnkit.backends import native
+from attnkit.backends.tiled import compiled, counting, tile_sizes, use_native
 from conftest import max_err, oracle
 
 M = ak.masks
@@ -29,6 +34,12 @@ def user_alibi(score, b, h, q_idx, kv_idx):  # noqa: ANN001, ANN201
 
 def _ref_mod(score, b, h, q_idx, kv_idx):  # noqa: ANN001, ANN201
     return score - SLOPES.to(score.dtype)[h] * (q_idx - kv_idx).abs().to(score.dtype)
+
+
+@pytest.fixture(autouse=True)
+def python_engines():  # noqa: ANN201
+    with use_native(False):
+        yield
 
 
 @pytest.fixture
@@ -188,3 +199,15 @@ def test_compile_failure_warns_once_and_falls_back(compile_on: None) -> None:
         out = ak.attention(q, k, v, is_causal=True, score_mod=mod, backend="tiled")
         out.sum().backward()
     torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-9)
+
+
+@pytest.mark.skipif(not native.available(), reason="native kernel unavailable")
+def test_native_kernel_runs_a_float32_score_mod_first(eager_tiles: None,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ATTNKIT_COMPILE", "1")
+    q, k, v = (torch.randn(1, 4, 40, 16) for _ in range(3))
+    with use_native(True), counting() as n:
+        out = ak.attention(q, k, v, is_causal=True, score_mod=user_alibi, backend="tiled")
+    assert n["native"] == 1 and _Eager.made == 0            # compiled.py is the fallback
+    ref = ak.attention(q, k, v, is_causal=True, score_mod=user_alibi, backend="reference")
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)

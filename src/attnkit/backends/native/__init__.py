@@ -4,8 +4,8 @@ One fused forward kernel runs every call (C++: ``forward.h``, shared pieces in `
 the backward in ``backward.h``, the operators in ``attention.cpp`` — one translation unit):
 per (batch, K/V head, query block, key split) it computes a key tile's scores for the G
 query heads of a GQA group at once (brgemm, or one dot product per key for a handful of
-rows), then ONE pass over the tile for scale, soft-cap, ALiBi, an additive bias and the
-mask, an online softmax, and P·V.
+rows), then ONE pass over the tile for scale, soft-cap, ALiBi (or a relative-bias table, or
+a compiled Python score_mod), an additive bias and the mask, an online softmax, and P·V.
 Band, padding and document masks are computed in closed form (tiles they empty are skipped,
 tiles they fill skip the mask); any other mask is a dense bool tensor. Decoding (a few
 queries over a long cache) splits the keys across cores and merges the splits by LSE; K/V
@@ -63,7 +63,9 @@ Caution
 - ALiBi reaches :func:`forward_problem` as ``scores.alibi(H_q)`` or as any score_mod that
   carries ``score_mod.spec`` with ``slopes`` (H_q,) (and optionally ``offset``); a
   relative-bias table as ``scores.relative_bias(table, M)`` (its spec is read, the table's
-  gradient flows); any other Python score_mod is refused by :func:`supports`.
+  gradient flows); any other Python score_mod is traced and compiled into a small C++
+  function the fused pass calls (:mod:`.score_mod`; forward and backward, gradients to
+  q, k, v only); one it cannot compile is refused by :func:`supports` with the reason.
 - Masks without a closed form are evaluated densely, ``(B|1, H|1, N_q, N_k)`` bools; above
   ``DENSE_MASK_LIMIT`` bytes :func:`supports` refuses them.
 """
@@ -80,11 +82,14 @@ from ...masks import Band, Documents, Lengths, Mask, documents_of, lengths_of
 from ...scores import Alibi, RelativeBias
 from ..base import Problem, refuse_double_backward
 from . import loader
+from .score_mod import CompiledScoreMod, compile_score_mod, for_problem
 
 __all__ = ["available", "why_unavailable", "forward", "decode", "supports", "forward_problem",
+           "compile_score_mod", "CompiledScoreMod",
            "DTYPES", "DECODE_MAX_QUERIES", "DENSE_MASK_LIMIT"]
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+MOD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # with a compiled score_mod
 DECODE_MAX_QUERIES = 16
 DENSE_MASK_LIMIT = 256 * 2**20      # bytes of a dense mask supports() accepts
 _ROWS_PER_ITEM = 128                # query rows (G heads × block_q) per work item
@@ -162,6 +167,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float |
             q_lengths: object | None = None, doc_ids: object | None = None,
             kv_doc_ids: object | None = None, dense_mask: torch.Tensor | None = None,
             block_q: int | None = None, splits: int | None = None,
+            score_mod: CompiledScoreMod | None = None,
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention on the Problem layout → ``(out, lse)`` (see the module docstring).
 
@@ -169,6 +175,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float |
     are chosen from the sizes and the thread count when not given. ``rel_table`` (H_q,
     2·rel_max_distance + 1) adds ``rel_table[h, clamp(k − q, −M, M) + M]`` to every score
     (give both or neither); when it requires grad, out and lse carry a grad_fn to it.
+    ``score_mod`` (a :class:`~.score_mod.CompiledScoreMod`, see :func:`compile_score_mod`)
+    runs after the soft-cap, in ALiBi's place (not together with ALiBi or a table).
     """
     ops = _ops()
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -232,12 +240,19 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float |
         None if q_lengths is None else _per_batch(q_lengths, B, "q_lengths"),
         None if doc_ids is None else _ids(doc_ids, B, Nq, "doc_ids"),
         None if kv_doc_ids is None else _ids(kv_doc_ids, B, Nk, "kv_doc_ids"),
-        None if dense_mask is None else _as4d(dense_mask, shape4, "dense_mask", torch.bool))
+        None if dense_mask is None else _as4d(dense_mask, shape4, "dense_mask", torch.bool),
+        0 if score_mod is None else score_mod.address,
+        0 if score_mod is None else score_mod.caps_address)
     ali = alibi_slopes if isinstance(alibi_slopes, torch.Tensor) else None
     if torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (q, k, v, rel, ali)):
-        return _NativeAttention.apply(q, k, v, rel, ali, common, (int(n_split), int(rows)))
-    return ops.attend(q, k, v, *common, int(n_split), int(rows))
+        out = _NativeAttention.apply(q, k, v, rel, ali, common, (int(n_split), int(rows)),
+                                     score_mod)
+    else:
+        out = ops.attend(q, k, v, *common, int(n_split), int(rows))
+    if score_mod is not None:
+        score_mod.check()                                    # an index out of range: raise
+    return out
 
 
 def _rel_table(table: torch.Tensor | None, max_distance: int | None, Hq: int,
@@ -269,8 +284,9 @@ class _NativeAttention(torch.autograd.Function):
     None)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, rel, ali, common, launch):  # noqa: ANN001, ANN205
+    def forward(ctx, q, k, v, rel, ali, common, launch, mod):  # noqa: ANN001, ANN205
         out, lse = _ops().attend(q, k, v, *common, *launch)
+        ctx.mod = mod                                              # keeps its caps alive
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.common = common
         ctx.rel_dtype = None if rel is None else rel.dtype
@@ -301,7 +317,9 @@ class _NativeAttention(torch.autograd.Function):
             dali = dali.reshape(ctx.ali_like[0]).to(ctx.ali_like[1])
         else:
             dali = None
-        return dq, dk, dv, drel, dali, None, None
+        if ctx.mod is not None:
+            ctx.mod.check()
+        return dq, dk, dv, drel, dali, None, None, None
 
 
 def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: object,
@@ -383,9 +401,6 @@ def supports(p: Problem) -> list[str]:
         out.append("no gradient for a bias tensor (q, k, v only)")
     if p.dropout_p > 0.0:
         out.append(f"no dropout, got dropout_p={p.dropout_p}")
-    if p.score_mod is not None and _alibi_of(p) is None and _relbias_of(p) is None:
-        out.append("score_mod is an arbitrary Python function (only ALiBi and relative-bias "
-                   "tables with a spec run natively)")
     _, rest = _mask_options(p)
     if rest is not None:
         b = p.batch if rest.depends_on_batch else 1
@@ -394,7 +409,21 @@ def supports(p: Problem) -> list[str]:
         if size > DENSE_MASK_LIMIT:
             out.append(f"mask {rest.name!r} has no closed form and its dense form would take "
                        f"{size / 2**20:.0f} MB (limit {DENSE_MASK_LIMIT / 2**20:.0f} MB)")
+    if _user_mod(p) is not None and p.dtype not in MOD_DTYPES and not out:
+        out.append(f"a compiled Python score_mod runs in the float32 kernel only (inputs "
+                   f"float32 / bfloat16 / float16), not {p.dtype}")
+    if not out and _user_mod(p) is not None:                 # compiled only when it would run
+        got = for_problem(p.score_mod)
+        if isinstance(got, str):
+            out.append(f"the Python score_mod cannot be compiled natively: {got}")
     return out
+
+
+def _user_mod(p: Problem) -> object | None:
+    """``p.score_mod`` when it is a Python function no spec describes (ALiBi, table)."""
+    if p.score_mod is None or _alibi_of(p) is not None or _relbias_of(p) is not None:
+        return None
+    return p.score_mod
 
 
 def forward_problem(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
@@ -409,6 +438,8 @@ def forward_problem(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     rel = _relbias_of(p)
     if rel is not None:
         opts["rel_table"], opts["rel_max_distance"] = rel
+    if _user_mod(p) is not None:
+        opts["score_mod"] = for_problem(p.score_mod)
     run = decode if p.n_q <= DECODE_MAX_QUERIES else forward
     return run(p.q, p.k, p.v, scale=p.scale, softcap=p.softcap, bias=p.bias,  # type: ignore[arg-type]
                **opts)

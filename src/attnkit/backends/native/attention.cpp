@@ -15,7 +15,9 @@
 // table[h, clamp(k - q, -M, M) + M] (rel_table (H_q, 2M+1)) -> + bias -> mask.
 // Masks in closed form: band  lo <= q - k <= hi  (alignment folded in by the caller),
 // padding lengths (kv_len (B), q_len (B)), documents (q_doc (B, N_q) == k_doc (B, N_k)),
-// and any other mask as a dense bool tensor broadcast to (B, H_q, N_q, N_k).
+// and any other mask as a dense bool tensor broadcast to (B, H_q, N_q, N_k). A Python
+// score_mod compiled by score_mod.py comes as two addresses (its function, its captured
+// tensors' pointers; 0 = none) and runs where ALiBi / the table do (score_mod.h).
 // Conventions: a row with no allowed key -> out 0, LSE -inf; NaN in an allowed score
 // propagates; a key with P == 0 never touches the output (NaN in masked V rows stays out).
 #include <ATen/ops/empty.h>
@@ -41,7 +43,8 @@ Args<A> make_args(const Tensor& q, const Tensor& k, const Tensor& v, double scal
                   const std::optional<Tensor>& bias, double band_lo, double band_hi,
                   const std::optional<Tensor>& kv_len, const std::optional<Tensor>& q_len,
                   const std::optional<Tensor>& q_doc, const std::optional<Tensor>& k_doc,
-                  const std::optional<Tensor>& mask) {
+                  const std::optional<Tensor>& mask, int64_t score_mod,
+                  int64_t score_mod_caps) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
               "attnkit native: q, k, v must be 4-D (B, H, N, D)");
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
@@ -80,6 +83,8 @@ Args<A> make_args(const Tensor& q, const Tensor& k, const Tensor& v, double scal
   a.mask = opt_ptr<bool>(mask);
   if (a.mask) for (int i = 0; i < 4; ++i) a.sm[i] = mask->stride(i);
   a.NKP = round_up(a.Nk, BK);
+  a.mod = reinterpret_cast<ScoreModFn>(score_mod);       // addresses from score_mod.py (ctypes)
+  a.mod_caps = reinterpret_cast<const void* const*>(score_mod_caps);
   return a;
 }
 
@@ -113,13 +118,14 @@ std::tuple<Tensor, Tensor> attend(
     int64_t rel_max_distance, const std::optional<Tensor>& bias, double band_lo,
     double band_hi, const std::optional<Tensor>& kv_len, const std::optional<Tensor>& q_len,
     const std::optional<Tensor>& q_doc, const std::optional<Tensor>& k_doc,
-    const std::optional<Tensor>& mask, int64_t splits, int64_t block_q) {
+    const std::optional<Tensor>& mask, int64_t score_mod, int64_t score_mod_caps, int64_t splits,
+    int64_t block_q) {
   Tensor out, lse;
   ATTNKIT_DISPATCH(q.scalar_type(), {
     using A = compute_t<T>;
     Args<A> a = make_args<A>(q, k, v, scale, softcap, alibi, alibi_offset, rel,
                              rel_max_distance, bias, band_lo, band_hi, kv_len, q_len, q_doc,
-                             k_doc, mask);
+                             k_doc, mask, score_mod, score_mod_caps);
     plan_forward(a, splits, block_q);
     out = at::empty({a.B, a.Hq, a.Nq, a.Dv}, q.options());
     lse = at::empty({a.B, a.Hq, a.Nq}, q.options().dtype(c10::CppTypeToScalarType<A>::value));
@@ -139,14 +145,15 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> attend_backward(
     const std::optional<Tensor>& bias, double band_lo, double band_hi,
     const std::optional<Tensor>& kv_len, const std::optional<Tensor>& q_len,
     const std::optional<Tensor>& q_doc, const std::optional<Tensor>& k_doc,
-    const std::optional<Tensor>& mask, bool alibi_grad) {
+    const std::optional<Tensor>& mask, int64_t score_mod, int64_t score_mod_caps,
+    bool alibi_grad) {
   Tensor dq, dk, dv, dtab, dslope;
   ATTNKIT_DISPATCH(q.scalar_type(), {
     using A = compute_t<T>;
     constexpr at::ScalarType kA = c10::CppTypeToScalarType<A>::value;
     Args<A> a = make_args<A>(q, k, v, scale, softcap, alibi, alibi_offset, rel,
                              rel_max_distance, bias, band_lo, band_hi, kv_len, q_len, q_doc,
-                             k_doc, mask);
+                             k_doc, mask, score_mod, score_mod_caps);
     a.alibi_grad = alibi_grad && a.alibi;
     TORCH_CHECK(dout.sizes() == at::IntArrayRef({a.B, a.Hq, a.Nq, a.Dv}) &&
                     dout.stride(3) == 1 && dout.scalar_type() == q.scalar_type(),
@@ -176,13 +183,15 @@ TORCH_LIBRARY(attnkit_native, m) {
   m.def("attend(Tensor q, Tensor k, Tensor v, float scale, float softcap, Tensor? alibi, "
         "float alibi_offset, Tensor? rel_table, int rel_max_distance, Tensor? bias, "
         "float band_lo, float band_hi, Tensor? kv_len, Tensor? q_len, Tensor? q_doc, "
-        "Tensor? k_doc, Tensor? mask, int splits, int block_q) "
+        "Tensor? k_doc, Tensor? mask, int score_mod, int score_mod_caps, int splits, "
+        "int block_q) "
         "-> (Tensor, Tensor)",
         &attend);
   m.def("attend_backward(Tensor q, Tensor k, Tensor v, Tensor dout, Tensor lse, Tensor delta, "
         "float scale, float softcap, Tensor? alibi, float alibi_offset, Tensor? rel_table, "
         "int rel_max_distance, Tensor? bias, float band_lo, float band_hi, Tensor? kv_len, "
-        "Tensor? q_len, Tensor? q_doc, Tensor? k_doc, Tensor? mask, bool alibi_grad) "
+        "Tensor? q_len, Tensor? q_doc, Tensor? k_doc, Tensor? mask, int score_mod, "
+        "int score_mod_caps, bool alibi_grad) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
         &attend_backward);
   m.def("vector_width() -> str", &vector_width);

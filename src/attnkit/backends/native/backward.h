@@ -71,6 +71,7 @@ void backward_tile(const Args<A>& a, const T* q, const T* dout, const i64* sdo, 
     const i64 qi = it.q0 + i, flat = (it.b * a.Hq + h) * a.Nq + qi;
     A *x = bb.s.data() + i * BK, *f = bb.fac.data() + i * BK, *dp = bb.dp.data() + i * BK;
     scale_and_cap(a, x, npad, f);
+    apply_score_mod(a, x, f, n, it.b, h, qi, k0);
     position_terms_and_mask(a, x, n, npad, it.b, h, qi, k0, full);
     const V shift = splat(lse[flat] == NEG_INF ? A(0) : lse[flat]), dl = splat(delta[flat]);
     const V zero = splat(A(0));

@@ -20,6 +20,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "score_mod.h"
+
 namespace attnkit_native {
 namespace {
 
@@ -265,6 +267,7 @@ template <typename A> struct Args {
   i64 rows, n_qblocks, splits, split_len;
   i64 NKP;                          // N_k rounded up to BK
   bool cache_kt;                    // keep a head's transposed K per thread (see Buffers)
+  ScoreModFn mod; const void* const* mod_caps;  // a compiled Python score_mod or null
 };
 
 // One work item's rows and key range.
@@ -429,11 +432,13 @@ inline void position_terms_and_mask(const Args<A>& a, A* x, i64 n, i64 npad, i64
   for (i64 j = n; j < npad; ++j) x[j] = NEG_INF;
 }
 
-// The whole fused pass on one row of scores: scale, softcap, ALiBi, relative bias, bias, mask.
+// The whole fused pass on one row of scores: scale, softcap, score_mod (or ALiBi, relative
+// bias), bias, mask.
 template <typename A>
 inline void score_terms(const Args<A>& a, A* x, i64 n, i64 npad, i64 b, i64 h, i64 qi, i64 k0,
                         bool full) {
   scale_and_cap(a, x, npad, static_cast<A*>(nullptr));
+  apply_score_mod(a, x, nullptr, n, b, h, qi, k0);
   position_terms_and_mask(a, x, n, npad, b, h, qi, k0, full);
 }
 

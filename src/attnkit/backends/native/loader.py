@@ -40,7 +40,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["load", "reason", "reset", "cpu_flags", "cache_dir", "build_key", "SOURCES"]
+__all__ = ["load", "reason", "reset", "cpu_flags", "cache_dir", "compiler", "build_key",
+           "SOURCES"]
 
 SOURCES: list[Path] = [Path(__file__).with_name("attention.cpp")]
 _OPT_FLAGS = ["-O3", "-fno-math-errno"]
@@ -87,9 +88,13 @@ def cache_dir() -> Path:
     return Path(base) / "attnkit"
 
 
-def _compiler() -> str | None:
+def compiler() -> str | None:
+    """The C++ compiler builds use: ``$CXX``, else ``c++`` or ``g++`` on PATH (None: none)."""
     cxx = os.environ.get("CXX", "c++")
     return shutil.which(cxx) or (None if os.environ.get("CXX") else shutil.which("g++"))
+
+
+_compiler = compiler
 
 
 def build_key(flags: list[str], compiler: str) -> str:

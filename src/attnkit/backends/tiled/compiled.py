@@ -1,5 +1,10 @@
 """The compiled path of the general engine: a user's Python score_mod fused by torch.compile.
 
+A float32 / bfloat16 / float16 score_mod first goes to the native kernel, which compiles it
+into its own fused pass (``native/score_mod.py``); this path is the fallback for the calls
+the native kernel cannot run (float64, an op it does not know, a captured tensor with grad,
+``ATTNKIT_NATIVE=0``, no compiler).
+
 On the current path a score_mod runs as a chain of eager torch ops per tile (each a pass
 over a ``(B, H_q, bq, L)`` tensor), and those passes — not the matmuls — took about 5/6 of
 the time of an ALiBi-like user function (causal, N=2048, H=8, D=64: 1.2 s, of which
