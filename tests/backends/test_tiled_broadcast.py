@@ -2,9 +2,9 @@
 score_mod, a bias that needs a gradient): the float64 reference as the oracle, and no tensor
 of the size of K/V repeated over the batch ever allocated (issue 13, item 5).
 
-Every test runs the Python engine (``ATTNKIT_NATIVE=0``) without the compiled score_mod
-tiles (``ATTNKIT_COMPILE=0``: those take K/V per batch element, see ``tiled.general``'s
-Caution), and checks that the general engine is the one that ran.
+Every test runs the Python engine (``ATTNKIT_NATIVE=0``), without the compiled score_mod
+tiles (``ATTNKIT_COMPILE=0``) except the last, which runs their matmuls on uncompiled tiles,
+and checks that the general engine is the one that ran.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import attnkit as ak
 from attnkit.backends import tiled
+from attnkit.backends.tiled import compiled
 
 M = ak.masks
 F64 = torch.float64
@@ -167,3 +168,56 @@ def test_kv_batch_one_same_numbers_as_an_explicit_repeat(_python_general_engine)
                             **opts)
     assert [s == 0 for s in _python_general_engine] == [True, False]
     torch.testing.assert_close(shared, repeated, atol=1e-6, rtol=1e-6)
+
+
+class _EagerTiles:
+    """Stands in for ``compiled._Tiles``: the compiled path's tile templates, uncompiled (its
+    matmuls against shared K/V are what is tested here, at no compile cost)."""
+
+    made = 0
+
+    def __init__(self, name: str, tag: str) -> None:
+        type(self).made += 1
+        self.name, self.failed, self.first = name, False, {}
+
+    def run(self, which: str, *args):  # noqa: ANN002, ANN201
+        fn = compiled._forward_tile if which == "fwd" else compiled._backward_tile
+        return fn(*args)
+
+
+@pytest.mark.parametrize("hkv", [1, 2])
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+def test_compiled_tiles_read_shared_kv_without_a_copy(hkv, dtype, monkeypatch,
+                                                      _python_general_engine):
+    monkeypatch.setenv("ATTNKIT_COMPILE", "1")
+    monkeypatch.setattr(compiled, "_Tiles", _EagerTiles)
+    compiled.clear()
+    _EagerTiles.made = 0
+    nq, nk, d = 9, 600, 64
+    q, k1, v1 = (t.to(dtype) for t in _inputs(hkv, nq, nk, d))
+    opts = dict(score_mod=_fresh_alibi_like(), mask=M.causal("bottom_right"))
+    with _BigAllocations(2 * k1.numel()) as rec:
+        out = ak.attention(q, k1, v1, backend="tiled", **opts)
+    assert _EagerTiles.made >= 1 and _python_general_engine == [0]   # compiled tiles ran
+    assert rec.hits == []
+    tol = TOL if dtype == F64 else dict(atol=2e-5, rtol=2e-5)
+    ref, _ = _reference(q, k1, v1, **opts)
+    torch.testing.assert_close(out.double(), ref, **tol)
+    for t in (q, k1, v1):                                  # and the backward's matmuls
+        t.requires_grad_(True)
+    out = ak.attention(q, k1, v1, backend="tiled", **opts)
+    g = torch.randn_like(out)
+    got = torch.autograd.grad((out * g).sum(), (q, k1, v1))
+    ref, _ = _reference(q, k1, v1, **opts)
+    want = torch.autograd.grad((ref * g.double()).sum(), (q, k1, v1))
+    for a, w in zip(got, want, strict=True):
+        assert a.shape == w.shape
+        torch.testing.assert_close(a.double(), w.double(), **tol)
+    compiled.clear()
+
+
+def _fresh_alibi_like():  # noqa: ANN202
+    """A new function per test, so no earlier compiled-tile cache entry is reused."""
+    def mod(s, b, h, qi, ki):  # noqa: ANN001, ANN202
+        return s - 0.1 * (h + 1) * (qi - ki).abs()
+    return mod

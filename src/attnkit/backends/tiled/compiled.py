@@ -81,6 +81,7 @@ import torch
 from ... import masks as _masks
 from ... import scores as _scores
 from ..base import Problem, compute_dtype, finish, refuse_double_backward, softmax_shift
+from .matmul import add_tmm_, addmm_, mm
 from .plan import Plan, allowed_tile, bias_tile, count
 
 __all__ = ["mode", "attention", "stats", "clear", "AUTO_SCORES"]
@@ -306,11 +307,11 @@ def _forward(env: _Env, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             for k0 in range(run.k0, run.k1, env.chunk):
                 k1 = min(k0 + env.chunk, run.k1)
                 count(runs=1)
-                s = torch.bmm(qb, k[:, k0:k1].transpose(1, 2)).view(B, hq, bq, k1 - k0)
+                s = mm(qb, k[:, k0:k1].transpose(1, 2)).view(B, hq, bq, k1 - k0)
                 e, m, lsum, alpha = env.tiles.run(
                     "fwd", env.fn, s, m, lsum, *env.tile_args(run.masked, q0, q1, k0, k1))
-                acc.mul_(alpha.view(B * hkv, g * bq, 1)).baddbmm_(
-                    e.view(B * hkv, g * bq, k1 - k0), v[:, k0:k1])
+                addmm_(acc.mul_(alpha.view(B * hkv, g * bq, 1)),
+                       e.view(B * hkv, g * bq, k1 - k0), v[:, k0:k1])
         o, l_ = finish(acc.view(B, hq, bq, -1), lsum.squeeze(-1), softmax_shift(m).squeeze(-1))
         out[:, :, q0:q1] = o
         lse[:, :, q0:q1] = l_
@@ -320,7 +321,8 @@ def _forward(env: _Env, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 class _CompiledAttention(torch.autograd.Function):
     """The compiled tiles with the general engine's FlashAttention-2 backward.
 
-    ``q (B, H_kv, G, N_q, D_k)`` pre-scaled; ``k (B·H_kv, N_k, D_k)``, ``v (B·H_kv, N_k, D_v)``.
+    ``q (B, H_kv, G, N_q, D_k)`` pre-scaled; ``k (B·H_kv | H_kv, N_k, D_k)``,
+    ``v (B·H_kv | H_kv, N_k, D_v)`` (H_kv: shared over the batch, see :mod:`.matmul`).
     """
 
     @staticmethod
@@ -355,17 +357,15 @@ class _CompiledAttention(torch.autograd.Function):
                 for k0 in range(run.k0, run.k1, env.chunk):
                     k1 = min(k0 + env.chunk, run.k1)
                     L = k1 - k0
-                    s = torch.bmm(qb, k[:, k0:k1].transpose(1, 2)).view(B, hq, bq, L)
-                    dp = torch.bmm(dob, v[:, k0:k1].transpose(1, 2)).view(B, hq, bq, L)
+                    s = mm(qb, k[:, k0:k1].transpose(1, 2)).view(B, hq, bq, L)
+                    dp = mm(dob, v[:, k0:k1].transpose(1, 2)).view(B, hq, bq, L)
                     pr, ds = env.tiles.run("bwd", env.fn, s, dp, lb, db,
                                            *env.tile_args(run.masked, q0, q1, k0, k1))
                     p2 = pr.reshape(B * hkv, g * bq, L)           # (B·H_kv, G·bq, L)
                     ds2 = ds.reshape(B * hkv, g * bq, L)
-                    # bmm + add_: baddbmm_ into a key slice with a transposed operand
-                    # falls to one addmm per batch (measured 6-10x slower here)
-                    dv[:, k0:k1].add_(torch.bmm(p2.transpose(1, 2), dob))
-                    dqb.baddbmm_(ds2, k[:, k0:k1])
-                    dk[:, k0:k1].add_(torch.bmm(ds2.transpose(1, 2), qb))
+                    add_tmm_(dv[:, k0:k1], p2, dob)               # dV += Pᵀ dO
+                    addmm_(dqb, ds2, k[:, k0:k1])                 # dQ += dS K
+                    add_tmm_(dk[:, k0:k1], ds2, qb)               # dK += dSᵀ Q
             dq[:, :, :, q0:q1] = dqb.view(B, hkv, g, bq, p.d_k)
         return dq, dk, dv, None
 
@@ -376,7 +376,8 @@ def attention(p: Problem, pl: Plan, chunk: int, q: torch.Tensor, k: torch.Tensor
     """The general engine's call on compiled tiles → ``(out, lse)`` in the compute dtype, or
     None when the current path should run it (off, not worth compiling yet, or compiling
     failed — then after one warning). ``q (B, H_kv, G, N_q, D_k)`` pre-scaled,
-    ``k (B·H_kv, N_k, D_k)``, ``v (B·H_kv, N_k, D_v)``, ``bias`` without grad."""
+    ``k (B·H_kv | H_kv, N_k, D_k)``, ``v (B·H_kv | H_kv, N_k, D_v)`` (H_kv: K/V shared
+    over the batch, never copied per batch element), ``bias`` without grad."""
     got = _tiles(p)
     if got is None:
         return None

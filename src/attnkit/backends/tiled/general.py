@@ -19,7 +19,8 @@ closing over tensors that need gradients, dropout, a bias with grad).
 K/V of batch 1 broadcast over the queries' batch (``attention()`` passes them as stride-0
 views) are read as ``(H_kv, N_k, ·)``, never copied per batch element: every matmul against
 them is one batched matmul over the K/V heads per batch element (one over all rows
-``B·G·bq`` when H_kv = 1), and their gradients sum over the batch in the same matmuls.
+``B·G·bq`` when H_kv = 1), and their gradients sum over the batch in the same matmuls
+(:mod:`.matmul`, shared with :mod:`.compiled`).
 
 Shape legend::
 
@@ -30,9 +31,6 @@ Shape legend::
 
 Caution
 -------
-- Shared K/V (batch 1 broadcast) go to :mod:`.compiled` as a copy per batch element (its
-  tiles take ``(B·H_kv, N_k, ·)``): only when it is on (``ATTNKIT_COMPILE=1``) or the call
-  has at least ``compiled.AUTO_SCORES`` scores; smaller calls in auto mode stay here.
 - The gradient of shared K/V reaches them through autograd's slice of the broadcast view,
   which allocates one ``(B, H_kv, N_k, D)`` gradient before summing it (backward only).
 """
@@ -47,71 +45,13 @@ from torch.utils.checkpoint import checkpoint
 from ...scores import soft_cap, soft_cap_, soft_cap_grad
 from ..base import Problem, compute_dtype, finish, refuse_double_backward, softmax_shift
 from . import compiled
+from .matmul import add_tmm_, addmm_, mm, shared_kv
 from .plan import Block, Plan, allowed_tile, bias_tile, count, plan, sizes
 
 __all__ = ["general_attention"]
 
 # Score elements one general-engine step may hold (a block's recompute holds a few such).
 _BUDGET = 1 << 22
-
-
-def _kv(t: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-    """``t (B, H_kv, N_k, D)`` in ``acc`` as ``(B·H_kv, N_k, D)``, or — batch 1 broadcast
-    over B > 1 (stride 0) — as ``(H_kv, N_k, D)``: cast and reshaped once, never per batch
-    element."""
-    if t.shape[0] > 1 and t.stride(0) == 0:
-        t = t[:1]                                                   # (1, H_kv, N_k, D)
-    return t.to(acc).reshape(-1, t.shape[2], t.shape[3])
-
-
-def _mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``a (B·H_kv, M, X) @ b (B·H_kv | H_kv, X, Y)`` → ``(B·H_kv, M, Y)`` (into ``out``
-    when given, nothing recorded). ``b`` with H_kv (K/V shared over the batch) is never
-    expanded: one bmm per batch element, or one over all ``B·M`` rows when H_kv = 1."""
-    if b.shape[0] == a.shape[0]:
-        return torch.bmm(a, b) if out is None else torch.bmm(a, b, out=out)
-    h = b.shape[0]
-    if h == 1:                                                      # fold B into the rows
-        a1 = a.reshape(1, -1, a.shape[2])                           # (1, B·M, X)
-        if out is None:
-            return torch.bmm(a1, b).view(a.shape[0], a.shape[1], b.shape[2])
-        torch.bmm(a1, b, out=out.view(1, -1, b.shape[2]))
-        return out
-    if out is None:                                                 # autograd may record
-        return torch.cat([torch.bmm(a[i:i + h], b) for i in range(0, a.shape[0], h)])
-    for i in range(0, a.shape[0], h):
-        torch.bmm(a[i:i + h], b, out=out[i:i + h])                  # (H_kv, M, Y) each
-    return out
-
-
-def _addmm_(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``c (B·H_kv, M, Y) += a (B·H_kv, M, X) @ b (B·H_kv | H_kv, X, Y)`` in place."""
-    if b.shape[0] == a.shape[0]:
-        return c.baddbmm_(a, b)
-    h = b.shape[0]
-    if h == 1:
-        c.view(1, -1, c.shape[2]).baddbmm_(a.reshape(1, -1, a.shape[2]), b)
-        return c
-    for i in range(0, a.shape[0], h):
-        c[i:i + h].baddbmm_(a[i:i + h], b)
-    return c
-
-
-def _add_tmm_(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``c (B·H_kv | H_kv, L, Y) += aᵀ @ b`` for ``a (B·H_kv, M, L)``, ``b (B·H_kv, M, Y)``
-    — a shared K/V's gradient (``c`` with H_kv) sums over the batch."""
-    if c.shape[0] == a.shape[0]:
-        # bmm + add_: baddbmm_ into a key slice with a transposed operand falls to one
-        # addmm per batch (measured 6-10x slower here)
-        c.add_(torch.bmm(a.transpose(1, 2), b))
-        return
-    h = c.shape[0]
-    if h == 1:                                                      # Σ over all B·M rows
-        c.add_(torch.bmm(a.reshape(1, -1, a.shape[2]).transpose(1, 2),
-                         b.reshape(1, -1, b.shape[2])))
-        return
-    for i in range(0, a.shape[0], h):
-        c.add_(torch.bmm(a[i:i + h].transpose(1, 2), b[i:i + h]))
 
 
 def _block(p: Problem, blk: Block, chunk_k: int, qb: torch.Tensor, k: torch.Tensor,
@@ -141,7 +81,7 @@ def _block(p: Problem, blk: Block, chunk_k: int, qb: torch.Tensor, k: torch.Tens
             k1 = min(k0 + chunk_k, run.k1)
             count(runs=1)
             kt = k[:, k0:k1].transpose(1, 2)                    # (B·H_kv | H_kv, D_k, L)
-            s = (_mm(qb, kt) if scratch is None else _mm(               # (B·H_kv, G·bq, L)
+            s = (mm(qb, kt) if scratch is None else mm(               # (B·H_kv, G·bq, L)
                 qb, kt, out=scratch[: B * hkv * g * bq * (k1 - k0)].view(B * hkv, g * bq,
                                                                           k1 - k0)))
             x = s.view(B, hq, bq, k1 - k0)                            # (B, H_q, bq, L)
@@ -169,11 +109,11 @@ def _block(p: Problem, blk: Block, chunk_k: int, qb: torch.Tensor, k: torch.Tens
             a = alpha.view(B * hkv, g * bq, 1)
             e2 = e.reshape(B * hkv, g * bq, k1 - k0)                  # (B·H_kv, G·bq, L)
             if ip:
-                acc = _addmm_(acc.mul_(a), e2, v[:, k0:k1])
+                acc = addmm_(acc.mul_(a), e2, v[:, k0:k1])
             elif v.shape[0] == e2.shape[0]:
                 acc = torch.baddbmm(acc * a, e2, v[:, k0:k1])
             else:                                                     # shared V
-                acc = acc * a + _mm(e2, v[:, k0:k1])
+                acc = acc * a + mm(e2, v[:, k0:k1])
             m = m_new
     return finish(acc.view(B, hq, bq, -1), lsum.squeeze(-1), softmax_shift(m).squeeze(-1))
 
@@ -250,7 +190,7 @@ class _ManualAttention(torch.autograd.Function):
                 for k0 in range(run.k0, run.k1, chunk):
                     k1 = min(k0 + chunk, run.k1)
                     L = k1 - k0
-                    x = _mm(qb, k[:, k0:k1].transpose(1, 2)).view(B, hq, bq, L)
+                    x = mm(qb, k[:, k0:k1].transpose(1, 2)).view(B, hq, bq, L)
                     dcap = y = xr = None
                     if c is not None:
                         x = soft_cap_(x, c)                       # c·tanh(x/c), in place
@@ -267,16 +207,16 @@ class _ManualAttention(torch.autograd.Function):
                         x = x.masked_fill_(~allowed_tile(p, q0, q1, k0, k1), -math.inf)
                     pr = x.sub_(lb).exp_()                        # (B, H_q, bq, L) probabilities
                     p2 = pr.view(B * hkv, g * bq, L)
-                    _add_tmm_(dv[:, k0:k1], p2, dob)              # dV += Pᵀ dO
-                    dp = _mm(dob, v[:, k0:k1].transpose(1, 2)).view(B, hq, bq, L)
+                    add_tmm_(dv[:, k0:k1], p2, dob)              # dV += Pᵀ dO
+                    dp = mm(dob, v[:, k0:k1].transpose(1, 2)).view(B, hq, bq, L)
                     ds = dp.sub_(db).mul_(pr)
                     if y is not None and xr is not None:
                         (ds,) = torch.autograd.grad(y, xr, ds)
                     if dcap is not None:
                         ds.mul_(dcap)                             # × (1 − tanh²)
                     ds2 = ds.view(B * hkv, g * bq, L)
-                    _addmm_(dqb, ds2, k[:, k0:k1])                 # dQ += dS K
-                    _add_tmm_(dk[:, k0:k1], ds2, qb)              # dK += dSᵀ Q
+                    addmm_(dqb, ds2, k[:, k0:k1])                 # dQ += dS K
+                    add_tmm_(dk[:, k0:k1], ds2, qb)              # dK += dSᵀ Q
             dq[:, :, :, q0:q1] = dqb.view(B, hkv, g, bq, p.d_k)
         return dq, dk, dv, None
 
@@ -301,8 +241,8 @@ def general_attention(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     acc = compute_dtype(p.dtype)
     B, hkv, g = p.batch, p.heads_kv, p.group
     q = (p.q.to(acc) * p.scale).view(B, hkv, g, p.n_q, p.d_k)
-    k = _kv(p.k, acc)                          # (B·H_kv | H_kv, N_k, D_k), H_kv: shared
-    v = _kv(p.v, acc)                          # (B·H_kv | H_kv, N_k, D_v)
+    k = shared_kv(p.k, acc)                    # (B·H_kv | H_kv, N_k, D_k), H_kv: shared
+    v = shared_kv(p.v, acc)                    # (B·H_kv | H_kv, N_k, D_v)
     bias = p.bias.to(acc) if p.bias is not None else None
     # rows per block and keys per chunk within a budget of score elements per step; a
     # checkpointed block (score_mod, dropout, bias with grad) holds its whole key range
@@ -318,14 +258,7 @@ def general_attention(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     grad = torch.is_grad_enabled()
     if p.score_mod is not None and p.dropout_p == 0.0 and (manual or not grad) and not (
             bias is not None and bias.requires_grad):
-        done = None
-        if k.shape[0] == B * hkv and v.shape[0] == B * hkv:
-            done = compiled.attention(p, pl, chunk, q, k, v, bias)   # None: the current path
-        elif compiled.mode() == "on" or (compiled.mode() == "auto" and B * p.heads_q * p.n_q
-                                          * p.n_k >= compiled.AUTO_SCORES):
-            # compiled tiles take K/V per batch element: shared K/V copied for them only
-            done = compiled.attention(p, pl, chunk, q, p.k.to(acc).reshape(B * hkv, p.n_k, -1),
-                                      p.v.to(acc).reshape(B * hkv, p.n_k, -1), bias)
+        done = compiled.attention(p, pl, chunk, q, k, v, bias)   # None: the current path
         if done is not None:
             return done[0].to(p.dtype), done[1]
     if grad and manual:
