@@ -24,6 +24,10 @@ What lives where:
   kernel call (for a band mask: interior blocks share one mask, edge blocks apart);
 - :mod:`.general` — the general engine (batched matmuls, online softmax; softcap, score_mod,
   dropout, bias with grad) with its hand-written backward, or ``torch.utils.checkpoint``;
+- :mod:`.compiled` — the general engine's tiles with a Python score_mod fused by
+  ``torch.compile`` (the fallback for a score_mod the native kernel cannot compile);
+- :mod:`.matmul` — batched matmuls against K/V that may be shared over the batch (batch 1
+  broadcast: never copied), used by the general and compiled engines;
 - here — :class:`TiledBackend`, which picks the engine (native first, see Caution).
 
 Schedules of the fused engine, chosen per call: *one call* (no mask; plain top-left causal
