@@ -13,6 +13,7 @@ import math
 
 import pytest
 import torch
+from eager_tiles import EagerTiles
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import attnkit as ak
@@ -170,35 +171,20 @@ def test_kv_batch_one_same_numbers_as_an_explicit_repeat(_python_general_engine)
     torch.testing.assert_close(shared, repeated, atol=1e-6, rtol=1e-6)
 
 
-class _EagerTiles:
-    """Stands in for ``compiled._Tiles``: the compiled path's tile templates, uncompiled (its
-    matmuls against shared K/V are what is tested here, at no compile cost)."""
-
-    made = 0
-
-    def __init__(self, name: str, tag: str) -> None:
-        type(self).made += 1
-        self.name, self.failed, self.first = name, False, {}
-
-    def run(self, which: str, *args):  # noqa: ANN002, ANN201
-        fn = compiled._forward_tile if which == "fwd" else compiled._backward_tile
-        return fn(*args)
-
-
 @pytest.mark.parametrize("hkv", [1, 2])
 @pytest.mark.parametrize("dtype", [F64, torch.float32])
 def test_compiled_tiles_read_shared_kv_without_a_copy(hkv, dtype, monkeypatch,
                                                       _python_general_engine):
     monkeypatch.setenv("ATTNKIT_COMPILE", "1")
-    monkeypatch.setattr(compiled, "_Tiles", _EagerTiles)
+    monkeypatch.setattr(compiled, "_Tiles", EagerTiles)
     compiled.clear()
-    _EagerTiles.made = 0
+    EagerTiles.made = 0
     nq, nk, d = 9, 600, 64
     q, k1, v1 = (t.to(dtype) for t in _inputs(hkv, nq, nk, d))
     opts = dict(score_mod=_fresh_alibi_like(), mask=M.causal("bottom_right"))
     with _BigAllocations(2 * k1.numel()) as rec:
         out = ak.attention(q, k1, v1, backend="tiled", **opts)
-    assert _EagerTiles.made >= 1 and _python_general_engine == [0]   # compiled tiles ran
+    assert EagerTiles.made >= 1 and _python_general_engine == [0]   # compiled tiles ran
     assert rec.hits == []
     tol = TOL if dtype == F64 else dict(atol=2e-5, rtol=2e-5)
     ref, _ = _reference(q, k1, v1, **opts)

@@ -16,6 +16,7 @@ import warnings
 
 import pytest
 import torch
+from eager_tiles import EagerTiles
 
 import attnkit as ak
 from attnkit.backends import native
@@ -105,24 +106,10 @@ def test_compiled_float32_softcap(compile_on: None) -> None:
 
 
 # --------------------------------------------------------------- dispatch, no compiling
-class _Eager:
-    """Stands in for compiled._Tiles: the same tile templates, uncompiled (no compile cost)."""
-
-    made = 0
-
-    def __init__(self, name: str, tag: str) -> None:
-        type(self).made += 1
-        self.name, self.failed, self.first = name, False, {}
-
-    def run(self, which: str, *args):  # noqa: ANN002, ANN201
-        fn = compiled._forward_tile if which == "fwd" else compiled._backward_tile
-        return fn(*args)
-
-
 @pytest.fixture
 def eager_tiles(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
-    monkeypatch.setattr(compiled, "_Tiles", _Eager)
-    _Eager.made = 0
+    monkeypatch.setattr(compiled, "_Tiles", EagerTiles)
+    EagerTiles.made = 0
     compiled.clear()
     yield
     compiled.clear()
@@ -142,14 +129,14 @@ def test_env_switch_and_auto_threshold(eager_tiles: None, monkeypatch: pytest.Mo
         assert compiled.mode() == want
     monkeypatch.setenv("ATTNKIT_COMPILE", "0")
     ak.attention(q, k, v, score_mod=_fresh_mod(), backend="tiled")
-    assert _Eager.made == 0
+    assert EagerTiles.made == 0
     monkeypatch.delenv("ATTNKIT_COMPILE")                  # auto: a small call is not worth it
     ak.attention(q, k, v, score_mod=_fresh_mod(), backend="tiled")
-    assert _Eager.made == 0
+    assert EagerTiles.made == 0
     monkeypatch.setenv("ATTNKIT_COMPILE", "1")
     out = ak.attention(q, k, v, score_mod=_fresh_mod(), backend="tiled")
     out2 = ak.attention(q, k, v, score_mod=_fresh_mod(), backend="tiled")   # same code: cached
-    assert _Eager.made == 1
+    assert EagerTiles.made == 1
     ref = ak.attention(q, k, v, score_mod=_fresh_mod(), backend="reference")
     torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(out2, ref, atol=1e-6, rtol=1e-5)
@@ -178,7 +165,7 @@ def test_closure_with_grad_stays_on_current_path(eager_tiles: None,
 
     q, k, v = (torch.randn(1, 2, 12, 8, dtype=F64) for _ in range(3))
     ak.attention(q, k, v, is_causal=True, score_mod=mod, backend="tiled").sum().backward()
-    assert _Eager.made == 0 and w.grad is not None
+    assert EagerTiles.made == 0 and w.grad is not None
 
 
 def test_compile_failure_warns_once_and_falls_back(compile_on: None) -> None:
@@ -208,6 +195,6 @@ def test_native_kernel_runs_a_float32_score_mod_first(eager_tiles: None,
     q, k, v = (torch.randn(1, 4, 40, 16) for _ in range(3))
     with use_native(True), counting() as n:
         out = ak.attention(q, k, v, is_causal=True, score_mod=user_alibi, backend="tiled")
-    assert n["native"] == 1 and _Eager.made == 0            # compiled.py is the fallback
+    assert n["native"] == 1 and EagerTiles.made == 0            # compiled.py is the fallback
     ref = ak.attention(q, k, v, is_causal=True, score_mod=user_alibi, backend="reference")
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
