@@ -323,14 +323,17 @@ def test_alibi_slope_gradient(offset: int) -> None:
         assert_low_precision_close(x.grad, lo, hi, factor=3.0, what=f"d{name}")
 
 
-def test_alibi_slope_gradient_alone_and_bias_grad_refused() -> None:
+def test_alibi_slope_gradient_alone_and_with_a_bias_gradient() -> None:
     q, k, v = (x.float() for x in qkv(1, 2, 1, 50, 60, 16))
     sl = torch.tensor([0.5, 0.25], dtype=torch.float64, requires_grad=True)
     out, _ = native.forward(q, k, v, alibi_slopes=sl)
     (g,) = torch.autograd.grad(out.sum() * 0 + (out * out).sum(), sl)
     assert g.dtype == torch.float64 and g.shape == (2,) and (g != 0).all()
-    with pytest.raises(RuntimeError, match="not bias"):
-        native.forward(q, k, v, bias=torch.zeros(50, 60, requires_grad=True))
+    bias = torch.zeros(50, 60, requires_grad=True)          # both gradients in one backward
+    out, _ = native.forward(q, k, v, alibi_slopes=sl, bias=bias)
+    g2, gb = torch.autograd.grad((out * out).sum(), (sl, bias))
+    torch.testing.assert_close(g2, g, atol=1e-5, rtol=1e-5)  # a zero bias changes nothing
+    assert gb.shape == (50, 60) and gb.dtype == torch.float32 and gb.abs().sum() > 0
 
 
 def test_relative_bias_score_mod_runs_natively_through_tiled():

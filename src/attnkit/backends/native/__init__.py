@@ -51,8 +51,11 @@ Caution
   ``rel_table`` (summed per bucket in float64 per thread, then in thread order: the same
   threads give the same bits; only the columns some |k − q| reaches are passed, so the
   per-thread buffer is at most H_q × (2·max(N_q, N_k) − 1) float64) and to
-  ``alibi_slopes`` (likewise). A bias that requires grad is refused. The backward keeps
-  one dQ buffer per thread in the compute dtype (threads × the size of q).
+  ``alibi_slopes`` (likewise), and to ``bias``: the kernel writes ``dS`` (the gradient of
+  the score after the soft-cap and score_mod) once per element into a (B, H_q, N_q, N_k)
+  buffer in the compute dtype, summed over the bias's broadcast dims afterwards — as large
+  as a full bias, which a bias that needs a gradient is anyway. The backward keeps one dQ
+  buffer per thread in the compute dtype (threads × the size of q).
 - float32, bfloat16 and float16 on CPU compute in float32; float64 computes in float64 (the
   score terms, the softmax, the LSE and the gradients too) with the C library's exp / tanh
   per lane and plain-loop GEMMs: exact to float64 rounding, but several times slower than
@@ -195,10 +198,6 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float |
         raise ValueError(f"native.forward: shapes q {tuple(q.shape)}, k {tuple(k.shape)}, "
                          f"v {tuple(v.shape)} do not fit the layout (B, H_q, N_q, D_k), "
                          "(B, H_kv, N_k, D_k), (B, H_kv, N_k, D_v) with H_q a multiple of H_kv")
-    if torch.is_grad_enabled() and bias is not None and bias.requires_grad:
-        raise RuntimeError("native.forward differentiates q, k, v, rel_table and "
-                           "alibi_slopes, not bias: detach it, or use the tiled engine for "
-                           "its gradient")
     rel = _rel_table(rel_table, rel_max_distance, Hq)
     cdt = _compute_dtype(q.dtype)                            # score terms and LSE
     if Nq == 0 or Nk == 0:                                   # no query, or nothing to see
@@ -234,7 +233,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float |
         None if rel is None else                              # (H_q, 2M' + 1), M' <= N
         rel.detach()[:, cut:rel.shape[1] - cut].to(cdt).contiguous(),
         0 if rel is None else int(rel_max_distance) - cut,  # type: ignore[arg-type]
-        None if bias is None else _as4d(bias, shape4, "bias", cdt),
+        None if bias is None else _as4d(bias.detach(), shape4, "bias", cdt),
         lo, hi,
         None if kv_lengths is None else _per_batch(kv_lengths, B, "kv_lengths"),
         None if q_lengths is None else _per_batch(q_lengths, B, "q_lengths"),
@@ -245,9 +244,9 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float |
         0 if score_mod is None else score_mod.caps_address)
     ali = alibi_slopes if isinstance(alibi_slopes, torch.Tensor) else None
     if torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (q, k, v, rel, ali)):
-        out = _NativeAttention.apply(q, k, v, rel, ali, common, (int(n_split), int(rows)),
-                                     score_mod)
+            t is not None and t.requires_grad for t in (q, k, v, rel, ali, bias)):
+        out = _NativeAttention.apply(q, k, v, rel, ali, bias, common,
+                                     (int(n_split), int(rows)), score_mod)
     else:
         out = ops.attend(q, k, v, *common, int(n_split), int(rows))
     if score_mod is not None:
@@ -280,11 +279,11 @@ def _rel_table(table: torch.Tensor | None, max_distance: int | None, Hq: int,
 
 class _NativeAttention(torch.autograd.Function):
     """The kernel with its FlashAttention-2 backward (LSE saved; gradients of q, k, v, the
-    relative bias table ``rel`` and the ALiBi slopes ``ali``, each of the last two may be
-    None)."""
+    relative bias table ``rel``, the ALiBi slopes ``ali`` and the additive ``bias``, each of
+    the last three may be None)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, rel, ali, common, launch, mod):  # noqa: ANN001, ANN205
+    def forward(ctx, q, k, v, rel, ali, bias, common, launch, mod):  # noqa: ANN001, ANN205
         out, lse = _ops().attend(q, k, v, *common, *launch)
         ctx.mod = mod                                              # keeps its caps alive
         ctx.save_for_backward(q, k, v, out, lse)
@@ -292,6 +291,7 @@ class _NativeAttention(torch.autograd.Function):
         ctx.rel_dtype = None if rel is None else rel.dtype
         ctx.rel_cut = 0 if rel is None else (rel.shape[1] - common[4].shape[1]) // 2
         ctx.ali_like = None if ali is None else (ali.shape, ali.dtype)
+        ctx.bias_like = None if bias is None else (bias.shape, bias.dtype)
         return out, lse
 
     @staticmethod
@@ -304,8 +304,9 @@ class _NativeAttention(torch.autograd.Function):
             delta = delta - dlse.to(cdt)                           # d lse / d s = P
         dout = dout.to(q.dtype)
         dout = dout if dout.stride(-1) == 1 else dout.contiguous()
-        dq, dk, dv, drel, dali = _ops().attend_backward(
-            q, k, v, dout, lse, delta.contiguous(), *ctx.common, bool(ctx.needs_input_grad[4]))
+        dq, dk, dv, drel, dali, dbias = _ops().attend_backward(
+            q, k, v, dout, lse, delta.contiguous(), *ctx.common, bool(ctx.needs_input_grad[4]),
+            bool(ctx.needs_input_grad[5]))
         if ctx.needs_input_grad[3]:                                # (H_q, 2M+1)
             c = ctx.rel_cut
             full = drel.new_zeros(drel.shape[0], drel.shape[1] + 2 * c, dtype=ctx.rel_dtype)
@@ -317,9 +318,14 @@ class _NativeAttention(torch.autograd.Function):
             dali = dali.reshape(ctx.ali_like[0]).to(ctx.ali_like[1])
         else:
             dali = None
+        if ctx.needs_input_grad[5]:                                # like bias: (B, H_q, N_q,
+            shape, dtype = ctx.bias_like                           # N_k) summed over its
+            dbias = dbias.sum_to_size(shape).to(dtype)             # broadcast dims
+        else:
+            dbias = None
         if ctx.mod is not None:
             ctx.mod.check()
-        return dq, dk, dv, drel, dali, None, None, None
+        return dq, dk, dv, drel, dali, dbias, None, None, None
 
 
 def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: object,
@@ -397,8 +403,6 @@ def supports(p: Problem) -> list[str]:
         out.append(f"runs on CPU only (inputs are on {p.device})")
     if p.dtype not in DTYPES:
         out.append(f"dtype {p.dtype} is not supported (float32, float64, bfloat16, float16)")
-    if p.requires_grad and p.bias is not None and p.bias.requires_grad:
-        out.append("no gradient for a bias tensor (q, k, v only)")
     if p.dropout_p > 0.0:
         out.append(f"no dropout, got dropout_p={p.dropout_p}")
     _, rest = _mask_options(p)

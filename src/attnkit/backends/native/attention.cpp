@@ -21,6 +21,7 @@
 // Conventions: a row with no allowed key -> out 0, LSE -inf; NaN in an allowed score
 // propagates; a key with P == 0 never touches the output (NaN in masked V rows stays out).
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include "backward.h"
@@ -136,9 +137,11 @@ std::tuple<Tensor, Tensor> attend(
 }
 
 // Backward: (dq, dk, dv) like q, k, v (contiguous), d rel_table (H_q, 2M+1) in A (empty
-// without a table) and d alibi (H_q,) in A (empty unless alibi_grad); lse, delta in A.
+// without a table), d alibi (H_q,) in A (empty unless alibi_grad) and d bias
+// (B, H_q, N_q, N_k) in A (empty unless bias_grad; the caller sums broadcast dims); lse,
+// delta in A.
 // delta = rowsum(dout * out) - dlse.
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> attend_backward(
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> attend_backward(
     const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& dout, const Tensor& lse,
     const Tensor& delta, double scale, double softcap, const std::optional<Tensor>& alibi,
     double alibi_offset, const std::optional<Tensor>& rel, int64_t rel_max_distance,
@@ -146,8 +149,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> attend_backward(
     const std::optional<Tensor>& kv_len, const std::optional<Tensor>& q_len,
     const std::optional<Tensor>& q_doc, const std::optional<Tensor>& k_doc,
     const std::optional<Tensor>& mask, int64_t score_mod, int64_t score_mod_caps,
-    bool alibi_grad) {
-  Tensor dq, dk, dv, dtab, dslope;
+    bool alibi_grad, bool bias_grad) {
+  Tensor dq, dk, dv, dtab, dslope, dbias;
   ATTNKIT_DISPATCH(q.scalar_type(), {
     using A = compute_t<T>;
     constexpr at::ScalarType kA = c10::CppTypeToScalarType<A>::value;
@@ -168,11 +171,15 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> attend_backward(
     dv = at::empty({a.B, a.Hkv, a.Nk, a.Dv}, q.options());
     dtab = at::empty({a.rel ? a.Hq : 0, a.rel ? 2 * a.rel_M + 1 : 0}, q.options().dtype(kA));
     dslope = at::empty({a.alibi_grad ? a.Hq : 0}, q.options().dtype(kA));
+    const bool bg = bias_grad && a.bias;                   // zeros: skipped tiles give 0
+    dbias = bg ? at::zeros({a.B, a.Hq, a.Nq, a.Nk}, q.options().dtype(kA))
+               : at::empty({0}, q.options().dtype(kA));
+    a.dbias = bg ? dbias.data_ptr<A>() : nullptr;
     run_backward(a, q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), dout.data_ptr<T>(),
                  sdo, lse.data_ptr<A>(), delta.data_ptr<A>(), dq.data_ptr<T>(),
                  dk.data_ptr<T>(), dv.data_ptr<T>(), dtab.data_ptr<A>(), dslope.data_ptr<A>());
   });
-  return {dq, dk, dv, dtab, dslope};
+  return {dq, dk, dv, dtab, dslope, dbias};
 }
 
 std::string vector_width() { return std::to_string(W * 32) + "-bit"; }
@@ -191,8 +198,8 @@ TORCH_LIBRARY(attnkit_native, m) {
         "float scale, float softcap, Tensor? alibi, float alibi_offset, Tensor? rel_table, "
         "int rel_max_distance, Tensor? bias, float band_lo, float band_hi, Tensor? kv_len, "
         "Tensor? q_len, Tensor? q_doc, Tensor? k_doc, Tensor? mask, int score_mod, "
-        "int score_mod_caps, bool alibi_grad) "
-        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+        "int score_mod_caps, bool alibi_grad, bool bias_grad) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
         &attend_backward);
   m.def("vector_width() -> str", &vector_width);
 }

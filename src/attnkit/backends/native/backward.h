@@ -9,6 +9,8 @@
 //   d table[h, bucket] += dX  (dX = P * (dP - delta), the gradient of the score after the
 //                              soft-cap; per-thread float64 (H_q, 2M+1), summed in thread order)
 //   d slope[h] -= dX * |q + offset - k|   (when alibi_grad; per-thread float64 (H_q,) likewise)
+//   d bias[b, h, q, k] = dX                (when bias_grad: each element is written by the one
+//                                          item that owns its key block, so no races)
 // delta = rowsum(dO * O) - dLSE (B, H_q, N_q). A key with P == 0 gives dS == 0 exactly, and
 // K rows holding inf/NaN are zeroed for dQ, so NaN in masked K/V rows stays out.
 // Everything is in the compute type A (float; double for float64 inputs), lse and delta too.
@@ -75,12 +77,16 @@ void backward_tile(const Args<A>& a, const T* q, const T* dout, const i64* sdo, 
     position_terms_and_mask(a, x, n, npad, it.b, h, qi, k0, full);
     const V shift = splat(lse[flat] == NEG_INF ? A(0) : lse[flat]), dl = splat(delta[flat]);
     const V zero = splat(A(0));
+    A* db = a.dbias ? a.dbias + flat * a.Nk + k0 : nullptr;  // (n,) this row's d bias
     if (!a.rel && !a.alibi_grad) {
       for (i64 j = 0; j < npad; j += L) {
         const V p = vexp_neg(load(x + j) - shift);
         store(x + j, p);
-        store(dp + j, select(p == A(0), zero, p * (load(dp + j) - dl) * load(f + j)));
+        const V dx = select(p == A(0), zero, p * (load(dp + j) - dl));
+        store(dp + j, dx * load(f + j));
+        if (db) store(f + j, dx);
       }
+      if (db) std::copy(f, f + n, db);
       continue;
     }
     // with the table: the same pass also sums dX over the two clamped buckets (lanes below
@@ -97,10 +103,10 @@ void backward_tile(const Args<A>& a, const T* q, const T* dout, const i64* sdo, 
       const V dx = select(p == A(0), zero, p * (load(dp + j) - dl));  // 0 past n
       const V jv = lane + A(j);
       store(dp + j, dx * load(f + j));
+      if (a.rel || db) store(f + j, dx);
       if (a.rel) {
         lo += select(jv < vjl, dx, zero);
         hi += select(jv >= vjh, dx, zero);
-        store(f + j, dx);
       }
       if (a.alibi_grad) {
         V d = dist0 - jv;
@@ -109,6 +115,7 @@ void backward_tile(const Args<A>& a, const T* q, const T* dout, const i64* sdo, 
       }
     }
     if (a.alibi_grad) dslope[h] -= hsum(sl);
+    if (db) std::copy(f, f + n, db);
     if (!a.rel) continue;
     double* dt = dtab + h * (2 * a.rel_M + 1);             // (2M+1,) this head's gradient
     dt[0] += hsum(lo);

@@ -256,6 +256,7 @@ template <typename A> struct Args {
   const A* alibi;                   // (H_q,) slopes or null
   A alibi_offset;                   // distance |q + offset - k|
   bool alibi_grad;                  // backward: also d slopes (H_q,)
+  A* dbias;                         // backward: d bias (B, H_q, N_q, N_k) contiguous, or null
   const A* rel; i64 rel_M;          // (H_q, 2M+1) relative-position bias table, or null
   const A* bias; i64 sb[4];         // (B, H_q, N_q, N_k) broadcast strides, or null
   double band_lo, band_hi;          // allowed <=> lo <= q - k <= hi
