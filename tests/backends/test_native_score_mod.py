@@ -243,3 +243,43 @@ def test_trace_reused_only_while_captured_data_is_the_same() -> None:
     state["scale"] = 0.25
     check(q, k, v, score_mod=mod, is_causal=True)
     assert sm.stats()["traces"] >= before["traces"] + 3
+
+
+# ---------------------------------------------------------------- float64: the double rows
+@pytest.mark.parametrize("mod", MODS, ids=lambda f: f.__name__)
+def test_float64_runs_the_double_build_to_float64_rounding(mod) -> None:  # noqa: ANN001
+    # float64 inputs: the function is traced with a float64 score and built for double rows
+    q, k, v = qkv(2, H, 2, 37, 113, 24)                       # GQA, N_q != N_k
+    with counting() as n:
+        out, g = attend(q, k, v, F64, "tiled", score_mod=mod, is_causal=True, softcap=8.0)
+    assert n["native"] == 1 and n["runs"] == 0                # the kernel, not Python
+    ref, gref = attend(q, k, v, F64, "reference", score_mod=mod, is_causal=True, softcap=8.0)
+    tol = {"atol": 1e-11, "rtol": 1e-9}
+    torch.testing.assert_close(out, ref, **tol)
+    for a, b in zip(g, gref, strict=True):
+        torch.testing.assert_close(a, b, **tol)
+
+
+@pytest.mark.parametrize("mod", [alibi_captured, tanh_softcap, mixed_ops, t5_buckets],
+                         ids=lambda f: f.__name__)
+def test_gradcheck_of_the_generated_derivative(mod) -> None:  # noqa: ANN001
+    # the forward-mode derivative codegen writes, checked by finite differences on the kernel
+    g = torch.Generator().manual_seed(21)
+    q, k, v = (torch.randn(1, H, n, 8, generator=g, dtype=F64, requires_grad=True)
+               for n in (7, 11, 11))
+    f = lambda q, k, v: ak.attention(q, k, v, score_mod=mod, softcap=4.0,  # noqa: E731
+                                     backend="tiled")
+    with counting() as n:
+        assert torch.autograd.gradcheck(f, (q, k, v))
+    assert n["native"] > 0 and n["runs"] == 0
+
+
+def test_compiled_for_the_wrong_dtype_is_refused() -> None:
+    mod = sm.compile_score_mod(head_query_bias)                # float rows
+    q, k, v = qkv(1, H, H, 5, 6, 8)
+    with pytest.raises(TypeError, match="compiled for torch.float32 rows"):
+        native.forward(q, k, v, score_mod=mod)
+    out, _ = native.forward(q, k, v, score_mod=sm.compile_score_mod(head_query_bias,
+                                                                  dtype=F64))
+    ref = ak.attention(q, k, v, score_mod=head_query_bias, backend="reference")
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)

@@ -92,7 +92,6 @@ __all__ = ["available", "why_unavailable", "forward", "decode", "supports", "for
            "DTYPES", "DECODE_MAX_QUERIES", "DENSE_MASK_LIMIT"]
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-MOD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # with a compiled score_mod
 DECODE_MAX_QUERIES = 16
 DENSE_MASK_LIMIT = 256 * 2**20      # bytes of a dense mask supports() accepts
 _ROWS_PER_ITEM = 128                # query rows (G heads × block_q) per work item
@@ -178,8 +177,9 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float |
     are chosen from the sizes and the thread count when not given. ``rel_table`` (H_q,
     2·rel_max_distance + 1) adds ``rel_table[h, clamp(k − q, −M, M) + M]`` to every score
     (give both or neither); when it requires grad, out and lse carry a grad_fn to it.
-    ``score_mod`` (a :class:`~.score_mod.CompiledScoreMod`, see :func:`compile_score_mod`)
-    runs after the soft-cap, in ALiBi's place (not together with ALiBi or a table).
+    ``score_mod`` (a :class:`~.score_mod.CompiledScoreMod`, see :func:`compile_score_mod`,
+    built for the compute dtype: float64 for float64 inputs, else float32) runs after the
+    soft-cap, in ALiBi's place (not together with ALiBi or a table).
     """
     ops = _ops()
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -200,6 +200,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float |
                          "(B, H_kv, N_k, D_k), (B, H_kv, N_k, D_v) with H_q a multiple of H_kv")
     rel = _rel_table(rel_table, rel_max_distance, Hq)
     cdt = _compute_dtype(q.dtype)                            # score terms and LSE
+    if score_mod is not None and score_mod.dtype != cdt:
+        raise TypeError(f"native.forward: score_mod {score_mod.name} was compiled for "
+                        f"{score_mod.dtype} rows, but {q.dtype} inputs compute in {cdt}: "
+                        f"compile_score_mod(fn, dtype={cdt})")
     if Nq == 0 or Nk == 0:                                   # no query, or nothing to see
         return (q.new_zeros(B, Hq, Nq, v.shape[3]),
                 torch.full((B, Hq, Nq), -math.inf, dtype=cdt))
@@ -413,11 +417,8 @@ def supports(p: Problem) -> list[str]:
         if size > DENSE_MASK_LIMIT:
             out.append(f"mask {rest.name!r} has no closed form and its dense form would take "
                        f"{size / 2**20:.0f} MB (limit {DENSE_MASK_LIMIT / 2**20:.0f} MB)")
-    if _user_mod(p) is not None and p.dtype not in MOD_DTYPES and not out:
-        out.append(f"a compiled Python score_mod runs in the float32 kernel only (inputs "
-                   f"float32 / bfloat16 / float16), not {p.dtype}")
     if not out and _user_mod(p) is not None:                 # compiled only when it would run
-        got = for_problem(p.score_mod)
+        got = for_problem(p.score_mod, _compute_dtype(p.dtype))
         if isinstance(got, str):
             out.append(f"the Python score_mod cannot be compiled natively: {got}")
     return out
@@ -443,7 +444,7 @@ def forward_problem(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     if rel is not None:
         opts["rel_table"], opts["rel_max_distance"] = rel
     if _user_mod(p) is not None:
-        opts["score_mod"] = for_problem(p.score_mod)
+        opts["score_mod"] = for_problem(p.score_mod, _compute_dtype(p.dtype))
     run = decode if p.n_q <= DECODE_MAX_QUERIES else forward
     return run(p.q, p.k, p.v, scale=p.scale, softcap=p.softcap, bias=p.bias,  # type: ignore[arg-type]
                **opts)

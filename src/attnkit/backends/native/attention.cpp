@@ -84,7 +84,7 @@ Args<A> make_args(const Tensor& q, const Tensor& k, const Tensor& v, double scal
   a.mask = opt_ptr<bool>(mask);
   if (a.mask) for (int i = 0; i < 4; ++i) a.sm[i] = mask->stride(i);
   a.NKP = round_up(a.Nk, BK);
-  a.mod = reinterpret_cast<ScoreModFn>(score_mod);       // addresses from score_mod.py (ctypes)
+  a.mod = reinterpret_cast<ScoreModFn<A>>(score_mod);    // addresses from score_mod.py (ctypes)
   a.mod_caps = reinterpret_cast<const void* const*>(score_mod_caps);
   return a;
 }

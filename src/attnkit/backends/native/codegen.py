@@ -8,7 +8,8 @@ statements in the loop ``attnkit_mod`` runs over one row of keys (see ``score_mo
 
 Shape legend::
 
-    s, ts           the score (float) and its derivative by itself (1)
+    s, ts           the score (S: float, or double for float64 inputs) and its derivative by
+                    itself (1)
     b, h, q, kv     int64 indices; kv = k0 + j for key j of the row
     vN, tN          node N's value and derivative        cN  captured tensor N (flat, C order)
 
@@ -201,8 +202,14 @@ def _op_name(node: fx.Node) -> str:
 
 # ---------------------------------------------------------------- code generation
 class Gen:
-    def __init__(self, gm: fx.GraphModule, examples: dict[fx.Node, Any], grad: bool) -> None:
+    """``score_dtype``: float32 (the kernel's float rows, for float32 / bfloat16 / float16
+    inputs) or float64 (its double rows)."""
+
+    def __init__(self, gm: fx.GraphModule, examples: dict[fx.Node, Any], grad: bool,
+                 score_dtype: torch.dtype = torch.float32) -> None:
         self.gm, self.ex, self.grad = gm, examples, grad
+        self.score_dtype = score_dtype
+        self.score_ct = _ctype(score_dtype)
         self.lines: list[tuple[bool, str]] = []      # (is a derivative line, C statement)
         self.caps: list[torch.Tensor] = []
         self.cap_types: list[str] = []
@@ -269,7 +276,7 @@ class Gen:
 
     def run(self) -> _Val:
         env: dict[fx.Node, Any] = {}
-        holders = iter([_Val("s", "float", torch.float32, "ts")] +
+        holders = iter([_Val("s", self.score_ct, self.score_dtype, "ts")] +
                        [_Val(n, "int64_t", torch.int64) for n in ("b", "h", "q", "kv")])
         for node in self.gm.graph.nodes:
             if node.op == "placeholder":
@@ -633,21 +640,23 @@ def source(gen: Gen, out: _Val) -> str:
     caps = "".join(f"  const {t}* __restrict c{i} = static_cast<const {t}*>(caps[{i}]);\n"
                    for i, t in enumerate(gen.cap_types))
 
+    S = gen.score_ct                                           # the row's C type
+
     def body(grad: bool) -> str:
         lines = [s for is_t, s in gen.lines if grad or not is_t]
-        tail = [f"x[j] = (float)({out.code});"]
+        tail = [f"x[j] = ({S})({out.code});"]
         if grad:
-            tail.append(f"dx[j] = {'(float)(' + out.tan + ')' if out.tan else '0.f'};")
+            tail.append(f"dx[j] = {f'({S})(' + out.tan + ')' if out.tan else f'({S})0'};")
         return "".join(f"      {s}\n" for s in lines + tail)
 
-    head = ("    const int64_t kv = k0 + j;\n    const float s = x[j];\n")
+    head = f"    const int64_t kv = k0 + j;\n    const {S} s = x[j];\n"
     simd = "#pragma omp simd reduction(|:bad)\n"                # with -fopenmp-simd
     return (_PRELUDE +
-            'extern "C" void attnkit_mod(float* __restrict x, float* __restrict dx, int64_t n,\n'
+            f'extern "C" void attnkit_mod({S}* __restrict x, {S}* __restrict dx, int64_t n,\n'
             "                            int64_t b, int64_t h, int64_t q, int64_t k0,\n"
             "                            const void* const* caps) {\n"
             f"{caps}  int bad = 0;\n  (void)b; (void)h; (void)q;\n"
-            "  if (dx) {\n    const float ts = 1.f; (void)ts;\n"
+            f"  if (dx) {{\n    const {S} ts = ({S})1; (void)ts;\n"
             f"{simd}    for (int64_t j = 0; j < n; ++j) {{\n{head}{body(True)}    }}\n"
             "  } else {\n"
             f"{simd}    for (int64_t j = 0; j < n; ++j) {{\n{head}{body(False)}    }}\n"

@@ -268,7 +268,7 @@ template <typename A> struct Args {
   i64 rows, n_qblocks, splits, split_len;
   i64 NKP;                          // N_k rounded up to BK
   bool cache_kt;                    // keep a head's transposed K per thread (see Buffers)
-  ScoreModFn mod; const void* const* mod_caps;  // a compiled Python score_mod or null
+  ScoreModFn<A> mod; const void* const* mod_caps;  // a compiled Python score_mod or null
 };
 
 // One work item's rows and key range.

@@ -1,6 +1,6 @@
 // The hook for a compiled Python score_mod (generated and built by score_mod.py, loaded
 // with ctypes; see attention.cpp for the legend). The generated function is
-//   void mod(float* x, float* dx, int64_t n, int64_t b, int64_t h, int64_t q, int64_t k0,
+//   void mod(A* x, A* dx, int64_t n, int64_t b, int64_t h, int64_t q, int64_t k0,
 //            const void* const* caps)
 // x[j] <- score_mod(x[j], b, h, q, k0 + j) for j < n, in place; when dx is not null also
 // dx[j] <- d score_mod / d score at x[j] (forward-mode, from the same graph); caps are the
@@ -12,23 +12,22 @@
 namespace attnkit_native {
 namespace {
 
-using ScoreModFn = void (*)(float*, float*, int64_t, int64_t, int64_t, int64_t, int64_t,
+// One function per compute type: float rows for float32 / bfloat16 / float16 inputs, double
+// rows for float64 inputs (score_mod.py generates the matching one).
+template <typename A>
+using ScoreModFn = void (*)(A*, A*, int64_t, int64_t, int64_t, int64_t, int64_t,
                             const void* const*);
 
 // Row x (n,) of head h, query qi over keys [k0, k0 + n): the score_mod in place. With fac
 // (the backward's chain-rule factor d(capped)/d(score), (n,)), fac *= d mod / d(capped).
-// The generated function works on float rows: a kernel instantiated for another
-// accumulation type never gets one (native.supports refuses the call).
-template <typename A, typename F>
-inline void apply_score_mod(const A& a, F* x, typename std::common_type<F>::type* fac,
+template <typename Args, typename F>
+inline void apply_score_mod(const Args& a, F* x, typename std::common_type<F>::type* fac,
                             int64_t n, int64_t b, int64_t h, int64_t qi, int64_t k0) {
-  if constexpr (std::is_same_v<F, float>) {
-    if (!a.mod) return;
-    if (!fac) return a.mod(x, nullptr, n, b, h, qi, k0, a.mod_caps);
-    float dm[512];                                         // n <= BK keys (BK = 128)
-    a.mod(x, dm, n, b, h, qi, k0, a.mod_caps);
-    for (int64_t j = 0; j < n; ++j) fac[j] *= dm[j];
-  }
+  if (!a.mod) return;
+  if (!fac) return a.mod(x, nullptr, n, b, h, qi, k0, a.mod_caps);
+  F dm[512];                                               // n <= BK keys (BK = 128)
+  a.mod(x, dm, n, b, h, qi, k0, a.mod_caps);
+  for (int64_t j = 0; j < n; ++j) fac[j] *= dm[j];
 }
 
 }  // namespace

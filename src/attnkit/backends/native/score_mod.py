@@ -7,9 +7,11 @@ chained indexing such as ``bias[b][h][q_idx][kv_idx]`` included), run once on 0-
 values (which gives every node its dtype, with torch's type promotion), and written as a C++
 loop over the keys of one row (``codegen.py``)::
 
-    extern "C" void attnkit_mod(float* x, float* dx, int64_t n, int64_t b, int64_t h,
+    extern "C" void attnkit_mod(S* x, S* dx, int64_t n, int64_t b, int64_t h,
                                 int64_t q, int64_t k0, const void* const* caps)
     // x[j] <- mod(x[j], b, h, q, k0 + j) for j < n; with dx also dx[j] <- d mod / d score
+    // S = float for the kernel's float32 rows (float32 / bfloat16 / float16 inputs), double
+    // for float64 inputs (traced with a float64 example score: its own build)
 
 The derivative is forward-mode from the same graph (every node carries its value and its
 derivative by the score, with torch's conventions: ``abs'(0) = 0``, a clamp passes the
@@ -23,7 +25,8 @@ as ``caps`` — a new closure of the same code with new values reuses the build.
 
 Shape legend::
 
-    score      0-d float32 (the scaled, soft-capped logit)     b, h, q_idx, kv_idx  0-d int64
+    score      0-d float32 or float64 (the scaled, soft-capped logit)
+    b, h, q_idx, kv_idx  0-d int64
     x, dx      (n,) one row of a key tile, n <= 128            caps  (C + 1,) data pointers
     captured   any shape, indexed by integer expressions of b, h, q_idx, kv_idx and constants
 
@@ -103,6 +106,7 @@ class CompiledScoreMod:
     tensors: list[torch.Tensor] = field(repr=False)
     flag: torch.Tensor = field(repr=False)
     _array: Any = field(repr=False, default=None)
+    dtype: torch.dtype = torch.float32                     # the row type it was built for
 
     def check(self) -> None:
         """Raise ``IndexError`` when the kernel met an out-of-range index (or / 0)."""
@@ -126,7 +130,7 @@ class _Examples(fx.Interpreter):
         return r
 
 
-def _trace(fn: Any) -> tuple[fx.GraphModule, dict[fx.Node, Any]]:
+def _trace(fn: Any, score_dtype: torch.dtype) -> tuple[fx.GraphModule, dict[fx.Node, Any]]:
     def score_mod(score, b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202
         return fn(score, b, h, q_idx, kv_idx)
 
@@ -143,7 +147,7 @@ def _trace(fn: Any) -> tuple[fx.GraphModule, dict[fx.Node, Any]]:
         try:
             with torch.no_grad(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                interp.run(torch.zeros((), dtype=torch.float32),
+                interp.run(torch.zeros((), dtype=score_dtype),
                            *(torch.full((), i, dtype=torch.int64) for _ in range(4)))
             return gm, interp.values
         except Exception as e:  # noqa: BLE001
@@ -157,7 +161,8 @@ _LIBS: collections.OrderedDict[str, tuple[Any, int]] = collections.OrderedDict()
 _FAILED: dict[str, str] = {}
 _STATS: dict[str, Any] = {"builds": 0, "build_s": {}, "loads": 0, "traces": 0, "trace_s": 0.0,
                           "reused": 0}
-_BY_CALL: weakref.WeakKeyDictionary[Any, CompiledScoreMod | str] = weakref.WeakKeyDictionary()
+_BY_CALL: weakref.WeakKeyDictionary[Any, dict[torch.dtype, CompiledScoreMod | str]] = (
+    weakref.WeakKeyDictionary())
 # (code, op signature, grad) -> (result, the captured tensors, kept alive so ids stay unique)
 _TRACES: collections.OrderedDict[Any, tuple[CompiledScoreMod | str, list]] = (
     collections.OrderedDict())
@@ -205,9 +210,9 @@ class _Signature(torch.overrides.TorchFunctionMode):
         return out
 
 
-def _signature(fn: Any) -> tuple[tuple, list[torch.Tensor]] | None:
+def _signature(fn: Any, score_dtype: torch.dtype) -> tuple[tuple, list[torch.Tensor]] | None:
     """``fn``'s op signature on 0-d examples and the tensors it captured (None: it failed)."""
-    inputs = [torch.zeros((), dtype=torch.float32)] + [torch.zeros((), dtype=torch.int64)
+    inputs = [torch.zeros((), dtype=score_dtype)] + [torch.zeros((), dtype=torch.int64)
                                                        for _ in range(4)]
     mode = _Signature(inputs)
     try:
@@ -300,15 +305,20 @@ def _fail(key: str, name: str, why: str) -> None:
     raise Unsupported(why)
 
 
-def compile_score_mod(fn: Any, *, grad: bool | None = None) -> CompiledScoreMod:
+def compile_score_mod(fn: Any, *, grad: bool | None = None,
+                      dtype: torch.dtype = torch.float32) -> CompiledScoreMod:
     """``fn(score, b, h, q_idx, kv_idx)`` traced, generated, built and loaded; raises
     :class:`Unsupported` (with the reason) when it cannot be. ``grad`` (default: autograd is
-    recording) refuses captured tensors that require grad."""
+    recording) refuses captured tensors that require grad. ``dtype``: the kernel's compute
+    dtype — float32 (for float32 / bfloat16 / float16 inputs) or float64."""
+    if dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"dtype must be torch.float32 or torch.float64 (the kernel's compute "
+                         f"dtypes), got {dtype}")
     name = fn_name(fn)
     user = fn.fn if isinstance(fn, ScoreTerm) else fn
     t0 = time.perf_counter()
-    gm, examples = _trace(user)
-    gen = Gen(gm, examples, torch.is_grad_enabled() if grad is None else grad)
+    gm, examples = _trace(user, dtype)
+    gen = Gen(gm, examples, torch.is_grad_enabled() if grad is None else grad, dtype)
     out = gen.run()
     src = source(gen, out)
     with _LOCK:
@@ -318,25 +328,27 @@ def compile_score_mod(fn: Any, *, grad: bool | None = None) -> CompiledScoreMod:
     flag = torch.zeros(1, dtype=torch.int32)
     ptrs = [t.data_ptr() for t in gen.caps] + [flag.data_ptr()]
     array = (ctypes.c_void_p * len(ptrs))(*ptrs)
-    return CompiledScoreMod(name, addr, ctypes.addressof(array), gen.caps, flag, array)
+    return CompiledScoreMod(name, addr, ctypes.addressof(array), gen.caps, flag, array, dtype)
 
 
-def for_problem(score_mod: Any) -> CompiledScoreMod | str:
+def for_problem(score_mod: Any, dtype: torch.dtype = torch.float32,
+                ) -> CompiledScoreMod | str:
     """The compiled form of a call's ``score_mod`` (api's checked wrapper, or a raw
-    function), or the reason it has none — remembered per wrapper object (one per call)."""
+    function) for the kernel's compute ``dtype`` (float32 or float64), or the reason it has
+    none — remembered per wrapper object (one per call) and dtype."""
     if torch.compiler.is_compiling():
         return "inside torch.compile (the score_mod runs on the Python path there)"
     per_call = hasattr(score_mod, "__wrapped__")          # api's wrapper: one per call
     got = None
     with _LOCK, contextlib.suppress(TypeError):           # not weak-referenceable
-        got = _BY_CALL.get(score_mod) if per_call else None
+        got = _BY_CALL.get(score_mod, {}).get(dtype) if per_call else None
     if got is not None:
         return got
     fn = getattr(score_mod, "__wrapped__", score_mod)
     user = fn.fn if isinstance(fn, ScoreTerm) else fn
-    signed = _signature(user)
+    signed = _signature(user, dtype)
     key = None if signed is None else (getattr(user, "__code__", user), signed[0],
-                                       torch.is_grad_enabled())
+                                       torch.is_grad_enabled(), dtype)
     if key is not None:
         with _LOCK:
             hit = _TRACES.get(key)
@@ -344,9 +356,9 @@ def for_problem(score_mod: Any) -> CompiledScoreMod | str:
                 _TRACES.move_to_end(key)
                 _STATS["reused"] += 1
         if hit is not None:
-            return _remember(score_mod, per_call, hit[0])
+            return _remember(score_mod, per_call, hit[0], dtype)
     try:
-        got = compile_score_mod(fn)
+        got = compile_score_mod(fn, dtype=dtype)
     except Unsupported as e:
         got = str(e)
     except Exception as e:  # noqa: BLE001 — never worse than the Python path
@@ -358,12 +370,12 @@ def for_problem(score_mod: Any) -> CompiledScoreMod | str:
             _TRACES[key] = (got, signed[1])               # type: ignore[index]
             while len(_TRACES) > _CACHE_SIZE:
                 _TRACES.popitem(last=False)
-    return _remember(score_mod, per_call, got)
+    return _remember(score_mod, per_call, got, dtype)
 
 
 def _remember(score_mod: Any, per_call: bool, got: CompiledScoreMod | str,
-              ) -> CompiledScoreMod | str:
+              dtype: torch.dtype) -> CompiledScoreMod | str:
     if per_call:
         with _LOCK, contextlib.suppress(TypeError):        # not weak-referenceable
-            _BY_CALL[score_mod] = got
+            _BY_CALL.setdefault(score_mod, {})[dtype] = got
     return got

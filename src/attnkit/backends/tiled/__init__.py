@@ -59,13 +59,13 @@ Caution
   (4 MiB) as a dense bool tensor, and ``native.supports`` accepts it: CPU, float32 /
   bfloat16 / float16 / float64 (float64 computed in float64), no dropout (a bias may need
   a gradient), a score_mod that is none, carries a spec (``scores.alibi``,
-  ``scores.relative_bias``) or — in float32 / bfloat16 / float16 — is a Python function the
-  kernel can compile (``native/score_mod.py``: elementwise ops and integer indexing of
-  captured tensors without grad). Everything else — dropout, a score_mod it cannot compile
-  (its reason is in :func:`native_reasons`; then :mod:`.compiled`), a Python score_mod on
-  float64 — runs on the Python engine below, with the same results within rounding. On the native kernel, :func:`tile_sizes` has no effect, :func:`counting`
-  counts only ``native`` (the call plans nothing), and second derivatives are refused
-  under the backend name ``'native'``.
+  ``scores.relative_bias``) or is a Python function the kernel can compile
+  (``native/score_mod.py``: elementwise ops and integer indexing of captured tensors
+  without grad). Everything else — dropout, a score_mod it cannot compile (its reason is in
+  :func:`native_reasons`; then :mod:`.compiled`) — runs on the Python engine below, with the
+  same results within rounding. On the native kernel, :func:`tile_sizes` has no effect,
+  :func:`counting` counts only ``native`` (the call plans nothing), and second derivatives
+  are refused under the backend name ``'native'``.
 - The fused kernel needs D_v == D_k: the narrower of q/k and v is zero-padded to the wider
   width (exact: zero columns add nothing to a dot product and give zero output columns).
 - Masks summarised conservatively (``&``/``|`` algebra, ``from_fn``) may mark a tile
