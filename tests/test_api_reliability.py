@@ -541,3 +541,20 @@ def test_per_score_score_mod_from_four_threads():
     for t in threads:
         t.join()
     assert not bad
+
+
+@pytest.mark.parametrize("backend", ["reference", "tiled"])
+def test_a_zero_bias_that_is_learnt_keeps_its_gradient(backend: str) -> None:
+    # an all-zero float mask adds nothing, but a learnable bias starts at zero: it must stay
+    # in the graph (softmax ignores a constant shift, so a bias of ones gives the same grads)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 4, 8, generator=g, requires_grad=True) for _ in range(3))
+    zero = torch.zeros(4, 4, requires_grad=True)
+    ones = torch.ones(4, 4, requires_grad=True)
+    out0 = ak.attention(q, k, v, mask=zero, backend=backend)
+    out1 = ak.attention(q, k, v, mask=ones, backend=backend)
+    assert out0.requires_grad
+    (g0,) = torch.autograd.grad(out0.square().sum(), zero)
+    (g1,) = torch.autograd.grad(out1.square().sum(), ones)
+    assert g0.abs().sum() > 0
+    torch.testing.assert_close(g0, g1, atol=1e-6, rtol=1e-5)

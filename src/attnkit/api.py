@@ -281,7 +281,8 @@ def _normalise_mask(
     if blocked.any():
         structured = _masks.from_tensor(~blocked, name=f"float mask {_shape(mask)} (-inf)")
         m = torch.where(blocked, torch.zeros_like(m), m)
-    bias = m if bool((m != 0).any()) else None
+    # an all-zero bias adds nothing — unless it is being learnt (its gradient is needed)
+    bias = m if m.requires_grad or bool((m != 0).any()) else None
     return structured, bias
 
 

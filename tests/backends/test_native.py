@@ -457,3 +457,17 @@ def test_zero_length_queries_or_keys() -> None:
     q, k, v = qkv(1, 2, 1, 0, 7, 8)
     out, lse = native.forward(q.float(), k.float(), v.float())
     assert out.shape == (1, 2, 0, 8) and lse.shape == (1, 2, 0)
+
+
+@needs_native
+def test_size_one_last_dim_with_any_stride() -> None:
+    # a size-1 last dim keeps its stride through .contiguous(): accepted as it is
+    q = torch.randn(1, 2, 1, 4).transpose(-1, -2).requires_grad_()    # (1, 2, 4, 1)
+    k, v = (torch.randn(1, 2, 1, 6).transpose(-1, -2) for _ in range(2))
+    out = ak.attention(q, k, v, backend="tiled")
+    ref = ak.attention(q.double(), k.double(), v.double(), backend="reference")
+    torch.testing.assert_close(out.double(), ref, atol=1e-6, rtol=1e-6)
+    dout = torch.randn(1, 2, 1, 4).transpose(-1, -2)                    # a strided grad too
+    (got,) = torch.autograd.grad(out, q, dout)
+    (want,) = torch.autograd.grad(ref, q, dout.double())
+    torch.testing.assert_close(got.double(), want.double(), atol=1e-6, rtol=1e-6)

@@ -283,3 +283,22 @@ def test_compiled_for_the_wrong_dtype_is_refused() -> None:
                                                                   dtype=F64))
     ref = ak.attention(q, k, v, score_mod=head_query_bias, backend="reference")
     torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_float_remainder_and_floor_divide_round_as_torch(dtype: torch.dtype) -> None:
+    # a - b·floor(a / b) loses the remainder once a / b rounds; torch works from fmod
+    def mod(s, b, h, qi, ki):  # noqa: ANN001, ANN202
+        a = (qi - ki) * 0.37 - 10.5
+        return (s + torch.remainder(a, 0.7) - 0.1 * torch.floor_divide(a, -0.7)
+                + torch.remainder(((ki + 1) * 0.3), 0.1) * 10 + torch.fmod(a, 0.3))
+
+    q, k, v = qkv(1, H, H, 23, 41, 8)
+    with counting() as n:
+        out = ak.attention(q.to(dtype), k.to(dtype), v.to(dtype), score_mod=mod,
+                           backend="tiled")
+    assert n["native"] == 1
+    ref = ak.attention(q.to(dtype), k.to(dtype), v.to(dtype), score_mod=mod,
+                       backend="reference")
+    tol = {"atol": 1e-12, "rtol": 1e-10} if dtype == F64 else {"atol": 2e-5, "rtol": 2e-5}
+    torch.testing.assert_close(out, ref, **tol)

@@ -56,6 +56,9 @@ Caution
   buffer in the compute dtype, summed over the bias's broadcast dims afterwards — as large
   as a full bias, which a bias that needs a gradient is anyway. The backward keeps one dQ
   buffer per thread in the compute dtype (threads × the size of q).
+- With huge logits (|score| near 1e7·(its spread) in float32, 1e15 in float64) the saved
+  LSE rounds at the row maximum's magnitude; the backward caps P = e^(x − lse) at 1, so the
+  gradients stay finite, but they are only as accurate as that LSE.
 - float32, bfloat16 and float16 on CPU compute in float32; float64 computes in float64 (the
   score terms, the softmax, the LSE and the gradients too) with the C library's exp / tanh
   per lane and plain-loop GEMMs: exact to float64 rounding, but several times slower than

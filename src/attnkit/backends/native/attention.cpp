@@ -48,7 +48,9 @@ Args<A> make_args(const Tensor& q, const Tensor& k, const Tensor& v, double scal
                   int64_t score_mod_caps) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
               "attnkit native: q, k, v must be 4-D (B, H, N, D)");
-  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
+  // (a size-1 last dim has no stride to speak of: .contiguous() keeps whatever it had)
+  TORCH_CHECK((q.stride(3) == 1 || q.size(3) == 1) && (k.stride(3) == 1 || k.size(3) == 1) &&
+                  (v.stride(3) == 1 || v.size(3) == 1),
               "attnkit native: the last dim of q, k, v must be contiguous");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
               "attnkit native: q, k, v must share one dtype");
@@ -159,7 +161,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> attend_backward(
                              k_doc, mask, score_mod, score_mod_caps);
     a.alibi_grad = alibi_grad && a.alibi;
     TORCH_CHECK(dout.sizes() == at::IntArrayRef({a.B, a.Hq, a.Nq, a.Dv}) &&
-                    dout.stride(3) == 1 && dout.scalar_type() == q.scalar_type(),
+                    (dout.stride(3) == 1 || dout.size(3) == 1) && dout.scalar_type() == q.scalar_type(),
                 "attnkit native: dout must be like out (B, H_q, N_q, D_v), last dim "
                 "contiguous");
     TORCH_CHECK(lse.is_contiguous() && delta.is_contiguous() && lse.scalar_type() == kA &&

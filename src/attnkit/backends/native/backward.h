@@ -52,6 +52,13 @@ inline void transpose(const A* src, i64 rows, i64 cols, i64 ld_src, A* dst, i64 
     for (i64 j = 0; j < cols; ++j) dst[j * ld_dst + i] = src[i * ld_src + j];
 }
 
+// P = e^(x - lse) <= 1: with huge logits lse = m + log l rounds at m's magnitude, and
+// x - lse may come out a few ulps of m above 0 (e^that overflows); NaN stays NaN.
+template <typename V> inline V prob(V x, V shift) {
+  const V e = x - shift;
+  return vexp_neg(select(e > 0, V{}, e));
+}
+
 // One tile of nq queries [q0, q0 + nq) of head h against the loaded key block.
 template <typename A, typename T>
 void backward_tile(const Args<A>& a, const T* q, const T* dout, const i64* sdo, const A* lse,
@@ -80,7 +87,7 @@ void backward_tile(const Args<A>& a, const T* q, const T* dout, const i64* sdo, 
     A* db = a.dbias ? a.dbias + flat * a.Nk + k0 : nullptr;  // (n,) this row's d bias
     if (!a.rel && !a.alibi_grad) {
       for (i64 j = 0; j < npad; j += L) {
-        const V p = vexp_neg(load(x + j) - shift);
+        const V p = prob(load(x + j), shift);
         store(x + j, p);
         const V dx = select(p == A(0), zero, p * (load(dp + j) - dl));
         store(dp + j, dx * load(f + j));
@@ -98,7 +105,7 @@ void backward_tile(const Args<A>& a, const T* q, const T* dout, const i64* sdo, 
     const V dist0 = splat(A(qi - k0) + a.alibi_offset);
     V lo = zero, hi = zero, sl = zero;
     for (i64 j = 0; j < npad; j += L) {
-      const V p = vexp_neg(load(x + j) - shift);
+      const V p = prob(load(x + j), shift);
       store(x + j, p);
       const V dx = select(p == A(0), zero, p * (load(dp + j) - dl));  // 0 past n
       const V jv = lane + A(j);

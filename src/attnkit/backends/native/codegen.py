@@ -446,19 +446,20 @@ class Gen:
                 t = self.new(ct, f"(({za} - {y} * {zb}) / {B})", tangent=True)
             return _Val(y, ct, dtype, t)
         if name in ("floor_divide", "trunc_divide"):
-            if fl:
-                f = "std::floor" if name == "floor_divide" else "std::trunc"
-                return self.value(ct, dtype, f"{f}({A} / {B})", None)
+            if fl:                                       # torch's rounding (from fmod)
+                f = "ak_ffloordiv" if name == "floor_divide" else "ak_ftruncdiv"
+                return self.value(ct, dtype, f"{f}({A}, {B})", None)
             f = "ak_floordiv" if name == "floor_divide" else "ak_truncdiv"
             return self.value(ct, dtype, f"{f}({A}, {B}, bad)", None)
         if name in ("remainder", "fmod"):
             if not fl:
                 f = "ak_mod" if name == "remainder" else "ak_fmod_i"
                 return self.value(ct, dtype, f"{f}({A}, {B}, bad)", None)
-            rnd = "std::floor" if name == "remainder" else "std::trunc"
-            return self.value(ct, dtype, f"({A} - {rnd}({A} / {B}) * {B})" if name == "remainder"
-                              else f"std::fmod({A}, {B})",
-                              _sum(ta, None if tb is None else f"(-{tb} * {rnd}({A} / {B}))"))
+            if name == "remainder":                      # torch: fmod, moved to b's sign
+                return self.value(ct, dtype, f"ak_fremainder({A}, {B})", _sum(
+                    ta, None if tb is None else f"(-{tb} * ak_ffloordiv({A}, {B}))"))
+            return self.value(ct, dtype, f"std::fmod({A}, {B})",
+                              _sum(ta, None if tb is None else f"(-{tb} * ak_ftruncdiv({A}, {B}))"))
         if name == "pow":
             if not fl:
                 return self.value(ct, dtype, f"ak_ipow({A}, {B})", None)
@@ -603,6 +604,22 @@ template <class T> static inline T ak_sigmoid(T x) {
   const T e = ak_exp(x < (T)0 ? x : -x);
   return (x < (T)0 ? e : (T)1) / ((T)1 + e);
 }
+// float % and // as torch computes them: from the exact fmod (a - b * floor(a / b) loses
+// the remainder once a / b rounds), the remainder moved to b's sign, the quotient rounded
+template <class T> static inline T ak_fremainder(T a, T b) {
+  const T m = std::fmod(a, b);
+  return (m != (T)0 && ((b < (T)0) != (m < (T)0))) ? m + b : m;
+}
+template <class T> static inline T ak_ffloordiv(T a, T b) {
+  if (b == (T)0) return a / b;
+  const T m = std::fmod(a, b);
+  T d = (a - m) / b;
+  if (m != (T)0 && ((b < (T)0) != (m < (T)0))) d -= (T)1;
+  if (d == (T)0) return std::copysign((T)0, a / b);
+  const T f = std::floor(d);
+  return d - f > (T)0.5 ? f + (T)1 : f;
+}
+template <class T> static inline T ak_ftruncdiv(T a, T b) { return std::trunc(a / b); }
 static inline int64_t ak_idx(int64_t i, int64_t size, int& bad) {
   i = i < 0 ? i + size : i;
   bad |= (i < 0) | (i >= size);

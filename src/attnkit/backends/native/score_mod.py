@@ -62,7 +62,11 @@ Caution
   identity, version counter and data pointer — finds an earlier trace of the same code on
   the same data (``stats()["reused"]``); anything else (an in-place update, a rebound
   closure, a changed Python constant) is traced again (~3 ms; more on a loaded machine).
-  The cache keeps those captured tensors alive (at most ``_CACHE_SIZE`` entries). The build
+  The cache keeps those captured tensors alive (at most ``_CACHE_SIZE`` entries). A write
+  torch does not see (through ``.numpy()``, ctypes, another process's shared memory) does
+  not bump the version counter: pass a new tensor, or write with a torch op.
+- Built with ``-ffp-contract=off``: no multiply-add is fused, so every elementwise op rounds
+  as torch's op does. The build
   runs per new source (~0.2–0.6 s, once per process, or never again once on disk).
 """
 
@@ -93,7 +97,8 @@ __all__ = ["CompiledScoreMod", "for_problem", "compile_score_mod", "stats", "cle
            "Unsupported"]
 
 _CACHE_SIZE = 64
-_FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fopenmp-simd", "-shared", "-fPIC"]
+_FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fopenmp-simd",
+          "-shared", "-fPIC"]   # no FMA contraction: each op rounds as torch rounds it
 
 @dataclass
 class CompiledScoreMod:
