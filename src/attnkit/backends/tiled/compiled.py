@@ -82,7 +82,7 @@ from ... import masks as _masks
 from ... import scores as _scores
 from ..base import Problem, compute_dtype, finish, refuse_double_backward, softmax_shift
 from .matmul import add_tmm_, addmm_, mm
-from .plan import Plan, allowed_tile, bias_tile, count
+from .plan import Plan, allowed_tile, backward_rows, bias_tile, count
 
 __all__ = ["mode", "attention", "stats", "clear", "AUTO_SCORES"]
 
@@ -340,10 +340,7 @@ class _CompiledAttention(torch.autograd.Function):
         p = env.p
         B, hq, hkv, g = p.batch, p.heads_q, p.heads_kv, p.group
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        dcol = (dout * out).sum(-1, keepdim=True)                # (B, H_q, N_q, 1) rowsum(dO∘O)
-        if dlse is not None:                                     # ∂lse/∂logits = P
-            dcol = dcol - torch.where(torch.isfinite(lse), dlse, torch.zeros_like(dlse))[..., None]
-        lse_b = torch.where(lse == -math.inf, torch.full_like(lse, math.inf), lse).unsqueeze(-1)
+        dcol, lse_b = backward_rows(dout, out, lse, dlse)        # (B, H_q, N_q, 1) each
         for blk in env.pl.blocks:
             if not blk.runs:
                 continue

@@ -46,7 +46,7 @@ from ...scores import soft_cap, soft_cap_, soft_cap_grad
 from ..base import Problem, compute_dtype, finish, refuse_double_backward, softmax_shift
 from . import compiled
 from .matmul import add_tmm_, addmm_, mm, shared_kv
-from .plan import Block, Plan, allowed_tile, bias_tile, count, plan, sizes
+from .plan import Block, Plan, allowed_tile, backward_rows, bias_tile, count, plan, sizes
 
 __all__ = ["general_attention"]
 
@@ -170,10 +170,7 @@ class _ManualAttention(torch.autograd.Function):
         p, pl, chunk, bias = ctx.meta
         B, hq, hkv, g = p.batch, p.heads_q, p.heads_kv, p.group
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        dcol = (dout * out).sum(-1, keepdim=True)                # (B, H_q, N_q, 1) = rowsum(dO∘O)
-        if dlse is not None:                                     # ∂lse/∂logits = P
-            dcol = dcol - torch.where(torch.isfinite(lse), dlse, torch.zeros_like(dlse))[..., None]
-        lse_b = torch.where(lse == -math.inf, torch.full_like(lse, math.inf), lse).unsqueeze(-1)
+        dcol, lse_b = backward_rows(dout, out, lse, dlse)        # (B, H_q, N_q, 1) each
         c = p.softcap
         bi = torch.arange(B).view(-1, 1, 1, 1)
         hi = torch.arange(hq).view(1, -1, 1, 1)

@@ -36,8 +36,8 @@ from ..base import Problem
 
 __all__ = ["TileSizes", "tile_sizes", "sizes", "use_native", "native_enabled", "COUNTERS",
            "counting", "count", "Run", "Block",
-           "TileMap", "Plan", "tile_map", "plan", "allowed_tile", "bias_tile", "to_grouped",
-           "band_is_tril", "tile_is_tril"]
+           "TileMap", "Plan", "tile_map", "plan", "allowed_tile", "bias_tile", "backward_rows",
+           "to_grouped", "band_is_tril", "tile_is_tril"]
 
 
 # ---------------------------------------------------------------------------- tile sizes
@@ -276,6 +276,18 @@ def plan(p: Problem, block_q: int | None = None, block_k: int | None = None,
 
 
 # ---------------------------------------------------------------------------- tiles
+def backward_rows(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                  dlse: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-row terms of a FlashAttention-2 backward (the general and compiled engines):
+    ``dcol = rowsum(dO∘O) − dlse`` (∂lse/∂logits = P; a row without keys takes no dlse) and
+    the LSE to subtract, +∞ for such a row (so its P = e^(x − ∞) = 0), both (B, H_q, N_q, 1)."""
+    dcol = (dout * out).sum(-1, keepdim=True)
+    if dlse is not None:
+        dcol = dcol - torch.where(torch.isfinite(lse), dlse, torch.zeros_like(dlse))[..., None]
+    lse_b = torch.where(lse == -math.inf, torch.full_like(lse, math.inf), lse).unsqueeze(-1)
+    return dcol, lse_b
+
+
 def allowed_tile(p: Problem, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
     """The mask on queries ``[q0, q1)`` × keys ``[k0, k1)``: bool ``(B|1, H_q|1, bq, L)``."""
     assert p.mask is not None
