@@ -26,6 +26,7 @@ from conftest import (
     run_backend,
     skip_unless_supported,
 )
+from recorders import OpOutputs
 
 TOL = {"rtol": 1e-10, "atol": 1e-10}
 
@@ -674,22 +675,6 @@ def test_query_batch_one_against_larger_kv_batch_is_refused():
         ak.attention(randn(1, 2, 5, 8), randn(3, 2, 6, 8), randn(3, 2, 6, 8))
 
 
-class _BigAllocations(torch.utils._python_dispatch.TorchDispatchMode):
-    """Records ops whose output owns at least ``n`` elements of storage."""
-
-    def __init__(self, n: int) -> None:
-        super().__init__()
-        self.n, self.hits = n, []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        out = func(*args, **(kwargs or {}))
-        for o in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(o, torch.Tensor) and \
-                    o.untyped_storage().nbytes() >= self.n * o.element_size():
-                self.hits.append(str(func))
-        return out
-
-
 @pytest.mark.parametrize("kind", ["none", "padding", "causal_br"])
 def test_backend_kv_batch_one_is_never_materialised_per_batch(backend, kind):
     # K/V reach the backend as a stride-0 view, and the forward allocates nothing of the
@@ -711,7 +696,7 @@ def test_backend_kv_batch_one_is_never_materialised_per_batch(backend, kind):
 
     chosen.forward = spy
     try:
-        with _BigAllocations(b * k1.numel()) as mode:
+        with OpOutputs(big=b * k1.numel()) as mode:
             ak.attention(q, k1, v1, mask=m, backend=backend)
     finally:
         del chosen.forward

@@ -10,10 +10,10 @@ import warnings
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import attnkit as ak
 from attnkit import ops
+from recorders import OpOutputs
 
 
 @pytest.fixture(autouse=True)
@@ -138,19 +138,9 @@ def test_what_an_operator_cannot_carry_runs_eagerly_with_one_warning():
     torch.testing.assert_close(got, with_score_mod(q))
 
 
-class _Ops(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: set[str] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        self.seen.add(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 def test_eager_calls_do_not_go_through_the_operator():
     q = torch.randn(2, 2, 5, 8, requires_grad=True)
-    with _Ops() as mode:
+    with OpOutputs() as mode:
         ak.attention(q, q, q, is_causal=True).sum().backward()
     assert not any("attnkit" in s for s in mode.seen)
 

@@ -6,13 +6,13 @@ import math
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import attnkit as ak
 from attnkit import backends
 from attnkit.api import prepare
 from attnkit.backends import decode, native, tiled
 from conftest import assert_low_precision_close, naive_low_precision
+from recorders import OpOutputs, floating
 
 M = ak.masks
 F64 = torch.float64
@@ -160,19 +160,9 @@ needs_native = pytest.mark.skipif(not native.available(),
                                   reason=f"native kernel unavailable: {native.why_unavailable()}")
 
 
-class _Float32Outputs(TorchDispatchMode):
-    """The largest float32 tensor any aten op produces (a cast copy of the cache shows)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
-                self.largest = max(self.largest, t.numel())
-        return out
+def _float32(t: torch.Tensor) -> bool:
+    """``keep`` for float32 outputs (a cast copy of a half cache shows as one)."""
+    return t.dtype == torch.float32
 
 
 @needs_native
@@ -197,11 +187,11 @@ def test_native_decode_runs_when_available_and_the_switches_turn_it_off(how, mon
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_native_decode_reads_a_half_cache_as_such(dtype):
     q, k, v = _inputs(1, 8, 2, 1, 4096, 64, 64, dtype=dtype)
-    with tiled.counting() as stats, _Float32Outputs() as rec:
+    with tiled.counting() as stats, OpOutputs(keep=_float32) as rec:
         out = ak.attention(q, k, v, score_mod=ak.scores.alibi(8), backend="decode")
     assert stats["native"] == 1 and out.dtype == dtype
     assert rec.largest < k.numel() // 4                         # no float32 copy of K or V
-    with tiled.use_native(False), _Float32Outputs() as rec_py:
+    with tiled.use_native(False), OpOutputs(keep=_float32) as rec_py:
         ak.attention(q, k, v, backend="decode")
     assert rec_py.largest >= k.numel()                          # the Python engine casts
     ref64 = ak.attention(q.double(), k.double(), v.double(), score_mod=ak.scores.alibi(8),
@@ -211,22 +201,6 @@ def test_native_decode_reads_a_half_cache_as_such(dtype):
 
 
 # ------------------------------------------- K/V of batch 1, a larger query batch (issue 13)
-class _BigFloatOutputs(TorchDispatchMode):
-    """Records ops whose floating-point output owns at least ``n`` elements of storage."""
-
-    def __init__(self, n: int) -> None:
-        super().__init__()
-        self.n, self.hits = n, []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor) and t.is_floating_point() and \
-                    t.untyped_storage().nbytes() >= self.n * t.element_size():
-                self.hits.append(f"{func} -> {tuple(t.shape)}")
-        return out
-
-
 @pytest.fixture
 def python_decode(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The decode[python] mode (``ATTNKIT_NATIVE=0``); records K's batch stride per call."""
@@ -289,7 +263,7 @@ def test_python_decode_never_copies_kv_per_batch_element(path, kind, dtype, pyth
     q = torch.randn(b, 4, nq, d).to(dtype)
     k1, v1 = torch.randn(1, 2, nk, d).to(dtype), torch.randn(1, 2, nk, d).to(dtype)
     mask, opts = _kv1_mask(kind, b, nq, nk), _KV1_OPTS[path]
-    with _BigFloatOutputs(2 * k1.numel()) as rec:
+    with OpOutputs(big=2 * k1.numel(), keep=floating) as rec:
         out = ak.attention(q, k1, v1, backend="decode", mask=mask, **opts)
     assert python_decode == [0]
     assert rec.hits == []

@@ -11,11 +11,11 @@ import math
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import attnkit as ak
 from attnkit.api import prepare
 from attnkit.backends import tiled
+from recorders import OpOutputs
 
 M = ak.masks
 F64 = torch.float64
@@ -269,25 +269,10 @@ def test_diagonal_tiles_use_the_causal_kernel_and_full_tiles_no_mask():
     assert stats["masked_runs"] == 0 and stats["causal_runs"] >= 1
 
 
-class _LargestTensor(TorchDispatchMode):
-    """Records the largest tensor any aten op produces."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 def test_no_n_by_n_tensor_for_causal_4096():
     n = 4096
     q, k, v = (torch.randn(1, 1, n, 16, requires_grad=True) for _ in range(3))
-    with _LargestTensor() as rec:
+    with OpOutputs() as rec:
         out = ak.attention(q, k, v, is_causal=True, backend="tiled")
         out.sum().backward()
     assert rec.largest < n * n // 8, rec.largest               # tiles only, O(N) memory
@@ -300,7 +285,7 @@ def test_no_n_by_n_tensor_for_causal_4096():
 def test_no_n_by_n_tensor_for_other_schedules(mask, limit, use_native):
     n = 4096
     q, k, v = (torch.randn(1, 1, n, 16, requires_grad=True) for _ in range(3))
-    with tiled.counting() as stats, _LargestTensor() as rec, tiled.use_native(use_native):
+    with tiled.counting() as stats, OpOutputs() as rec, tiled.use_native(use_native):
         out = ak.attention(q, k, v, mask=mask, backend="tiled")
         out.sum().backward()
     if use_native:

@@ -14,11 +14,11 @@ import math
 import pytest
 import torch
 from eager_tiles import EagerTiles
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import attnkit as ak
 from attnkit.backends import tiled
 from attnkit.backends.tiled import compiled
+from recorders import OpOutputs, floating
 
 M = ak.masks
 F64 = torch.float64
@@ -39,23 +39,6 @@ def _python_general_engine(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     monkeypatch.setattr(tiled, "general_attention", spy)
     return calls
-
-
-class _BigAllocations(TorchDispatchMode):
-    """Records ops whose floating-point output owns at least ``n`` elements of storage
-    (bool masks and block maps are not K/V)."""
-
-    def __init__(self, n: int) -> None:
-        super().__init__()
-        self.n, self.hits = n, []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        out = func(*args, **(kwargs or {}))
-        for o in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(o, torch.Tensor) and o.is_floating_point() and \
-                    o.untyped_storage().nbytes() >= self.n * o.element_size():
-                self.hits.append(f"{func} -> {tuple(o.shape)}")
-        return out
 
 
 def _alibi_like(s, b, h, qi, ki):  # noqa: ANN001, ANN202
@@ -151,7 +134,7 @@ def test_general_engine_never_copies_kv_per_batch_element(kind, hkv, dtype, grad
     q, k1, v1 = (t.to(dtype) for t in _inputs(hkv, nq, nk, d))
     opts = _options(kind, nq, nk)
     q.requires_grad_(grad)
-    with torch.set_grad_enabled(grad), _BigAllocations(2 * k1.numel()) as rec:
+    with torch.set_grad_enabled(grad), OpOutputs(big=2 * k1.numel(), keep=floating) as rec:
         out = ak.attention(q, k1, v1, backend="tiled", **opts)
     assert _python_general_engine == [0]
     assert rec.hits == []
@@ -182,7 +165,7 @@ def test_compiled_tiles_read_shared_kv_without_a_copy(hkv, dtype, monkeypatch,
     nq, nk, d = 9, 600, 64
     q, k1, v1 = (t.to(dtype) for t in _inputs(hkv, nq, nk, d))
     opts = dict(score_mod=_fresh_alibi_like(), mask=M.causal("bottom_right"))
-    with _BigAllocations(2 * k1.numel()) as rec:
+    with OpOutputs(big=2 * k1.numel(), keep=floating) as rec:
         out = ak.attention(q, k1, v1, backend="tiled", **opts)
     assert EagerTiles.made >= 1 and _python_general_engine == [0]   # compiled tiles ran
     assert rec.hits == []

@@ -7,6 +7,7 @@ import torch
 from layer_helpers import DT
 
 import attnkit as ak
+from recorders import OpOutputs
 
 
 def test_decode_steps_dispatch_through_attention_auto(monkeypatch):
@@ -85,22 +86,11 @@ def test_bad_calls_raise_clear_errors():
 def test_eager_need_weights_is_the_reference_softmax_and_no_operator():
     # eager: the reference's weights, without the attnkit::attention_weights operator (which
     # only traced calls use); rows sum to 1 where a key is allowed, 0 where none is
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.seen: set[str] = set()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-            self.seen.add(str(func))
-            return func(*args, **(kwargs or {}))
-
     torch.manual_seed(0)
     m = ak.MultiHeadAttention(16, 4, n_kv_heads=2)
     x = torch.randn(2, 5, 16)
     mask = ak.masks.padding([5, 0])
-    with Ops() as rec:
+    with OpOutputs() as rec:
         out, w = m(x, mask=mask, need_weights=True)
     assert not any("attnkit" in s for s in rec.seen)
     q, k = m.project_q(x), m.project_k(x)
