@@ -7,8 +7,10 @@ namespace attnkit_native {
 namespace {
 
 // ------------------------------------------------------------------ per-thread buffers
-// kt holds Kᵀ for brgemm: one tile (D_k, BK), or — when cache_kt — the whole head
-// (D_k, NKP), filled tile by tile as the thread's items of that head need them. It is
+// kt holds Kᵀ for brgemm: one tile (D_k, BK), or — when cache_kt — the whole head as
+// NKP / BK such tiles one after another (tile-major: each (D_k, BK) block contiguous, so
+// brgemm reads rows 512 bytes apart rather than a whole head's row apart, which thrashed
+// L1's sets), filled tile by tile as the thread's items of that head need them. It is
 // allocated (uninitialised) on first use: the dot-product path never needs it.
 template <typename A> struct Buffers {
   std::vector<A> q, s, acc, v, row, tmp4, m, l;
@@ -37,14 +39,13 @@ void gather_q(const Args<A>& a, const T* q, const Item& it, Buffers<A>& buf) {
     }
 }
 
-// kt (D_k, ld) at column 0 <- K rows [k0, k0 + n) transposed, in A.
+// kt (D_k, BK) <- K rows [k0, k0 + n) transposed, in A.
 template <typename A, typename T>
-void transpose_tile(const Args<A>& a, const T* kh, i64 k0, i64 n, A* kt, i64 ld,
-                    Buffers<A>& buf) {
+void transpose_tile(const Args<A>& a, const T* kh, i64 k0, i64 n, A* kt, Buffers<A>& buf) {
   A* row = buf.row.data();
   for (i64 j = 0; j < n; ++j) {                          // kt[d, j] = k[k0 + j, d]
     row_to_compute(kh + (k0 + j) * a.sk[2], row, a.Dk, a.Dk);
-    for (i64 d = 0; d < a.Dk; ++d) kt[d * ld + j] = row[d];
+    for (i64 d = 0; d < a.Dk; ++d) kt[d * BK + j] = row[d];
   }
 }
 
@@ -53,23 +54,21 @@ template <typename A, typename T>
 void scores_gemm(const Args<A>& a, const T* kh, const Item& it, i64 k0, i64 n, i64 R,
                  Buffers<A>& buf) {
   A* kt = buf.kt_buffer(a);
-  i64 ld = BK;
   if (a.cache_kt) {                                      // k0 is a multiple of BK here
     if (buf.kt_b != it.b || buf.kt_h != it.kvh) {
       std::fill(buf.kt_done.begin(), buf.kt_done.end(), 0);
       buf.kt_b = it.b;
       buf.kt_h = it.kvh;
     }
+    kt += k0 / BK * (a.Dk * BK);                         // the tile's (D_k, BK) block
     if (!buf.kt_done[k0 / BK]) {
-      transpose_tile(a, kh, k0, std::min<i64>(BK, a.Nk - k0), kt + k0, a.NKP, buf);
+      transpose_tile(a, kh, k0, std::min<i64>(BK, a.Nk - k0), kt, buf);
       buf.kt_done[k0 / BK] = 1;
     }
-    kt += k0;
-    ld = a.NKP;
   } else {
-    transpose_tile(a, kh, k0, n, kt, BK, buf);
+    transpose_tile(a, kh, k0, n, kt, buf);
   }
-  gemm(R, n, a.Dk, a.DKP, ld, BK, false, buf.q.data(), kt, buf.s.data());
+  gemm(R, n, a.Dk, a.DKP, BK, BK, false, buf.q.data(), kt, buf.s.data());
 }
 
 constexpr i64 AHEAD = 16;  // rows prefetched ahead on the dot (decode) path: 12-16 measured best
