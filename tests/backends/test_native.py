@@ -144,6 +144,26 @@ def test_closed_form_masks_skip_nothing_they_need() -> None:
           doc_ids=qd, kv_doc_ids=kd)
 
 
+@needs_native
+@pytest.mark.parametrize("band", [(0, 49), (-45, 45), (-(350 - 300), math.inf), (3, 200)])
+@pytest.mark.parametrize("terms", ["plain", "softcap", "alibi"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_band_edge_tiles_by_sub_blocks(band: tuple[float, float], terms: str,
+                                       dtype: torch.dtype) -> None:
+    """A band's edge tiles run as 32-key sub-blocks over only the rows that see them (brgemm
+    path: 128 rows per item, two query heads per K/V head); the rows a sub-block skips are
+    out of the band and must come out exactly as the float64 oracle says."""
+    nq, nk = 300, 350
+    q, k, v = qkv(1, 4, 2, nq, nk, 64)
+    d = torch.arange(nq)[:, None] - torch.arange(nk)[None, :]
+    allowed = (d >= band[0]) & (d <= band[1])
+    opts: dict = {"softcap": {"softcap": 5.0}, "alibi": {"alibi_slopes": alibi_slopes(4)},
+                  "plain": {}}[terms]
+    oo: dict = {"softcap": {"softcap": 5.0}, "alibi": {"score_mod": alibi(4)}, "plain": {}}[terms]
+    for rows in (64, 48):                                   # grid-aligned and not
+        check(q, k, v, dtype, allowed=allowed, oracle_opts=oo, band=band, block_q=rows, **opts)
+
+
 # ---------------------------------------------------------------------------- score terms
 @needs_native
 @pytest.mark.parametrize("cap", [1.0, 30.0, 1e4, 1e8])

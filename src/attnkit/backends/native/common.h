@@ -222,10 +222,16 @@ template <typename T> inline void prefetch_row(const T* row, i64 n) {
   for (i64 b = 0; b < n * i64(sizeof(T)); b += 64) __builtin_prefetch(p + b);
 }
 
+// Whether x (n,) holds no inf/NaN: x * 0 is NaN exactly there; summed lane-wise (a scalar
+// sum is one serial chain of adds, as slow as a GEMM on the tile).
 template <typename A> inline bool all_finite(const A* x, i64 n) {
-  A z = 0;
-  for (i64 i = 0; i < n; ++i) z += x[i] * A(0);           // NaN once any x is inf/NaN
-  return z == A(0);
+  using V = vec<A>;
+  V z = splat(A(0));
+  i64 i = 0;
+  for (; i + lanes<A> <= n; i += lanes<A>) z += load(x + i) * A(0);
+  A t = hsum(z);
+  for (; i < n; ++i) t += x[i] * A(0);
+  return t == A(0);
 }
 
 // C (M, N) (+)= A (M, K) . B (K, N), row-major with leading dims: torch's brgemm for float,
@@ -390,6 +396,16 @@ inline void relative_bias_add(const Args<A>& a, A* x, i64 n, i64 h, i64 qi, i64 
   for (i64 j = jh; j < n; ++j) x[j] += t_hi;
 }
 
+// The band's keys of row qi within the tile [k0, k0+n): [jb, je), the row's allowed keys
+// being [qi - hi, qi - lo].
+template <typename A>
+inline void band_keys(const Args<A>& a, i64 n, i64 qi, i64 k0, i64& jb, i64& je) {
+  const double lo_k = double(qi) - a.band_hi - double(k0);
+  const double hi_k = double(qi) - a.band_lo - double(k0);
+  jb = i64(std::clamp(lo_k, 0.0, double(n)));
+  je = std::max(jb, i64(std::clamp(std::floor(hi_k) + 1.0, 0.0, double(n))));
+}
+
 // x (npad,) of row (head h, query qi) against keys [k0, k0+n): ALiBi, the relative bias
 // table, bias, then the mask (skipped on FULL tiles); x[n:npad] = -inf.
 template <typename A>
@@ -412,11 +428,8 @@ inline void position_terms_and_mask(const Args<A>& a, A* x, i64 n, i64 npad, i64
     for (i64 j = 0; j < n; ++j) x[j] += br[j * s];
   }
   if (!full) {
-    // band: allowed keys of this row are [qi - hi, qi - lo]
-    double lo_k = double(qi) - a.band_hi - double(k0), hi_k = double(qi) - a.band_lo - double(k0);
-    i64 jb = i64(std::clamp(lo_k, 0.0, double(n)));
-    i64 je = i64(std::clamp(std::floor(hi_k) + 1.0, 0.0, double(n)));
-    if (je < jb) je = jb;
+    i64 jb, je;
+    band_keys(a, n, qi, k0, jb, je);
     for (i64 j = 0; j < jb; ++j) x[j] = NEG_INF;
     for (i64 j = je; j < n; ++j) x[j] = NEG_INF;
     if (a.q_doc) {
@@ -443,17 +456,58 @@ inline void score_terms(const Args<A>& a, A* x, i64 n, i64 npad, i64 b, i64 h, i
   position_terms_and_mask(a, x, n, npad, b, h, qi, k0, full);
 }
 
-// Online softmax step on one row: x (npad,) -> P = e^(x - m_new) in place; updates the
-// running max m and sum l; returns alpha = e^(m_old - m_new), the factor for acc.
-template <typename A> inline A softmax_step(A* x, i64 npad, A& m, A& l) {
+// Whether the call's only score terms are the scale and a band (lengths cut the tiles):
+// then one pass scales, masks and takes the max (plain_row).
+template <typename A> inline bool plain_terms(const Args<A>& a) {
+  return a.softcap == A(0) && !a.mod && !a.alibi && !a.rel && !a.bias && !a.q_doc && !a.mask;
+}
+
+// The plain row in one pass: x (npad,) <- x * scale on the band's keys [jb, je) of the tile
+// (all n keys when full), -inf elsewhere; returns the row's max.
+template <typename A>
+inline A plain_row(const Args<A>& a, A* x, i64 n, i64 npad, i64 qi, i64 k0, bool full) {
   using V = vec<A>;
   constexpr int L = lanes<A>;
+  const V sc = splat(a.scale), ninf = splat(A(NEG_INF));
+  V vm = ninf;
+  if (full && n == npad) {
+    for (i64 j = 0; j < npad; j += L) {
+      const V v = load(x + j) * sc;
+      store(x + j, v);
+      vm = v > vm ? v : vm;
+    }
+    return hmax(vm);
+  }
+  i64 jb = 0, je = n;
+  if (!full) band_keys(a, n, qi, k0, jb, je);
+  const V lane = iota<A>(), vjb = splat(A(jb)), vje = splat(A(je));
+  for (i64 j = 0; j < npad; j += L) {                      // lane j + i is in band or -inf
+    const V jv = lane + A(j);
+    const V v = select((jv >= vjb) & (jv < vje), load(x + j) * sc, ninf);
+    store(x + j, v);
+    vm = v > vm ? v : vm;
+  }
+  return hmax(vm);
+}
+
+// The max of x (npad,).
+template <typename A> inline A row_max(const A* x, i64 npad) {
+  using V = vec<A>;
   V vm = splat(A(NEG_INF));
-  for (i64 j = 0; j < npad; j += L) {
+  for (i64 j = 0; j < npad; j += lanes<A>) {
     V v = load(x + j);
     vm = v > vm ? v : vm;
   }
-  const A m_new = std::max(m, hmax(vm));
+  return hmax(vm);
+}
+
+// Online softmax step on one row whose max is x_max: x (npad,) -> P = e^(x - m_new) in
+// place; updates the running max m and sum l; returns alpha = e^(m_old - m_new), the
+// factor for acc.
+template <typename A> inline A softmax_step(A* x, i64 npad, A x_max, A& m, A& l) {
+  using V = vec<A>;
+  constexpr int L = lanes<A>;
+  const A m_new = std::max(m, x_max);
   const A shift = m_new == NEG_INF ? A(0) : m_new;        // a row with no key yet: P = 0
   const V vs = splat(shift);
   V sum = splat(A(0));

@@ -49,10 +49,65 @@ void transpose_tile(const Args<A>& a, const T* kh, i64 k0, i64 n, A* kt, Buffers
   }
 }
 
-// S (R, BK) <- Qs (R, D_k) . K_tileᵀ through brgemm (gemm) on the transposed tile.
+// ------------------------------------------------------------------ a band's edge tiles
+// A band's edge tile is a triangle: its keys are seen by fewer and fewer rows. Split into
+// sub-blocks of SUB keys, each GEMM covers only the rows that see one of its keys.
+constexpr int SUB = 32;
+
+// Keys [k0 + j0, + n) of a tile, seen by rows [r0, r1) of each head of the item.
+struct Sub { i64 j0, n, r0, r1; };
+
+// The sub-blocks of tile [k0, k0 + n) and how many (one covering all rows when the tile is
+// full, or when the band cuts none of its sub-blocks' rows).
+template <typename A>
+inline int tile_subs(const Args<A>& a, const Item& it, i64 k0, i64 n, TileKind kind,
+                     Sub (&subs)[BK / SUB]) {
+  subs[0] = Sub{0, n, 0, it.nr};
+  if (kind == FULL) return 1;
+  int count = 0;
+  bool cut = false;
+  for (i64 j0 = 0; j0 < n; j0 += SUB) {                    // row q sees key c if lo <= q - c <= hi
+    const i64 c0 = k0 + j0, c1 = std::min(k0 + n, c0 + SUB);
+    const double lo = std::ceil(double(c0) + a.band_lo) - double(it.q0);
+    const double hi = std::floor(double(c1 - 1) + a.band_hi) - double(it.q0) + 1.0;
+    const i64 r0 = i64(std::clamp(lo, 0.0, double(it.nr)));
+    const i64 r1 = std::max(r0, i64(std::clamp(hi, 0.0, double(it.nr))));
+    cut = cut || r0 > 0 || r1 < it.nr;
+    subs[count++] = Sub{j0, c1 - c0, r0, r1};
+  }
+  if (!cut) {
+    subs[0] = Sub{0, n, 0, it.nr};
+    return 1;
+  }
+  return count;
+}
+
+// Calls f(row0, rows, j0, nj) for each GEMM a tile's sub-blocks make: one over all R rows
+// when a single sub-block covers every row, else one per (sub-block, head).
+template <typename F>
+inline void for_each_block(const Sub* subs, int count, i64 G, i64 nr, F f) {
+  if (count == 1 && subs[0].r0 == 0 && subs[0].r1 == nr) return f(0, G * nr, 0, subs[0].n);
+  for (int s = 0; s < count; ++s)
+    for (i64 g = 0; g < G; ++g)
+      if (subs[s].r1 > subs[s].r0) f(g * nr + subs[s].r0, subs[s].r1 - subs[s].r0, subs[s].j0,
+                                     subs[s].n);
+}
+
+// The zero scores of the rows a sub-block skips (they are out of the band, masked later).
+template <typename A>
+inline void zero_skipped(const Sub* subs, int count, i64 G, i64 nr, A* s) {
+  for (int b = 0; b < count; ++b)
+    for (i64 g = 0; g < G; ++g)
+      for (i64 i = 0; i < nr; ++i)
+        if (i < subs[b].r0 || i >= subs[b].r1)
+          std::fill_n(s + (g * nr + i) * BK + subs[b].j0, subs[b].n, A(0));
+}
+
+// S (R, BK) <- Qs (R, D_k) . K_tileᵀ through brgemm (gemm) on the transposed tile, by the
+// tile's sub-blocks.
 template <typename A, typename T>
-void scores_gemm(const Args<A>& a, const T* kh, const Item& it, i64 k0, i64 n, i64 R,
-                 Buffers<A>& buf) {
+void scores_gemm(const Args<A>& a, const T* kh, const Item& it, i64 k0, i64 n,
+                 const Sub* subs, int count, Buffers<A>& buf) {
   A* kt = buf.kt_buffer(a);
   if (a.cache_kt) {                                      // k0 is a multiple of BK here
     if (buf.kt_b != it.b || buf.kt_h != it.kvh) {
@@ -68,7 +123,11 @@ void scores_gemm(const Args<A>& a, const T* kh, const Item& it, i64 k0, i64 n, i
   } else {
     transpose_tile(a, kh, k0, n, kt, buf);
   }
-  gemm(R, n, a.Dk, a.DKP, BK, BK, false, buf.q.data(), kt, buf.s.data());
+  if (count > 1) zero_skipped(subs, count, a.G, it.nr, buf.s.data());
+  for_each_block(subs, count, a.G, it.nr, [&](i64 r0, i64 m, i64 j0, i64 nj) {
+    gemm(m, nj, a.Dk, a.DKP, BK, BK, false, buf.q.data() + r0 * a.DKP, kt + j0,
+         buf.s.data() + r0 * BK + j0);
+  });
 }
 
 constexpr i64 AHEAD = 16;  // rows prefetched ahead on the dot (decode) path: 12-16 measured best
@@ -160,10 +219,12 @@ void values_axpy(const Args<A>& a, const T* vh, i64 k0, i64 n, i64 R, Buffers<A>
   for (; j < n; ++j) value_one(a, vh, k0, j, R, buf);
 }
 
-// acc (R, D_v) += P (R, n) . V_tile through brgemm (gemm; V converted to A when needed);
-// a tile holding inf/NaN takes the exact P == 0-skipping path instead.
+// acc (R, D_v) += P (R, n) . V_tile through brgemm (gemm; V converted to A when needed),
+// by the tile's sub-blocks (the rows a sub-block skips have P = 0 there); a tile holding
+// inf/NaN takes the exact P == 0-skipping path instead.
 template <typename A, typename T>
-void values_gemm(const Args<A>& a, const T* vh, i64 k0, i64 n, i64 R, Buffers<A>& buf) {
+void values_gemm(const Args<A>& a, const T* vh, i64 k0, i64 n, i64 R, const Sub* subs,
+                 int count, i64 nr, Buffers<A>& buf) {
   const A* vt;
   i64 ldv;
   if constexpr (std::is_same_v<T, A>) {
@@ -178,7 +239,10 @@ void values_gemm(const Args<A>& a, const T* vh, i64 k0, i64 n, i64 R, Buffers<A>
     vt = buf.v.data();
     ldv = a.DVP;
   }
-  gemm(R, a.Dv, n, BK, ldv, a.DVP, true, buf.s.data(), vt, buf.acc.data());
+  for_each_block(subs, count, a.G, nr, [&](i64 r0, i64 m, i64 j0, i64 nj) {
+    gemm(m, a.Dv, nj, BK, ldv, a.DVP, true, buf.s.data() + r0 * BK + j0, vt + j0 * ldv,
+         buf.acc.data() + r0 * a.DVP);
+  });
 }
 
 // ------------------------------------------------------------------ one work item
@@ -188,6 +252,7 @@ void attend_item(const Args<A>& a, const T* q, const T* k, const T* v, const Ite
                  Buffers<A>& buf) {
   const i64 R = a.G * it.nr;
   const bool by_gemm = R >= 16;                            // brgemm pays off from 16 rows
+  const bool plain = plain_terms(a);
   std::fill(buf.acc.begin(), buf.acc.begin() + R * a.DVP, A(0));
   std::fill(buf.m.begin(), buf.m.begin() + R, A(NEG_INF));
   std::fill(buf.l.begin(), buf.l.begin() + R, A(0));
@@ -200,19 +265,27 @@ void attend_item(const Args<A>& a, const T* q, const T* k, const T* v, const Ite
     const i64 n = std::min<i64>(BK, it.ke - k0), npad = round_up(n, W);
     const TileKind kind = classify(a, it, k0, n);
     if (kind == EMPTY) continue;
-    if (by_gemm) scores_gemm(a, kh, it, k0, n, R, buf);
+    Sub subs[BK / SUB];
+    const int count = by_gemm ? tile_subs(a, it, k0, n, kind, subs) : 1;
+    if (by_gemm) scores_gemm(a, kh, it, k0, n, subs, count, buf);
     else scores_dot(a, kh, vh, k0, n, R, buf);
     for (i64 r = 0; r < R; ++r) {                          // row r: head h, query qi
       const i64 h = it.kvh * a.G + r / it.nr, qi = it.q0 + r % it.nr;
       A* x = buf.s.data() + r * BK;
-      score_terms(a, x, n, npad, it.b, h, qi, k0, kind == FULL);
-      const A alpha = softmax_step(x, npad, buf.m[r], buf.l[r]);
+      A x_max;
+      if (plain) {
+        x_max = plain_row(a, x, n, npad, qi, k0, kind == FULL);
+      } else {
+        score_terms(a, x, n, npad, it.b, h, qi, k0, kind == FULL);
+        x_max = row_max(x, npad);
+      }
+      const A alpha = softmax_step(x, npad, x_max, buf.m[r], buf.l[r]);
       if (alpha != A(1)) {
         A* ar = buf.acc.data() + r * a.DVP;
         for (i64 d = 0; d < a.DVP; ++d) ar[d] *= alpha;
       }
     }
-    if (by_gemm) values_gemm(a, vh, k0, n, R, buf);
+    if (by_gemm) values_gemm(a, vh, k0, n, R, subs, count, it.nr, buf);
     else values_axpy(a, vh, k0, n, R, buf);
   }
 }
