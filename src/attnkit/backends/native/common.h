@@ -456,58 +456,18 @@ inline void score_terms(const Args<A>& a, A* x, i64 n, i64 npad, i64 b, i64 h, i
   position_terms_and_mask(a, x, n, npad, b, h, qi, k0, full);
 }
 
-// Whether the call's only score terms are the scale and a band (lengths cut the tiles):
-// then one pass scales, masks and takes the max (plain_row).
-template <typename A> inline bool plain_terms(const Args<A>& a) {
-  return a.softcap == A(0) && !a.mod && !a.alibi && !a.rel && !a.bias && !a.q_doc && !a.mask;
-}
-
-// The plain row in one pass: x (npad,) <- x * scale on the band's keys [jb, je) of the tile
-// (all n keys when full), -inf elsewhere; returns the row's max.
-template <typename A>
-inline A plain_row(const Args<A>& a, A* x, i64 n, i64 npad, i64 qi, i64 k0, bool full) {
+// Online softmax step on one row: x (npad,) -> P = e^(x - m_new) in place; updates the
+// running max m and sum l; returns alpha = e^(m_old - m_new), the factor for acc.
+// (Scaling and taking the max in one pass measured no faster: the row is in L1.)
+template <typename A> inline A softmax_step(A* x, i64 npad, A& m, A& l) {
   using V = vec<A>;
   constexpr int L = lanes<A>;
-  const V sc = splat(a.scale), ninf = splat(A(NEG_INF));
-  V vm = ninf;
-  if (full && n == npad) {
-    for (i64 j = 0; j < npad; j += L) {
-      const V v = load(x + j) * sc;
-      store(x + j, v);
-      vm = v > vm ? v : vm;
-    }
-    return hmax(vm);
-  }
-  i64 jb = 0, je = n;
-  if (!full) band_keys(a, n, qi, k0, jb, je);
-  const V lane = iota<A>(), vjb = splat(A(jb)), vje = splat(A(je));
-  for (i64 j = 0; j < npad; j += L) {                      // lane j + i is in band or -inf
-    const V jv = lane + A(j);
-    const V v = select((jv >= vjb) & (jv < vje), load(x + j) * sc, ninf);
-    store(x + j, v);
-    vm = v > vm ? v : vm;
-  }
-  return hmax(vm);
-}
-
-// The max of x (npad,).
-template <typename A> inline A row_max(const A* x, i64 npad) {
-  using V = vec<A>;
   V vm = splat(A(NEG_INF));
-  for (i64 j = 0; j < npad; j += lanes<A>) {
+  for (i64 j = 0; j < npad; j += L) {
     V v = load(x + j);
     vm = v > vm ? v : vm;
   }
-  return hmax(vm);
-}
-
-// Online softmax step on one row whose max is x_max: x (npad,) -> P = e^(x - m_new) in
-// place; updates the running max m and sum l; returns alpha = e^(m_old - m_new), the
-// factor for acc.
-template <typename A> inline A softmax_step(A* x, i64 npad, A x_max, A& m, A& l) {
-  using V = vec<A>;
-  constexpr int L = lanes<A>;
-  const A m_new = std::max(m, x_max);
+  const A m_new = std::max(m, hmax(vm));
   const A shift = m_new == NEG_INF ? A(0) : m_new;        // a row with no key yet: P = 0
   const V vs = splat(shift);
   V sum = splat(A(0));

@@ -252,7 +252,6 @@ void attend_item(const Args<A>& a, const T* q, const T* k, const T* v, const Ite
                  Buffers<A>& buf) {
   const i64 R = a.G * it.nr;
   const bool by_gemm = R >= 16;                            // brgemm pays off from 16 rows
-  const bool plain = plain_terms(a);
   std::fill(buf.acc.begin(), buf.acc.begin() + R * a.DVP, A(0));
   std::fill(buf.m.begin(), buf.m.begin() + R, A(NEG_INF));
   std::fill(buf.l.begin(), buf.l.begin() + R, A(0));
@@ -272,14 +271,8 @@ void attend_item(const Args<A>& a, const T* q, const T* k, const T* v, const Ite
     for (i64 r = 0; r < R; ++r) {                          // row r: head h, query qi
       const i64 h = it.kvh * a.G + r / it.nr, qi = it.q0 + r % it.nr;
       A* x = buf.s.data() + r * BK;
-      A x_max;
-      if (plain) {
-        x_max = plain_row(a, x, n, npad, qi, k0, kind == FULL);
-      } else {
-        score_terms(a, x, n, npad, it.b, h, qi, k0, kind == FULL);
-        x_max = row_max(x, npad);
-      }
-      const A alpha = softmax_step(x, npad, x_max, buf.m[r], buf.l[r]);
+      score_terms(a, x, n, npad, it.b, h, qi, k0, kind == FULL);
+      const A alpha = softmax_step(x, npad, buf.m[r], buf.l[r]);
       if (alpha != A(1)) {
         A* ar = buf.acc.data() + r * a.DVP;
         for (i64 d = 0; d < a.DVP; ++d) ar[d] *= alpha;
