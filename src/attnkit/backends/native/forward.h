@@ -133,8 +133,43 @@ void scores_gemm(const Args<A>& a, const T* kh, const Item& it, i64 k0, i64 n,
 constexpr i64 AHEAD = 16;  // rows prefetched ahead on the dot (decode) path: 12-16 measured best
                            // here (fp32 decode 0.69 of read bandwidth, 0.62 at 48)
 
-// S (R, BK) <- one dot product per (row, key); four keys at a time (four independent
-// accumulators), each K row read once for all R rows; the tile's V rows are prefetched.
+// The dot (decode) loops read rows of E: the K/V rows themselves when they have no padding
+// (E = T, converted lane by lane in registers, so a half-precision cache is read as such),
+// else rows converted and zero-padded into a buffer first (E = A).
+
+// S[r, u] (rows R, stride BK) <- q_r . k_u for four keys (four independent accumulators).
+template <typename A, typename E>
+inline void dot4(const A* q, i64 R, i64 DKP, const E* const (&kj)[4], A* s) {
+  using V = vec<A>;
+  for (i64 r = 0; r < R; ++r) {
+    const A* qr = q + r * DKP;
+    V s0 = splat(A(0)), s1 = s0, s2 = s0, s3 = s0;
+    for (i64 d = 0; d < DKP; d += lanes<A>) {
+      const V qd = load(qr + d);
+      s0 += qd * load_vec(kj[0] + d); s1 += qd * load_vec(kj[1] + d);
+      s2 += qd * load_vec(kj[2] + d); s3 += qd * load_vec(kj[3] + d);
+    }
+    A* sr = s + r * BK;
+    sr[0] = hsum(s0); sr[1] = hsum(s1); sr[2] = hsum(s2); sr[3] = hsum(s3);
+  }
+}
+
+// acc (R, DVP) += P[r, u] v_u for four keys.
+template <typename A, typename E>
+inline void axpy4(const A* p, i64 R, i64 DVP, const E* const (&vj)[4], A* acc) {
+  using V = vec<A>;
+  for (i64 r = 0; r < R; ++r) {
+    const A* pr = p + r * BK;
+    const V p0 = splat(pr[0]), p1 = splat(pr[1]), p2 = splat(pr[2]), p3 = splat(pr[3]);
+    A* ar = acc + r * DVP;
+    for (i64 d = 0; d < DVP; d += lanes<A>)
+      store(ar + d, load(ar + d) + p0 * load_vec(vj[0] + d) + p1 * load_vec(vj[1] + d)
+                                 + p2 * load_vec(vj[2] + d) + p3 * load_vec(vj[3] + d));
+  }
+}
+
+// S (R, BK) <- one dot product per (row, key), four keys at a time, each K row read once for
+// all R rows; the tile's V rows are prefetched.
 template <typename A, typename T>
 void scores_dot(const Args<A>& a, const T* kh, const T* vh, i64 k0, i64 n, i64 R,
                 Buffers<A>& buf) {
@@ -143,22 +178,18 @@ void scores_dot(const Args<A>& a, const T* kh, const T* vh, i64 k0, i64 n, i64 R
   A* tmp = buf.tmp4.data();                                // (4, DKP) converted K rows
   i64 j = 0;
   for (; j + 4 <= n; j += 4) {
-    const A* kj[4];
+    const T* src[4];
     for (int u = 0; u < 4; ++u) {
       if (k0 + j + u + AHEAD < a.Nk) prefetch_row(kh + (k0 + j + u + AHEAD) * a.sk[2], a.Dk);
       prefetch_row(vh + (k0 + j + u) * a.sv[2], a.Dv);     // this tile's V, used next
-      kj[u] = as_compute(kh + (k0 + j + u) * a.sk[2], tmp + u * a.DKP, a.Dk, a.DKP);
+      src[u] = kh + (k0 + j + u) * a.sk[2];
     }
-    for (i64 r = 0; r < R; ++r) {
-      const A* qr = buf.q.data() + r * a.DKP;
-      V s0 = splat(A(0)), s1 = s0, s2 = s0, s3 = s0;
-      for (i64 d = 0; d < a.DKP; d += L) {
-        const V qd = load(qr + d);
-        s0 += qd * load(kj[0] + d); s1 += qd * load(kj[1] + d);
-        s2 += qd * load(kj[2] + d); s3 += qd * load(kj[3] + d);
-      }
-      A* sr = buf.s.data() + r * BK + j;
-      sr[0] = hsum(s0); sr[1] = hsum(s1); sr[2] = hsum(s2); sr[3] = hsum(s3);
+    if (a.Dk == a.DKP) {
+      dot4(buf.q.data(), R, a.DKP, src, buf.s.data() + j);
+    } else {
+      const A* kj[4];
+      for (int u = 0; u < 4; ++u) kj[u] = as_compute(src[u], tmp + u * a.DKP, a.Dk, a.DKP);
+      dot4(buf.q.data(), R, a.DKP, kj, buf.s.data() + j);
     }
   }
   for (; j < n; ++j) {
@@ -191,7 +222,6 @@ inline void value_one(const Args<A>& a, const T* vh, i64 k0, i64 j, i64 R, Buffe
 // P are nonzero, else key by key (value_one).
 template <typename A, typename T>
 void values_axpy(const Args<A>& a, const T* vh, i64 k0, i64 n, i64 R, Buffers<A>& buf) {
-  using V = vec<A>;
   A* tmp = buf.tmp4.data();                                // (4, DVP) converted V rows
   i64 j = 0;
   for (; j + 4 <= n; j += 4) {
@@ -202,18 +232,17 @@ void values_axpy(const Args<A>& a, const T* vh, i64 k0, i64 n, i64 R, Buffers<A>
       for (int u = 0; u < 4; ++u) value_one(a, vh, k0, j + u, R, buf);
       continue;
     }
-    const A* vj[4];
+    const T* src[4];
     for (int u = 0; u < 4; ++u) {
       if (k0 + j + u + AHEAD < a.Nk) prefetch_row(vh + (k0 + j + u + AHEAD) * a.sv[2], a.Dv);
-      vj[u] = as_compute(vh + (k0 + j + u) * a.sv[2], tmp + u * a.DVP, a.Dv, a.DVP);
+      src[u] = vh + (k0 + j + u) * a.sv[2];
     }
-    for (i64 r = 0; r < R; ++r) {
-      const A* pr = buf.s.data() + r * BK + j;
-      const V p0 = splat(pr[0]), p1 = splat(pr[1]), p2 = splat(pr[2]), p3 = splat(pr[3]);
-      A* ar = buf.acc.data() + r * a.DVP;
-      for (i64 d = 0; d < a.DVP; d += lanes<A>)
-        store(ar + d, load(ar + d) + p0 * load(vj[0] + d) + p1 * load(vj[1] + d)
-                                   + p2 * load(vj[2] + d) + p3 * load(vj[3] + d));
+    if (a.Dv == a.DVP) {
+      axpy4(buf.s.data() + j, R, a.DVP, src, buf.acc.data());
+    } else {
+      const A* vj[4];
+      for (int u = 0; u < 4; ++u) vj[u] = as_compute(src[u], tmp + u * a.DVP, a.Dv, a.DVP);
+      axpy4(buf.s.data() + j, R, a.DVP, vj, buf.acc.data());
     }
   }
   for (; j < n; ++j) value_one(a, vh, k0, j, R, buf);
