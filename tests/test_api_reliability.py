@@ -436,6 +436,28 @@ def test_score_mod_non_finite_results_behave_like_the_reference(backend):
     assert torch.isfinite(g).all() and (g[:, :, 1] == 0).all()
 
 
+@pytest.mark.parametrize("grad", [False, True])
+def test_nan_value_behind_a_score_mod_minus_inf_reaches_the_output(backend, grad):
+    """A score_mod's −∞ is a score, not a mask: a NaN V row it weights 0 still gives NaN
+    (0·NaN, as the formula, torch and FlexAttention do), with or without autograd — the
+    native kernel skips P == 0, so the API checks K/V up front; a mask removes the row."""
+    q, k, v = randn(1, 2, 6, 8), randn(1, 2, 6, 8), randn(1, 2, 6, 3)
+    v[0, 0, 4] = torch.nan
+
+    def drop_key_4(s, b, h, qi, ki):  # noqa: ANN001, ANN202
+        return torch.where(ki == 4, torch.full_like(s, -torch.inf), s)
+
+    qq = q.clone().requires_grad_(grad)
+    skip_unless_supported(backend, qq, k, v, score_mod=drop_key_4)
+    out = ak.attention(qq, k, v, score_mod=drop_key_4, backend=backend)
+    ref = ak.attention(q, k, v, score_mod=drop_key_4, backend="reference")
+    assert out[:, 0].isnan().all() and ref[:, 0].isnan().all()
+    assert torch.isfinite(out[:, 1]).all()
+    masked = ak.attention(qq, k, v, mask=ak.masks.from_fn(lambda b, h, qi, ki: ki != 4),
+                          backend=backend)
+    assert torch.isfinite(masked).all()
+
+
 def test_mask_larger_than_the_logits_is_refused_clearly():
     """A (2, …) mask for batch 1 used to pass the broadcast check and fail in a raw expand."""
     q = randn(1, 2, 3, 4)

@@ -37,6 +37,9 @@ Caution
 - NaN/inf in K or V rows: rows no query may attend to never reach the output. A query that
   *does* attend to such a row gets NaN (the honest answer). Finding those queries after the
   fact evaluates the mask densely (O(N_q·N_k) bools) — only on calls whose K/V hold NaN/inf.
+  "May attend" is the mask's word: a score_mod's −∞ is a score (weight 0, and 0·NaN is NaN,
+  as in the formula, torch and FlexAttention), so remove keys with a mask
+  (``masks.from_fn``), not a score_mod; under a Python score_mod K/V are checked up front.
 - ``dropout_p`` is applied whenever it is > 0 (as in torch SDPA); modules pass 0 in eval mode.
 - A user ``score_mod`` is probed once per call (a few hundred µs on CPU; the choice is cached
   per function object) — see :mod:`attnkit.scores`.
@@ -397,6 +400,12 @@ def _bad_kv_rows(p: Problem) -> torch.Tensor:
     return bad.expand(p.batch, *bad.shape[1:])
 
 
+def _python_score_mod(p: Problem) -> bool:
+    """A score_mod given as Python code (no spec: not ALiBi or a relative-bias table, whose
+    terms are finite)."""
+    return p.score_mod is not None and getattr(p.score_mod, "spec", None) is None
+
+
 def _run(p: Problem, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     if _is_empty(p):
         return _empty_result(p)
@@ -412,8 +421,11 @@ def _run(p: Problem, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
         return out[..., :p.d_v], lse
     chosen = _backends.select(p, backend)
     # Non-finite K/V rows must not leak through zero weights (0·NaN = NaN). Checking up front
-    # costs one read of K and V; without autograd we only check when the output shows it.
-    bad = _bad_kv_rows(p) if p.requires_grad else None
+    # costs one read of K and V; without autograd we only check when the output shows it —
+    # except under a Python score_mod: its −∞ is a score, not a mask (a key it removes still
+    # passes NaN on, as in the formula), and a kernel that skips P == 0 would hide that.
+    up_front = p.requires_grad or _python_score_mod(p)
+    bad = _bad_kv_rows(p) if up_front else None
     if bad is None or not bad.any():
         out, lse = chosen.forward(p)
         # one-pass screen: NaN/inf anywhere make the sum non-finite (an overflowing sum of
