@@ -14,8 +14,9 @@ Columns: median time of the case's runs; ``speedup (>1 = attnkit faster)`` = pee
 attnkit time; ``eff`` = useful FLOPs ÷ time ÷ the sgemm FLOP/s measured in this same case
 (decode: bytes of K and V read ÷ time ÷ the read bandwidth measured in it, ``bw``);
 ``peak MB`` = peak resident memory during the call beyond what was resident before it (RSS
-sampled every 0.5 ms; large allocations are returned to the OS at once); ``peer`` names what
-the row ran. Progress (case i of n, elapsed, time left) goes to stderr. At the end: the
+sampled every 0.5 ms in one more, untimed run, during which large allocations are returned
+to the OS at once; the timed runs reuse them, as a long-running process does); ``peer``
+names what the row ran. Progress (case i of n, elapsed, time left) goes to stderr. At the end: the
 **noise verdict** (:func:`noise`, from the yardsticks interleaved with every case), the
 targets met or missed, and on request ``--json PATH`` (one flat record per case and
 implementation) and ``--plot OUT.png``.
@@ -68,13 +69,23 @@ _SPEED_W = 29
 
 
 # ---------------------------------------------------------------------------- measuring
-def _limit_malloc_caching() -> None:
-    """Make glibc return big blocks to the OS at once, so RSS follows live memory."""
+def _malloc_for(peak: bool) -> None:
+    """glibc's big-block policy for the next runs. ``peak``: every block of 64 KiB or more is
+    its own mapping, returned to the OS when freed, and the heap's free pages are returned
+    now, so RSS follows live memory (the peak column). Else the state a long-running
+    process reaches by itself (glibc raises its thresholds as big blocks are freed): blocks
+    up to 32 MiB are reused, not mapped afresh, so the timed runs do not pay a page fault
+    per page of every buffer (that cost attnkit's sliding-window call ~10%, and hit every
+    implementation)."""
     try:
         libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 1 << 16)          # M_MMAP_THRESHOLD = 64 KiB (fixed, not adaptive)
     except OSError:
-        pass
+        return
+    mmap_threshold, trim_threshold = (1 << 16, 1 << 17) if peak else (32 << 20, 64 << 20)
+    libc.mallopt(-3, mmap_threshold)       # M_MMAP_THRESHOLD (fixed from now on)
+    libc.mallopt(-1, trim_threshold)       # M_TRIM_THRESHOLD
+    if peak:
+        libc.malloc_trim(0)                # free heap pages back too: reusing one shows in RSS
 
 
 def _rss() -> int:
@@ -114,25 +125,32 @@ class Timing:
     runs: int
 
 
-def _time_once(fn: Callable[[], object], peak: bool = False) -> tuple[float, float]:
-    """(wall seconds, peak RSS above the start in MB — only when ``peak``) of one call."""
-    if not peak:
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0, 0.0
-    with _PeakRSS() as pk:
-        t0 = time.perf_counter()
-        fn()
-        t = time.perf_counter() - t0
-    return t, pk.extra_mb
+def _time_once(fn: Callable[[], object]) -> float:
+    """Wall seconds of one call."""
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _peak_once(fn: Callable[[], object]) -> float:
+    """Peak RSS above the start (MB) of one call, not timed: the RSS sampling thread and the
+    page faults of fresh mappings would slow it."""
+    _malloc_for(peak=True)
+    try:
+        with _PeakRSS() as pk:
+            fn()
+    finally:
+        _malloc_for(peak=False)
+    return pk.extra_mb
 
 
 def measure(fn: Callable[[], object], repeat: int, warmup: int = 1) -> Timing:
-    """Median wall time of ``repeat`` runs after ``warmup``; peak extra RSS of the first run."""
+    """Median wall time of ``repeat`` runs after ``warmup``, and the peak extra RSS of one
+    more (untimed) run."""
     for _ in range(warmup):
         fn()
-    runs = [_time_once(fn, i == 0) for i in range(repeat)]
-    return Timing(statistics.median(t for t, _ in runs), runs[0][1], repeat)
+    runs = [_time_once(fn) for _ in range(repeat)]
+    return Timing(statistics.median(runs), _peak_once(fn), repeat)
 
 
 def sgemm_flops(n: int = 2048, repeat: int = 5) -> float:
@@ -359,13 +377,11 @@ def run_case(c: Case, bw: float, flex: tuple[Callable | None, str],
         t0 = time.perf_counter()
         fn_()                                              # warm-up (compiles, if it does)
         first[name] = time.perf_counter() - t0
+    peaks = {name: _peak_once(fn_) for name, fn_ in impls.items()}  # one untimed run each
     per: dict[str, list[float]] = {n: [] for n in impls}
-    peaks: dict[str, float] = {}
-    for r in range(c.repeat):
+    for _ in range(c.repeat):
         for name, fn_ in impls.items():
-            t, pk = _time_once(fn_, r == 0)
-            per[name].append(t)
-            peaks[name] = max(peaks.get(name, 0.0), pk)
+            per[name].append(_time_once(fn_))
     timings = {n: Timing(statistics.median(per[n]), peaks[n], c.repeat) for n in impls}
     flops_s = 2 * n_g**3 / timings.pop("_sgemm").median_s
     c.results["sgemm_samples"] = [2 * n_g**3 / t for t in per["_sgemm"]]
@@ -636,7 +652,7 @@ def run_cli(argv: list[str]) -> int:
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
-    _limit_malloc_caching()
+    _malloc_for(peak=False)
     t_start = time.perf_counter()
     date = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
     print(f"attnkit bench{' --quick' if args.quick else ''} — {date}")
