@@ -458,6 +458,23 @@ def test_nan_value_behind_a_score_mod_minus_inf_reaches_the_output(backend, grad
     assert torch.isfinite(masked).all()
 
 
+def test_kv_checked_up_front_only_under_a_python_score_mod(monkeypatch):
+    """The up-front K/V read is for Python score_mods (their −∞ can hide a NaN V row from a
+    kernel that skips P == 0); ALiBi and relative-bias tables are finite and skip it."""
+    from attnkit import api
+    from attnkit.scores import alibi, relative_bias
+
+    calls = []
+    real = api._bad_kv_rows
+    monkeypatch.setattr(api, "_bad_kv_rows", lambda p: calls.append(1) or real(p))
+    q = randn(1, 2, 8, 4)
+    for mod, expected in ((None, 0), (alibi(2), 0), (relative_bias(torch.zeros(2, 7), 3), 0),
+                          (lambda s, b, h, qi, ki: s * 2, 1)):
+        calls.clear()
+        ak.attention(q, q, q, score_mod=mod)
+        assert len(calls) == expected, mod
+
+
 def test_mask_larger_than_the_logits_is_refused_clearly():
     """A (2, …) mask for batch 1 used to pass the broadcast check and fail in a raw expand."""
     q = randn(1, 2, 3, 4)

@@ -403,7 +403,8 @@ def _bad_kv_rows(p: Problem) -> torch.Tensor:
 def _python_score_mod(p: Problem) -> bool:
     """A score_mod given as Python code (no spec: not ALiBi or a relative-bias table, whose
     terms are finite)."""
-    return p.score_mod is not None and getattr(p.score_mod, "spec", None) is None
+    fn = getattr(p.score_mod, "__wrapped__", p.score_mod)     # checked_score_mod's wrapper
+    return fn is not None and getattr(fn, "spec", None) is None
 
 
 def _run(p: Problem, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
