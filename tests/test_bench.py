@@ -159,3 +159,32 @@ def test_plot_without_matplotlib_names_the_extra(monkeypatch, capsys, tmp_path):
 def test_output_folder_must_exist(capsys, tmp_path):
     assert bench.run_cli(["--tiny", "--json", str(tmp_path / "no" / "b.json")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_peak_memory_run_is_apart_and_restores_the_timing_policy(monkeypatch):
+    """The peak column comes from one untimed run under the RSS-following malloc policy; the
+    timed runs go back to the warmed-up one (a fresh mapping per buffer slowed them)."""
+    modes = []
+    monkeypatch.setattr(bench, "_malloc_for", lambda peak: modes.append(peak))
+    big = []
+    assert bench._peak_once(lambda: big.append(bytearray(64 << 20))) >= 0.0
+    assert modes == [True, False]
+    modes.clear()
+    t = bench.measure(lambda: None, repeat=3)
+    assert t.runs == 3 and modes == [True, False]
+
+
+def test_ab_trees_needs_two_source_trees(tmp_path):
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "ab_trees.py"
+    one = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True,
+                         text=True)
+    assert one.returncode == 2 and "two source trees" in one.stderr
+    two = subprocess.run([sys.executable, str(script), str(tmp_path), str(tmp_path)],
+                         capture_output=True, text=True)
+    assert two.returncode == 2 and "has no src/attnkit" in two.stderr
+    bad = subprocess.run([sys.executable, str(script), "a", "b", "--cases", "nope"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown case(s) nope" in bad.stderr
