@@ -468,11 +468,30 @@ def test_kv_checked_up_front_only_under_a_python_score_mod(monkeypatch):
     real = api._bad_kv_rows
     monkeypatch.setattr(api, "_bad_kv_rows", lambda p: calls.append(1) or real(p))
     q = randn(1, 2, 8, 4)
-    for mod, expected in ((None, 0), (alibi(2), 0), (relative_bias(torch.zeros(2, 7), 3), 0),
-                          (lambda s, b, h, qi, ki: s * 2, 1)):
+    table = torch.zeros(2, 7)
+    minus_inf = table.clone()
+    minus_inf[:, 0] = -torch.inf                            # a table may remove keys too
+    for mod, expected in ((None, 0), (alibi(2), 0), (relative_bias(table, 3), 0),
+                          (relative_bias(minus_inf, 3), 1), (lambda s, b, h, qi, ki: s * 2, 1)):
         calls.clear()
         ak.attention(q, q, q, score_mod=mod)
         assert len(calls) == expected, mod
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_nan_value_behind_a_minus_inf_table_entry_reaches_the_output(grad):
+    """A relative-bias table entry of −∞ is a score too: the NaN V row it weights 0 gives
+    NaN with and without autograd, as the reference does."""
+    from attnkit.scores import relative_bias
+
+    q, k, v = randn(1, 2, 4, 4), randn(1, 2, 8, 4), randn(1, 2, 8, 3)
+    v[0, :, 7] = torch.nan
+    table = torch.zeros(2, 3)
+    table[:, 2] = -torch.inf                                # kv - q >= 1: key 7 for every q
+    qq = q.clone().requires_grad_(grad)
+    out = ak.attention(qq, k, v, score_mod=relative_bias(table, 1))
+    ref = ak.attention(q, k, v, score_mod=relative_bias(table, 1), backend="reference")
+    assert torch.equal(out.isnan(), ref.isnan()) and ref.isnan().all()
 
 
 def test_mask_larger_than_the_logits_is_refused_clearly():

@@ -401,10 +401,16 @@ def _bad_kv_rows(p: Problem) -> torch.Tensor:
 
 
 def _python_score_mod(p: Problem) -> bool:
-    """A score_mod given as Python code (no spec: not ALiBi or a relative-bias table, whose
-    terms are finite)."""
+    """A score_mod that may score a key −∞: Python code, or an ALiBi / relative-bias term
+    whose slopes or table (a few hundred numbers) hold a non-finite value."""
     fn = getattr(p.score_mod, "__wrapped__", p.score_mod)     # checked_score_mod's wrapper
-    return fn is not None and getattr(fn, "spec", None) is None
+    if fn is None:
+        return False
+    spec = getattr(fn, "spec", None)
+    data = getattr(spec, "slopes", None) if spec is not None else None
+    if data is None and spec is not None:
+        data = getattr(spec, "table", None)
+    return data is None or not bool(torch.isfinite(data.detach()).all())
 
 
 def _run(p: Problem, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
