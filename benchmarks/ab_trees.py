@@ -10,7 +10,9 @@ yardstick), and prints the medians. Compare the two trees' lines round by round.
 
 Cases (float32, B=1, H=8, D=64 unless noted): ``sliding`` (window 512, N=8192, forward),
 ``dense`` / ``causal`` (N=4096, forward), ``decode`` (1 query over 32768 keys, D=128; also
-a bfloat16 cache), ``alibi`` (causal N=4096 forward with ALiBi).
+a bfloat16 cache), ``alibi`` (causal N=4096 forward with ALiBi), ``sliding_bwd`` /
+``causal_bwd`` (forward + backward: window 512 at N=8192, causal at N=2048; useful FLOPs
+counted as 3.5× the forward's).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import subprocess
 import sys
 import time
 
-CASES = ("sliding", "dense", "causal", "alibi", "decode")
+CASES = ("sliding", "dense", "causal", "alibi", "decode", "sliding_bwd", "causal_bwd")
 
 
 def one_process(cases: list[str], reps: int) -> None:
@@ -54,6 +56,17 @@ def one_process(cases: list[str], reps: int) -> None:
             runs[c] = (lambda q=q, k=k, v=v, m=m, sm=sm: ak.attention(q, k, v, mask=m,
                                                                        score_mod=sm),
                        4.0 * 8 * 64 * pairs, "flop")
+        elif c in ("sliding_bwd", "causal_bwd"):
+            n = 8192 if c == "sliding_bwd" else 2048
+            q, k, v = (t.requires_grad_() for t in qkv(n))
+            m = ak.masks.sliding_window(512) if c == "sliding_bwd" else ak.masks.causal()
+            go = torch.randn(1, 8, n, 64)
+
+            def fwd_bwd(q=q, k=k, v=v, m=m, go=go) -> None:
+                with torch.enable_grad():
+                    ak.attention(q, k, v, mask=m).backward(go)
+            work = 3.5 * 4.0 * 8 * 64 * (1 - m.sparsity(n, n)) * n * n
+            runs[c] = (fwd_bwd, work, "flop")
         elif c == "decode":
             q, k, v = qkv(32768, 128, nq=1)
             kb, vb, qb = k.bfloat16(), v.bfloat16(), q.bfloat16()

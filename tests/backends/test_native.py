@@ -164,6 +164,19 @@ def test_band_edge_tiles_by_sub_blocks(band: tuple[float, float], terms: str,
         check(q, k, v, dtype, allowed=allowed, oracle_opts=oo, band=band, block_q=rows, **opts)
 
 
+@needs_native
+@pytest.mark.parametrize("band", [(-0.5, 0.5), (0.0, 31.5), (-7.25, 40.75)])
+def test_band_bounds_need_not_be_whole(band: tuple[float, float]) -> None:
+    """lo <= q - k <= hi with fractional bounds: the kernel rounds them inwards (it used to
+    truncate the lower key bound, letting in one key too many)."""
+    q, k, v = qkv(1, 2, 2, 200, 230, 32)
+    d = torch.arange(200)[:, None] - torch.arange(230)[None, :]
+    allowed = (d >= band[0]) & (d <= band[1])
+    for rows in (8, 64):                                    # dot-product and brgemm paths
+        check(q, k, v, allowed=allowed, band=band, block_q=rows)
+    check_grads(q, k, v, torch.float32, allowed=allowed, band=band)
+
+
 # ---------------------------------------------------------------------------- score terms
 @needs_native
 @pytest.mark.parametrize("cap", [1.0, 30.0, 1e4, 1e8])
@@ -427,6 +440,25 @@ def test_gradients_with_score_terms_and_masks(dtype: torch.dtype) -> None:
     check_grads(q, k, v, dtype, oracle_opts={"bias": bias}, bias=bias)
     ids, kids = torch.arange(130) // 40, torch.arange(150) // 50
     check_grads(q, k, v, dtype, allowed=ids[:, None] == kids, doc_ids=ids, kv_doc_ids=kids)
+
+
+@needs_native
+@pytest.mark.parametrize("band", [(0, 49), (-45, 45), (-(350 - 300), math.inf), (3, 200)])
+def test_gradients_by_band_sub_blocks(band: tuple[float, float]) -> None:
+    """The backward's GEMMs also run a band's edge tiles as 32-key sub-blocks over the rows
+    that see them: dQ, dK, dV (and the ALiBi / soft-cap chain rule) against float64."""
+    q, k, v = qkv(1, 4, 2, 300, 350, 64)
+    d = torch.arange(300)[:, None] - torch.arange(350)[None, :]
+    allowed = (d >= band[0]) & (d <= band[1])
+    check_grads(q, k, v, torch.float32, allowed=allowed, band=band)
+    check_grads(q, k, v, torch.float32, allowed=allowed, oracle_opts={"softcap": 4.0},
+                softcap=4.0, band=band)
+    check_grads(q, k, v, torch.float32, allowed=allowed, oracle_opts={"score_mod": alibi(4)},
+                alibi_slopes=alibi_slopes(4), band=band)
+    kvl = torch.tensor([333])                               # NaN past the padding
+    nan_rows = (torch.arange(350) >= 333).expand(1, 2, 350)
+    check_grads(q, k, v, torch.float32, allowed=allowed & (torch.arange(350) < 333),
+                kv_nan=nan_rows, band=band, kv_lengths=kvl)
 
 
 @needs_native

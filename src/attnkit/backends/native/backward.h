@@ -74,8 +74,19 @@ void backward_tile(const Args<A>& a, const T* q, const T* dout, const i64* sdo, 
     row_to_compute(dout + it.b * sdo[0] + h * sdo[1] + qi * sdo[2],
                    bb.dout.data() + i * a.DVP, a.Dv, a.DVP);
   }
-  gemm(nq, n, a.Dk, a.DKP, BK, BK, false, bb.q.data(), bb.kt.data(), bb.s.data());
-  gemm(nq, n, a.Dv, a.DVP, BK, BK, false, bb.dout.data(), bb.vt.data(), bb.dp.data());
+  // S, dP by the band's sub-blocks (rows a sub-block skips: S = dP = 0, masked below)
+  Sub subs[BK / SUB];
+  const int count = tile_subs(a, it, k0, n, full ? FULL : PARTIAL, subs);
+  if (count > 1) {
+    zero_skipped(subs, count, 1, nq, bb.s.data());
+    zero_skipped(subs, count, 1, nq, bb.dp.data());
+  }
+  for_each_block(subs, count, 1, nq, [&](i64 r0, i64 m, i64 j0, i64 nj) {
+    gemm(m, nj, a.Dk, a.DKP, BK, BK, false, bb.q.data() + r0 * a.DKP, bb.kt.data() + j0,
+         bb.s.data() + r0 * BK + j0);
+    gemm(m, nj, a.Dv, a.DVP, BK, BK, false, bb.dout.data() + r0 * a.DVP, bb.vt.data() + j0,
+         bb.dp.data() + r0 * BK + j0);
+  });
   for (i64 i = 0; i < nq; ++i) {                           // P and dS, row by row
     const i64 qi = it.q0 + i, flat = (it.b * a.Hq + h) * a.Nq + qi;
     A *x = bb.s.data() + i * BK, *f = bb.fac.data() + i * BK, *dp = bb.dp.data() + i * BK;
@@ -130,12 +141,21 @@ void backward_tile(const Args<A>& a, const T* q, const T* dout, const i64* sdo, 
     const i64 off = k0 - qi + a.rel_M;                     // bucket of key j = off + j
     for (i64 j = jl; j < jh; ++j) dt[off + j] += f[j];
   }
+  // dV += Pᵀ dO, dK += dSᵀ Q, dQ += dS K, each over the sub-blocks' rows only (P = dS = 0
+  // on the rows a sub-block skips)
   transpose(bb.s.data(), nq, n, BK, bb.pt.data(), BQ);     // Pᵀ (n, nq)
-  gemm(n, a.Dv, nq, BQ, a.DVP, a.DVP, true, bb.pt.data(), bb.dout.data(), bb.dv.data());
+  for_each_block(subs, count, 1, nq, [&](i64 r0, i64 m, i64 j0, i64 nj) {
+    gemm(nj, a.Dv, m, BQ, a.DVP, a.DVP, true, bb.pt.data() + j0 * BQ + r0,
+         bb.dout.data() + r0 * a.DVP, bb.dv.data() + j0 * a.DVP);
+  });
   transpose(bb.dp.data(), nq, n, BK, bb.pt.data(), BQ);    // dSᵀ (n, nq)
-  gemm(n, a.Dk, nq, BQ, a.DKP, a.DKP, true, bb.pt.data(), bb.q.data(), bb.dk.data());
   A* dq_rows = dq + ((it.b * a.Hq + h) * a.Nq + it.q0) * a.DKP;
-  gemm(nq, a.Dk, n, BK, a.DKP, a.DKP, true, bb.dp.data(), bb.kb.data(), dq_rows);
+  for_each_block(subs, count, 1, nq, [&](i64 r0, i64 m, i64 j0, i64 nj) {
+    gemm(nj, a.Dk, m, BQ, a.DKP, a.DKP, true, bb.pt.data() + j0 * BQ + r0,
+         bb.q.data() + r0 * a.DKP, bb.dk.data() + j0 * a.DKP);
+    gemm(m, a.Dk, nj, BK, a.DKP, a.DKP, true, bb.dp.data() + r0 * BK + j0,
+         bb.kb.data() + j0 * a.DKP, dq_rows + r0 * a.DKP);
+  });
 }
 
 // dq, dk, dv (contiguous, dtype T) of the whole call; dtab (H_q, 2M+1) in A when a.rel,

@@ -370,6 +370,60 @@ inline TileKind classify(const Args<A>& a, const Item& it, i64 k0, i64 n) {
   return full ? FULL : PARTIAL;
 }
 
+// ------------------------------------------------------------------ a band's edge tiles
+// A band's edge tile is a triangle: its keys are seen by fewer and fewer rows. Split into
+// sub-blocks of SUB keys, each GEMM covers only the rows that see one of its keys.
+constexpr int SUB = 32;
+
+// Keys [k0 + j0, + n) of a tile, seen by rows [r0, r1) of each head of the item.
+struct Sub { i64 j0, n, r0, r1; };
+
+// The sub-blocks of tile [k0, k0 + n) and how many (one covering all rows when the tile is
+// full, or when the band cuts none of its sub-blocks' rows).
+template <typename A>
+inline int tile_subs(const Args<A>& a, const Item& it, i64 k0, i64 n, TileKind kind,
+                     Sub (&subs)[BK / SUB]) {
+  subs[0] = Sub{0, n, 0, it.nr};
+  if (kind == FULL) return 1;
+  int count = 0;
+  bool cut = false;
+  for (i64 j0 = 0; j0 < n; j0 += SUB) {                    // row q sees key c if lo <= q - c <= hi
+    const i64 c0 = k0 + j0, c1 = std::min(k0 + n, c0 + SUB);
+    const double lo = std::ceil(double(c0) + a.band_lo) - double(it.q0);
+    const double hi = std::floor(double(c1 - 1) + a.band_hi) - double(it.q0) + 1.0;
+    const i64 r0 = i64(std::clamp(lo, 0.0, double(it.nr)));
+    const i64 r1 = std::max(r0, i64(std::clamp(hi, 0.0, double(it.nr))));
+    cut = cut || r0 > 0 || r1 < it.nr;
+    subs[count++] = Sub{j0, c1 - c0, r0, r1};
+  }
+  if (!cut) {
+    subs[0] = Sub{0, n, 0, it.nr};
+    return 1;
+  }
+  return count;
+}
+
+// Calls f(row0, rows, j0, nj) for each GEMM a tile's sub-blocks make: one over all R rows
+// when a single sub-block covers every row, else one per (sub-block, head).
+template <typename F>
+inline void for_each_block(const Sub* subs, int count, i64 G, i64 nr, F f) {
+  if (count == 1 && subs[0].r0 == 0 && subs[0].r1 == nr) return f(0, G * nr, 0, subs[0].n);
+  for (int s = 0; s < count; ++s)
+    for (i64 g = 0; g < G; ++g)
+      if (subs[s].r1 > subs[s].r0) f(g * nr + subs[s].r0, subs[s].r1 - subs[s].r0, subs[s].j0,
+                                     subs[s].n);
+}
+
+// The zero scores of the rows a sub-block skips (they are out of the band, masked later).
+template <typename A>
+inline void zero_skipped(const Sub* subs, int count, i64 G, i64 nr, A* s) {
+  for (int b = 0; b < count; ++b)
+    for (i64 g = 0; g < G; ++g)
+      for (i64 i = 0; i < nr; ++i)
+        if (i < subs[b].r0 || i >= subs[b].r1)
+          std::fill_n(s + (g * nr + i) * BK + subs[b].j0, subs[b].n, A(0));
+}
+
 // ------------------------------------------------------------------ the fused row pass
 // x (npad,) <- x * scale, soft-capped: c * tanh(x * scale / c). With fac, also the
 // derivative d(capped)/d(score) per key, scale * (1 - tanh^2) (the backward's chain rule).
@@ -422,12 +476,12 @@ inline void relative_bias_add(const Args<A>& a, A* x, i64 n, i64 h, i64 qi, i64 
 }
 
 // The band's keys of row qi within the tile [k0, k0+n): [jb, je), the row's allowed keys
-// being [qi - hi, qi - lo].
+// being [qi - hi, qi - lo] (bounds need not be whole: ceil and floor them).
 template <typename A>
 inline void band_keys(const Args<A>& a, i64 n, i64 qi, i64 k0, i64& jb, i64& je) {
   const double lo_k = double(qi) - a.band_hi - double(k0);
   const double hi_k = double(qi) - a.band_lo - double(k0);
-  jb = i64(std::clamp(lo_k, 0.0, double(n)));
+  jb = i64(std::clamp(std::ceil(lo_k), 0.0, double(n)));
   je = std::max(jb, i64(std::clamp(std::floor(hi_k) + 1.0, 0.0, double(n))));
 }
 
