@@ -359,6 +359,52 @@ def test_failed_build_warns_once_and_says_why(tmp_path) -> None:  # noqa: ANN001
     assert "compiling the native CPU kernel" in run.stderr
 
 
+_OTHER_LEVEL = """
+import json, sys, torch
+from attnkit.backends.native import loader
+level = sys.argv[1]
+loader.cpu_flags = lambda: (level, {"avx2": ["-mavx2", "-mfma", "-mf16c"], "portable": []}[level])
+import attnkit as ak
+from attnkit.backends import native
+assert native.available(), native.why_unavailable()
+torch.manual_seed(0)
+worst = {}
+for dt in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+    for nq, nk, d, band in ((1, 700, 64, None), (2, 300, 40, None), (150, 300, 64, (0, 40))):
+        q = torch.randn(1, 4, nq, d)
+        k, v = torch.randn(1, 2, nk, d), torch.randn(1, 2, nk, d)
+        q, k, v = q.to(dt), k.to(dt), v.to(dt)
+        with torch.no_grad():
+            out, _ = native.forward(q, k, v, **({"band": band} if band else {}))
+        s = (q.double() @ k.double().repeat_interleave(2, 1).transpose(-1, -2)) * d ** -0.5
+        if band:
+            dd = torch.arange(nq)[:, None] - torch.arange(nk)[None, :]
+            s = s.masked_fill(~((dd >= band[0]) & (dd <= band[1])), -torch.inf)
+        ref = torch.softmax(s, -1) @ v.double().repeat_interleave(2, 1)
+        worst[str(dt)] = max(worst.get(str(dt), 0.0), (out.double() - ref).abs().max().item())
+print(json.dumps(worst))
+"""
+
+
+@pytest.mark.parametrize("level", ["avx2", "portable"])
+def test_narrower_vector_levels_build_and_agree(level: str, tmp_path) -> None:  # noqa: ANN001
+    """The kernel built for AVX2 (8 float lanes, F16C) and with no vector flags (4 lanes,
+    scalar half conversion) — the `#if` branches this CPU's own build never takes — against
+    the float64 formula, every dtype, decode and a band (a fresh process and cache each)."""
+    if loader._compiler() is None:  # noqa: SLF001
+        pytest.skip("no C++ compiler here")
+    if loader.cpu_flags()[0] == "portable" and level == "avx2":
+        pytest.skip("this CPU cannot run an AVX2 build")
+    env = {**os.environ, "ATTNKIT_CACHE_DIR": str(tmp_path)}
+    env.pop("ATTNKIT_NATIVE", None)
+    run = subprocess.run([sys.executable, "-c", _OTHER_LEVEL, level], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    worst = json.loads(run.stdout.strip().splitlines()[-1])
+    assert worst["torch.float64"] < 1e-12 and worst["torch.float32"] < 1e-5
+    assert worst["torch.bfloat16"] < 0.05 and worst["torch.float16"] < 5e-3, worst
+
+
 def test_no_compiler(fresh_loader, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CXX", "/nonexistent/c++")
     with warnings.catch_warnings(record=True) as w:
