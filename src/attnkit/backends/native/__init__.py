@@ -7,7 +7,9 @@ query heads of a GQA group at once (brgemm, or one dot product per key for a han
 rows), then ONE pass over the tile for scale, soft-cap, ALiBi (or a relative-bias table, or
 a compiled Python score_mod), an additive bias and the mask, an online softmax, and P·V.
 Band, padding and document masks are computed in closed form (tiles they empty are skipped,
-tiles they fill skip the mask); any other mask is a dense bool tensor. Decoding (a few
+tiles they fill skip the mask, and a band's edge tiles run their GEMMs as 32-key sub-blocks
+over only the rows that see them, forward and backward); any other mask is a dense bool
+tensor. Decoding (a few
 queries over a long cache) splits the keys across cores and merges the splits by LSE; K/V
 in float16/bfloat16 are read as such and converted in registers.
 
