@@ -65,7 +65,7 @@ Caution
   score terms, the softmax, the LSE and the gradients too) with the C library's exp / tanh
   per lane and plain-loop GEMMs: exact to float64 rounding, but several times slower than
   float32 (it is there for gradcheck and float64 reference work).
-- The first call in a fresh environment compiles the kernel (~10 s of one core on a quiet
+- The first call in a fresh environment compiles the kernel (~15 s of one core on a quiet
   machine, up to ~40 s on a loaded one; see ``loader``); later processes load the cached
   build. ``ATTNKIT_NATIVE=0`` turns the kernel off.
 - ALiBi reaches :func:`forward_problem` as ``scores.alibi(H_q)`` or as any score_mod that

@@ -17,7 +17,7 @@ is a choice, not a problem).
 
 Caution
 -------
-- The first build takes about 10 s of one core (``attention.cpp`` is one translation unit
+- The first build takes about 15 s of one core (``attention.cpp`` is one translation unit
   that includes only ATen's core headers, ``ATen/native/CPUBlas.h`` and ``torch/library.h``).
   It prints one line when it starts and one with the time it took, on stderr.
 - Builds of concurrent processes are serialised by torch's lock file in the build folder.
@@ -159,7 +159,7 @@ def _build() -> object:
     first = not (folder / f"{name}.so").exists()
     if first:
         print(f"attnkit: compiling the native CPU kernel ({level}) into {folder} "
-              "(first use only, ~10 s)...", file=sys.stderr, flush=True)
+              "(first use only, ~15 s)...", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     env_cxx = os.environ.get("CXX")
     os.environ["CXX"] = compiler
