@@ -83,6 +83,24 @@ def test_low_precision_within_twice_naive(dtype: torch.dtype, nq: int, nk: int) 
 
 
 @needs_native
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("d", [64, 36])
+def test_decode_reads_a_cache_view_in_its_own_dtype(dtype: torch.dtype, d: int) -> None:
+    """Decode over the first n rows of a preallocated (B, H, max_len, D) cache: rows of the
+    view are read as they are (D = 64: in registers, no padding; D = 36: widened and padded
+    into a buffer first), within 2x of the naive formula in that dtype."""
+    cache_k = torch.randn(1, 2, 1500, d).to(dtype)          # in the cache's dtype, so the
+    cache_v = torch.randn(1, 2, 1500, d).to(dtype)          # view reaches the kernel as is
+    cache_k[:, :, 1111:] = math.nan                         # beyond n: never read
+    q = torch.randn(1, 8, 2, d, dtype=torch.float64)
+    k, v = cache_k[:, :, :1111], cache_v[:, :, :1111]
+    assert not k.is_contiguous() and k.to(dtype) is k
+    allowed = torch.ones(2, 1111, dtype=torch.bool).tril(1111 - 2)
+    out, _ = check(q, k, v, dtype, allowed=allowed, band=(-(1111 - 2), math.inf), block_q=2)
+    assert torch.isfinite(out).all()
+
+
+@needs_native
 def test_non_contiguous_inputs() -> None:
     q, k, v = (t.transpose(1, 2) for t in (torch.randn(1, 97, 4, 64, dtype=torch.float64),
                                            torch.randn(1, 113, 2, 64, dtype=torch.float64),
