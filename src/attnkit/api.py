@@ -400,16 +400,14 @@ def _bad_kv_rows(p: Problem) -> torch.Tensor:
     return bad.expand(p.batch, *bad.shape[1:])
 
 
-def _python_score_mod(p: Problem) -> bool:
-    """A score_mod that may score a key −∞: Python code, or an ALiBi / relative-bias term
-    whose slopes or table (a few hundred numbers) hold a non-finite value."""
+def _may_score_minus_inf(p: Problem) -> bool:
+    """Whether the score_mod may score a key −∞: Python code, or an ALiBi / relative-bias
+    term whose slopes or table (a few hundred numbers) hold a non-finite value."""
     fn = getattr(p.score_mod, "__wrapped__", p.score_mod)     # checked_score_mod's wrapper
     if fn is None:
         return False
     spec = getattr(fn, "spec", None)
-    data = getattr(spec, "slopes", None) if spec is not None else None
-    if data is None and spec is not None:
-        data = getattr(spec, "table", None)
+    data = getattr(spec, "slopes", getattr(spec, "table", None))
     return data is None or not bool(torch.isfinite(data.detach()).all())
 
 
@@ -429,9 +427,9 @@ def _run(p: Problem, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     chosen = _backends.select(p, backend)
     # Non-finite K/V rows must not leak through zero weights (0·NaN = NaN). Checking up front
     # costs one read of K and V; without autograd we only check when the output shows it —
-    # except under a Python score_mod: its −∞ is a score, not a mask (a key it removes still
-    # passes NaN on, as in the formula), and a kernel that skips P == 0 would hide that.
-    up_front = p.requires_grad or _python_score_mod(p)
+    # except under a score_mod that may give −∞: that is a score, not a mask (a key it
+    # removes still passes NaN on, as in the formula), and a kernel skipping P == 0 hides it.
+    up_front = p.requires_grad or _may_score_minus_inf(p)
     bad = _bad_kv_rows(p) if up_front else None
     if bad is None or not bad.any():
         out, lse = chosen.forward(p)

@@ -216,6 +216,17 @@ template <typename T, typename A> inline const A* as_compute(const T* src, A* tm
   return tmp;
 }
 
+// Calls f with four rows of n values as the dot loops read them: the rows themselves when
+// unpadded (n == npad; E = T, converted lane by lane in registers), else converted and
+// zero-padded into tmp (4, npad) first (E = A).
+template <typename T, typename A, typename F>
+inline void as_rows4(const T* const (&src)[4], i64 n, i64 npad, A* tmp, F f) {
+  if (n == npad) return f(src);
+  const A* rows[4];
+  for (int u = 0; u < 4; ++u) rows[u] = as_compute(src[u], tmp + u * npad, n, npad);
+  f(rows);
+}
+
 // Ask for the row `ahead` keys on while this one is computed (decode is memory-bound),
 // into L2 (prefetcht1): a prefetch into L1 holds one of L1's few miss buffers until the line
 // arrives, and those ran out (the prefetches themselves stalled; fp32 decode on one core went
@@ -383,31 +394,29 @@ struct Sub { i64 j0, n, r0, r1; };
 template <typename A>
 inline int tile_subs(const Args<A>& a, const Item& it, i64 k0, i64 n, TileKind kind,
                      Sub (&subs)[BK / SUB]) {
+  if (kind != FULL) {
+    int count = 0;
+    bool cut = false;
+    for (i64 j0 = 0; j0 < n; j0 += SUB) {                  // row q sees key c: lo <= q - c <= hi
+      const i64 c0 = k0 + j0, c1 = std::min(k0 + n, c0 + SUB);
+      const double lo = std::ceil(double(c0) + a.band_lo) - double(it.q0);
+      const double hi = std::floor(double(c1 - 1) + a.band_hi) - double(it.q0) + 1.0;
+      const i64 r0 = i64(std::clamp(lo, 0.0, double(it.nr)));
+      const i64 r1 = std::max(r0, i64(std::clamp(hi, 0.0, double(it.nr))));
+      cut = cut || r0 > 0 || r1 < it.nr;
+      subs[count++] = Sub{j0, c1 - c0, r0, r1};
+    }
+    if (cut) return count;
+  }
   subs[0] = Sub{0, n, 0, it.nr};
-  if (kind == FULL) return 1;
-  int count = 0;
-  bool cut = false;
-  for (i64 j0 = 0; j0 < n; j0 += SUB) {                    // row q sees key c if lo <= q - c <= hi
-    const i64 c0 = k0 + j0, c1 = std::min(k0 + n, c0 + SUB);
-    const double lo = std::ceil(double(c0) + a.band_lo) - double(it.q0);
-    const double hi = std::floor(double(c1 - 1) + a.band_hi) - double(it.q0) + 1.0;
-    const i64 r0 = i64(std::clamp(lo, 0.0, double(it.nr)));
-    const i64 r1 = std::max(r0, i64(std::clamp(hi, 0.0, double(it.nr))));
-    cut = cut || r0 > 0 || r1 < it.nr;
-    subs[count++] = Sub{j0, c1 - c0, r0, r1};
-  }
-  if (!cut) {
-    subs[0] = Sub{0, n, 0, it.nr};
-    return 1;
-  }
-  return count;
+  return 1;
 }
 
-// Calls f(row0, rows, j0, nj) for each GEMM a tile's sub-blocks make: one over all R rows
-// when a single sub-block covers every row, else one per (sub-block, head).
+// Calls f(row0, rows, j0, nj) for each GEMM a tile's sub-blocks make: one over all G * nr
+// rows when there is one sub-block (it covers every row), else one per (sub-block, head).
 template <typename F>
 inline void for_each_block(const Sub* subs, int count, i64 G, i64 nr, F f) {
-  if (count == 1 && subs[0].r0 == 0 && subs[0].r1 == nr) return f(0, G * nr, 0, subs[0].n);
+  if (count == 1) return f(0, G * nr, 0, subs[0].n);
   for (int s = 0; s < count; ++s)
     for (i64 g = 0; g < G; ++g)
       if (subs[s].r1 > subs[s].r0) f(g * nr + subs[s].r0, subs[s].r1 - subs[s].r0, subs[s].j0,
@@ -416,12 +425,12 @@ inline void for_each_block(const Sub* subs, int count, i64 G, i64 nr, F f) {
 
 // The zero scores of the rows a sub-block skips (they are out of the band, masked later).
 template <typename A>
-inline void zero_skipped(const Sub* subs, int count, i64 G, i64 nr, A* s) {
-  for (int b = 0; b < count; ++b)
+inline void zero_skipped(const Sub* subs, int count, i64 G, i64 nr, A* scores) {
+  for (int s = 0; s < count; ++s)
     for (i64 g = 0; g < G; ++g)
       for (i64 i = 0; i < nr; ++i)
-        if (i < subs[b].r0 || i >= subs[b].r1)
-          std::fill_n(s + (g * nr + i) * BK + subs[b].j0, subs[b].n, A(0));
+        if (i < subs[s].r0 || i >= subs[s].r1)
+          std::fill_n(scores + (g * nr + i) * BK + subs[s].j0, subs[s].n, A(0));
 }
 
 // ------------------------------------------------------------------ the fused row pass

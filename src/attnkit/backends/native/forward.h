@@ -79,9 +79,8 @@ void scores_gemm(const Args<A>& a, const T* kh, const Item& it, i64 k0, i64 n,
 constexpr i64 AHEAD = 16;  // rows prefetched ahead on the dot (decode) path: 12-16 measured best
                            // here (fp32 decode 0.69 of read bandwidth, 0.62 at 48)
 
-// The dot (decode) loops read rows of E: the K/V rows themselves when they have no padding
-// (E = T, converted lane by lane in registers, so a half-precision cache is read as such),
-// else rows converted and zero-padded into a buffer first (E = A).
+// The dot (decode) loops read rows of E (as_rows4): the K/V rows themselves when they have
+// no padding (E = T, so a half-precision cache is read as such), else converted rows (E = A).
 
 // S[r, u] (rows R, stride BK) <- q_r . k_u for four keys (four independent accumulators).
 template <typename A, typename E>
@@ -130,13 +129,9 @@ void scores_dot(const Args<A>& a, const T* kh, const T* vh, i64 k0, i64 n, i64 R
       prefetch_row(vh + (k0 + j + u) * a.sv[2], a.Dv);     // this tile's V, used next
       src[u] = kh + (k0 + j + u) * a.sk[2];
     }
-    if (a.Dk == a.DKP) {
-      dot4(buf.q.data(), R, a.DKP, src, buf.s.data() + j);
-    } else {
-      const A* kj[4];
-      for (int u = 0; u < 4; ++u) kj[u] = as_compute(src[u], tmp + u * a.DKP, a.Dk, a.DKP);
+    as_rows4(src, a.Dk, a.DKP, tmp, [&](const auto& kj) {
       dot4(buf.q.data(), R, a.DKP, kj, buf.s.data() + j);
-    }
+    });
   }
   for (; j < n; ++j) {
     const A* kj = as_compute(kh + (k0 + j) * a.sk[2], tmp, a.Dk, a.DKP);  // k_j (DKP,)
@@ -183,13 +178,9 @@ void values_axpy(const Args<A>& a, const T* vh, i64 k0, i64 n, i64 R, Buffers<A>
       if (k0 + j + u + AHEAD < a.Nk) prefetch_row(vh + (k0 + j + u + AHEAD) * a.sv[2], a.Dv);
       src[u] = vh + (k0 + j + u) * a.sv[2];
     }
-    if (a.Dv == a.DVP) {
-      axpy4(buf.s.data() + j, R, a.DVP, src, buf.acc.data());
-    } else {
-      const A* vj[4];
-      for (int u = 0; u < 4; ++u) vj[u] = as_compute(src[u], tmp + u * a.DVP, a.Dv, a.DVP);
+    as_rows4(src, a.Dv, a.DVP, tmp, [&](const auto& vj) {
       axpy4(buf.s.data() + j, R, a.DVP, vj, buf.acc.data());
-    }
+    });
   }
   for (; j < n; ++j) value_one(a, vh, k0, j, R, buf);
 }
@@ -198,8 +189,9 @@ void values_axpy(const Args<A>& a, const T* vh, i64 k0, i64 n, i64 R, Buffers<A>
 // by the tile's sub-blocks (the rows a sub-block skips have P = 0 there); a tile holding
 // inf/NaN takes the exact P == 0-skipping path instead.
 template <typename A, typename T>
-void values_gemm(const Args<A>& a, const T* vh, i64 k0, i64 n, i64 R, const Sub* subs,
-                 int count, i64 nr, Buffers<A>& buf) {
+void values_gemm(const Args<A>& a, const T* vh, const Item& it, i64 k0, i64 n,
+                 const Sub* subs, int count, Buffers<A>& buf) {
+  const i64 R = a.G * it.nr;
   const A* vt;
   i64 ldv;
   if constexpr (std::is_same_v<T, A>) {
@@ -214,7 +206,7 @@ void values_gemm(const Args<A>& a, const T* vh, i64 k0, i64 n, i64 R, const Sub*
     vt = buf.v.data();
     ldv = a.DVP;
   }
-  for_each_block(subs, count, a.G, nr, [&](i64 r0, i64 m, i64 j0, i64 nj) {
+  for_each_block(subs, count, a.G, it.nr, [&](i64 r0, i64 m, i64 j0, i64 nj) {
     gemm(m, a.Dv, nj, BK, ldv, a.DVP, true, buf.s.data() + r0 * BK + j0, vt + j0 * ldv,
          buf.acc.data() + r0 * a.DVP);
   });
@@ -253,7 +245,7 @@ void attend_item(const Args<A>& a, const T* q, const T* k, const T* v, const Ite
         for (i64 d = 0; d < a.DVP; ++d) ar[d] *= alpha;
       }
     }
-    if (by_gemm) values_gemm(a, vh, k0, n, R, subs, count, it.nr, buf);
+    if (by_gemm) values_gemm(a, vh, it, k0, n, subs, count, buf);
     else values_axpy(a, vh, k0, n, R, buf);
   }
 }
