@@ -23,7 +23,12 @@ from attnkit.api import prepare
 from attnkit.backends import native
 from attnkit.backends.native import loader
 from attnkit.scores import alibi, alibi_slopes
-from conftest import assert_low_precision_close, naive_low_precision, oracle
+from conftest import (
+    assert_low_precision_close,
+    assert_low_precision_grad_close,
+    naive_low_precision,
+    oracle,
+)
 
 NATIVE = native.available()
 needs_native = pytest.mark.skipif(not NATIVE, reason=f"native kernel unavailable: "
@@ -479,7 +484,7 @@ def check_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.
     for name, got, lo, hi in zip("qkv", gn, glow, g64, strict=True):
         if kv_nan is not None and name != "q":
             got = torch.where(kv_nan[..., None], 0.0, got.double())
-        assert_low_precision_close(got, lo, hi, factor=3.0, what=f"d{name}")
+        assert_low_precision_grad_close(got, lo, hi, what=f"d{name}")
 
 
 @needs_native

@@ -20,7 +20,7 @@ import attnkit as ak
 from attnkit.backends import native
 from attnkit.masks import band_of
 from attnkit.scores import relative_bias
-from conftest import assert_low_precision_close, oracle
+from conftest import assert_low_precision_close, assert_low_precision_grad_close, oracle
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernel unavailable: "
                                                                f"{native.why_unavailable()}")
@@ -98,7 +98,7 @@ def check_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, t: torch.Tens
         assert got.dtype == torch.float32 and got.shape == hi.shape
         if kv_nan is not None and name in ("k", "v"):
             got = torch.where(kv_nan[..., None], 0.0, got.double())
-        assert_low_precision_close(got, lo, hi, factor=3.0, what=f"d{name}")
+        assert_low_precision_grad_close(got, lo, hi, what=f"d{name}")
 
 
 SIZES = [  # B, hq, hkv, nq, nk, d, M
@@ -207,7 +207,7 @@ def test_decode(nq: int, nk: int, hq: int, hkv: int) -> None:
 
     gn = grads(run, q.float(), k.float(), v.float(), t.float(), dout, dlse)
     for name, got, lo, hi in zip(("q", "k", "v", "table"), gn, g32, g64, strict=True):
-        assert_low_precision_close(got, lo, hi, factor=3.0, what=f"decode d{name}")
+        assert_low_precision_grad_close(got, lo, hi, what=f"decode d{name}")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -320,7 +320,7 @@ def test_alibi_slope_gradient(offset: int) -> None:
     for name, x, lo, hi in zip(("q", "k", "v", "slopes", "table"), leaves, g32, g64,
                                strict=True):
         assert x.grad.shape == x.shape and x.grad.dtype == torch.float32
-        assert_low_precision_close(x.grad, lo, hi, factor=3.0, what=f"d{name}")
+        assert_low_precision_grad_close(x.grad, lo, hi, what=f"d{name}")
 
 
 def test_alibi_slope_gradient_alone_and_with_a_bias_gradient() -> None:
