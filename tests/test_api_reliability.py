@@ -136,6 +136,37 @@ def test_large_but_representable_scale_and_softcap_still_work(backend):
     assert torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_negative_scale_with_softcap_matches_the_reference(backend, dtype):
+    """c·tanh(x·scale/c) with scale < 0 (issue 19): the native kernel took tanh's
+    small-argument polynomial for every score (off by ~4, dq ~1e22)."""
+    q, k, v = randn(1, 2, 64, 64), randn(1, 2, 70, 64), randn(1, 2, 70, 16)
+    ref, _, _ = oracle(q, k, v, scale=-1.0, softcap=1.0)
+    tol = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else TOL
+    qd, kd, vd = (t.to(dtype) for t in (q, k, v))
+    out = run_backend(backend, qd, kd, vd, scale=-1.0, softcap=1.0)
+    torch.testing.assert_close(out.double(), ref, **tol)
+    qg = qd.clone().requires_grad_()
+    skip_unless_supported(backend, qg, kd, vd, scale=-1.0, softcap=1.0)
+    ak.attention(qg, kd, vd, scale=-1.0, softcap=1.0, backend=backend).sum().backward()
+    q64 = q.clone().requires_grad_()
+    oracle(q64, k, v, scale=-1.0, softcap=1.0)[0].sum().backward()
+    torch.testing.assert_close(qg.grad.double(), q64.grad, **tol)
+
+
+@pytest.mark.parametrize("dtype,scale,softcap", [(torch.float32, 1e20, 1e-20),
+                                                 (torch.float64, 1e200, 1e-200)])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_scale_and_softcap_in_range_whose_ratio_is_not(backend, dtype, scale, softcap, sign):
+    """Each is allowed alone; scale/softcap overflows the compute dtype. Every logit lies in
+    ±softcap, so every row is the mean of V — zero-score rows too (the kernel gave NaN)."""
+    q, k, v = (randn(1, 2, 6, 8).to(dtype), randn(1, 2, 9, 8).to(dtype),
+               randn(1, 2, 9, 3).to(dtype))
+    q[:, :, ::2] = 0.0                                         # rows of zero scores
+    out = run_backend(backend, q, k, v, scale=sign * scale, softcap=softcap)
+    torch.testing.assert_close(out, v.mean(-2, keepdim=True).expand_as(out))
+
+
 # ================================================================== 3. score_mod results
 def test_score_mod_with_a_float64_capture_in_float32(backend):
     """A float64 slope tensor (torch.from_numpy) in a float32 call: cast back, not a crash."""

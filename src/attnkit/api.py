@@ -325,7 +325,8 @@ def prepare(
         softcap = _check_number(softcap, "softcap")
         if softcap <= 0:
             raise ValueError(
-                f"softcap must be > 0 (logits are mapped to c·tanh(x/c)), got {softcap}"
+                f"softcap must be > 0 (logits are mapped to c·tanh(x/c)), got {softcap}: "
+                "pass softcap=None for no cap (flash-attn's softcap=0.0 means none)"
             )
         softcap = _check_in_range(softcap, "softcap", q.dtype)
     if score_mod is not None and not callable(score_mod):

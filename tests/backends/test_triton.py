@@ -240,6 +240,24 @@ def test_bfloat16_refused_in_the_interpreter(interpret: None) -> None:
 
 
 @needs_triton
+@pytest.mark.parametrize("opts,says", [({"scale": 1e200}, "scale=1e+200"),
+                                       ({"scale": -1e-300}, "scale=-1e-300"),
+                                       ({"softcap": 1e-200}, "softcap=1e-200")])
+def test_float64_scalars_beyond_float32_are_declined_by_the_compiled_kernels(
+        monkeypatch: pytest.MonkeyPatch, opts: dict, says: str) -> None:
+    """The compiled kernels take scale and softcap as float32: a float64 call with either
+    outside float32's range would meet inf or 0 there (the interpreter keeps float64)."""
+    p = _problem(1, 1, 1, 4, 4, 8, 8, **opts)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    reasons = backends.get("triton").extra_reasons(p)
+    assert any(says in r and "float32" in r for r in reasons), reasons
+    assert not any("float32" in r for r in backends.get("triton").extra_reasons(_problem(
+        1, 1, 1, 4, 4, 8, 8, scale=1e30, softcap=1e-30)))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not any("float32" in r for r in backends.get("triton").extra_reasons(p))
+
+
+@needs_triton
 def test_dropout_drops_weights_and_rescales_the_rest(device: torch.device) -> None:
     # V = I: the output rows are the (dropped-out) weights themselves
     dtype, tol = _precision(device)

@@ -61,7 +61,8 @@ Caution
 - Launch parameters (block sizes, warps, stages) are fixed heuristics, not autotuned; a GPU
   without the shared memory for them gets fewer stages, then smaller tiles.
 - Compiled kernels receive ``scale`` and ``softcap`` as float32 scalars, so float64 runs on
-  the GPU carry a relative error of about 1e-8 (the interpreter keeps them in float64).
+  the GPU carry a relative error of about 1e-8 (the interpreter keeps them in float64), and a
+  float64 call whose ``scale`` or ``softcap`` lies outside float32's range is declined.
 - NaN/inf in a K/V row that a whole tile of queries may not see still meets a zero weight
   inside the P·V product (0·inf = NaN); ``attention()`` detects that and reruns the call
   with those rows zeroed, as for every backend. Rows past a ``padding`` length are never
@@ -506,6 +507,16 @@ class TritonBackend(Backend):
         if too_big:
             reasons.append(f"{', '.join(too_big)} span 2^31 or more elements within one head "
                            "(the kernels index rows with 32-bit offsets)")
+        if p.dtype == torch.float64 and not interpreter_enabled():
+            f32 = torch.finfo(torch.float32)
+            outside = [f"{n}={x!r}" for n, x in (("scale", p.scale), ("softcap", p.softcap))
+                       if x is not None and x != 0 and not f32.tiny <= abs(x) <= f32.max]
+            if outside:
+                reasons.append(
+                    f"{', '.join(outside)} lies outside float32's range [{f32.tiny:.3g}, "
+                    f"{f32.max:.3g}], and the compiled kernels take scale and softcap as "
+                    "float32 scalars (it would become inf or 0): use backend='reference' "
+                    "on the GPU (or 'tiled' on CPU tensors), or rescale q")
         if p.mask is not None:
             _band, _indexed, rest = _split_terms(p)
             if rest:

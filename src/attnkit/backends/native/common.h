@@ -436,21 +436,27 @@ inline void zero_skipped(const Sub* subs, int count, i64 G, i64 nr, A* scores) {
 // ------------------------------------------------------------------ the fused row pass
 // x (npad,) <- x * scale, soft-capped: c * tanh(x * scale / c). With fac, also the
 // derivative d(capped)/d(score) per key, scale * (1 - tanh^2) (the backward's chain rule).
+// scale may be negative (c > 0 always): the small-argument test uses |scale / c|. When
+// scale / c overflows A (e.g. 1e20 / 1e-20 in float), x * (scale / c) would be 0 * inf = NaN
+// for a zero score: then y = (x * scale) / c (a division per lane, on this rare path only),
+// which is 0 for x = 0 and ±inf (tanh ±1) otherwise, as the reference's x * scale / c.
 template <typename A> inline void scale_and_cap(const Args<A>& a, A* x, i64 npad, A* fac) {
   using V = vec<A>;
   constexpr int L = lanes<A>;
   const V sc = splat(a.scale);
   if (a.softcap > A(0)) {
-    const V c = splat(a.softcap), sc_c = splat(a.scale / a.softcap);
+    const A r = a.scale / a.softcap;                // x * r = x * scale / c
+    const bool finite_r = std::isfinite(r);
+    const V c = splat(a.softcap), sc_c = splat(r);
     V amax = splat(A(0));                        // a row whose |x * scale / c| < 0.625
     for (i64 j = 0; j < npad; j += L) {          // (the usual case) needs the polynomial only
       const V v = load(x + j);
       const V av = select(v < A(0), -v, v);
       amax = av > amax ? av : amax;
     }
-    const bool small = hmax(amax) * (a.scale / a.softcap) < A(0.625);
+    const bool small = finite_r && hmax(amax) * std::abs(r) < A(0.625);
     for (i64 j = 0; j < npad; j += L) {
-      const V y = load(x + j) * sc_c;
+      const V y = finite_r ? load(x + j) * sc_c : (load(x + j) * sc) / c;
       const V t = small ? vtanh_small(y) : vtanh(y);
       store(x + j, c * t);
       if (fac) store(fac + j, sc - sc * t * t);

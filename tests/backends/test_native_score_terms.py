@@ -1,0 +1,158 @@
+"""The native kernel's fused score terms (scale → soft-cap) at the edges of their domain
+(issue 19, item 3), against the float64 oracle by DESIGN's rule (outputs within 2×, gradients
+3×, the naive error in the input dtype).
+
+- A negative ``scale`` with ``softcap``: the kernel picks tanh's small-argument polynomial
+  for a row when ``max |x · scale / c| < 0.625``; it once tested ``max|x| · scale / c``,
+  negative for every score, so the polynomial ran far outside its range (float32 / bfloat16 /
+  float16 off by ~4, q-gradients ~1e22). float64 uses the C library's tanh on both paths.
+- ``scale / softcap`` beyond the compute type (1e20 / 1e-20 in float, 1e200 / 1e-200 in
+  double — each allowed alone): a zero score became 0 · inf = NaN. The reference computes
+  ``(x · scale) / c``, 0 for a zero score and ±inf → tanh ±1 otherwise; so must the kernel.
+
+Prefill runs on ``tiled`` and decode (N_q = 1) on ``decode`` and ``tiled``, with the native
+kernel only (``tiled.python_attention`` / ``decode._decode`` fail the test), so a case the
+kernel declined could not pass on the Python engine instead. Gradients go through ``tiled``
+(``decode`` is forward only).
+
+Shape legend: q (B, H_q, N_q, D_k), k (B, H_kv, N_k, D_k), v (B, H_kv, N_k, D_v).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnkit as ak
+from attnkit.backends import decode, native, tiled
+from conftest import (
+    assert_low_precision_close,
+    assert_low_precision_grad_close,
+    max_err,
+    naive_low_precision,
+    oracle,
+)
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="native kernel unavailable: "
+                                f"{native.why_unavailable()}")
+
+LOW = [torch.float32, torch.bfloat16, torch.float16]
+# name: (B, H_q, H_kv, N_q, N_k, D); awkward sizes, GQA
+SHAPES = {"prefill": (1, 4, 2, 97, 113, 64), "decode": (2, 4, 2, 1, 1025, 64)}
+RUNS = [("prefill", "tiled"), ("decode", "tiled"), ("decode", "decode")]
+
+
+@pytest.fixture(autouse=True)
+def _native_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    def python_engine(p):  # noqa: ANN001, ANN202
+        raise AssertionError("the native kernel declined this call: "
+                             + "; ".join(tiled.native_reasons(p)))
+    monkeypatch.setattr(tiled, "python_attention", python_engine)
+    monkeypatch.setattr(decode, "_decode", python_engine)
+
+
+def assert_close64(got: torch.Tensor, ref64: torch.Tensor, what: str) -> None:
+    """float64 runs the kernel in double: float64 rounding, relative to the answer's size."""
+    assert torch.isfinite(got).all(), f"{what}: non-finite values"
+    err, mag = max_err(got, ref64), ref64.abs().max().item()
+    assert err <= 1e-12 * mag + 1e-300, f"{what}: error {err:.3g} at magnitude {mag:.3g}"
+
+
+def qkv(shape: str, zero_rows: bool = False) -> tuple[torch.Tensor, ...]:
+    B, hq, hkv, nq, nk, d = SHAPES[shape]
+    q = torch.randn(B, hq, nq, d, dtype=torch.float64)
+    if zero_rows:                       # rows of zero scores (and a zero query everywhere)
+        q[..., ::3, :] = 0.0
+        q[0] = 0.0
+    return (q, torch.randn(B, hkv, nk, d, dtype=torch.float64),
+            torch.randn(B, hkv, nk, d, dtype=torch.float64))
+
+
+def check_forward(shape: str, backend: str, dtype: torch.dtype, scale: float, softcap: float,
+                  *, zero_rows: bool = False) -> None:
+    q, k, v = qkv(shape, zero_rows)
+    opts = dict(scale=scale, softcap=softcap)
+    ref, _, _ = oracle(q, k, v, **opts)
+    lowp = naive_low_precision(q.to(dtype), k.to(dtype), v.to(dtype), **opts)
+    assert torch.isfinite(lowp).all()
+    with torch.no_grad():
+        got = ak.attention(q.to(dtype), k.to(dtype), v.to(dtype), backend=backend, **opts)
+    assert got.dtype == dtype
+    if dtype == torch.float64:
+        assert_close64(got, ref, f"{backend} {shape} output")
+    else:
+        assert_low_precision_close(got, lowp, ref, what=f"{backend} {shape} output")
+
+
+def _grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
+           fn) -> list[torch.Tensor]:  # noqa: ANN001
+    qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    (fn(qq, kk, vv).double() * dout).sum().backward()
+    return [t.grad for t in (qq, kk, vv)]
+
+
+def check_backward(shape: str, dtype: torch.dtype, scale: float, softcap: float,
+                   *, zero_rows: bool = False) -> None:
+    q, k, v = qkv(shape, zero_rows)
+    opts = dict(scale=scale, softcap=softcap)
+    dout = torch.randn(*q.shape[:3], v.shape[-1], dtype=torch.float64)
+    g64 = _grads(q, k, v, dout, lambda a, b, c: oracle(a, b, c, **opts)[0])
+    low = [t.to(dtype) for t in (q, k, v)]
+    glow = _grads(*low, dout, lambda a, b, c: oracle(a, b, c, dtype=dtype, **opts)[0])
+    got = _grads(*low, dout, lambda a, b, c: ak.attention(a, b, c, backend="tiled", **opts))
+    for name, g, lo, hi in zip("qkv", got, glow, g64, strict=True):
+        assert g.dtype == dtype
+        if dtype == torch.float64:
+            assert_close64(g, hi, f"d{name} ({shape})")
+        else:
+            assert_low_precision_grad_close(g, lo, hi, what=f"d{name} ({shape})")
+
+
+# ---------------------------------------------------------------- a negative scale
+NEGATIVE = [(-1.0, 1.0), (-0.5, 4.0)]
+
+
+@pytest.mark.parametrize("scale,softcap", NEGATIVE)
+@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize("shape,backend", RUNS)
+def test_negative_scale_with_softcap_forward(shape: str, backend: str, dtype: torch.dtype,
+                                             scale: float, softcap: float) -> None:
+    check_forward(shape, backend, dtype, scale, softcap)
+
+
+@pytest.mark.parametrize("scale,softcap", NEGATIVE)
+@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_negative_scale_with_softcap_backward(shape: str, dtype: torch.dtype, scale: float,
+                                              softcap: float) -> None:
+    check_backward(shape, dtype, scale, softcap)
+
+
+# ---------------------------------------------------------------- scale / softcap overflows
+# each value is in range for the compute type on its own (api._check_in_range); the ratio
+# is not: float for float32 / bfloat16 / float16 inputs, double for float64
+HUGE = {torch.float32: (1e20, 1e-20), torch.bfloat16: (1e20, 1e-20),
+        torch.float16: (1e20, 1e-20), torch.float64: (1e200, 1e-200)}
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0], ids=["positive", "negative"])
+@pytest.mark.parametrize("dtype", [*LOW, torch.float64])
+@pytest.mark.parametrize("shape,backend", RUNS)
+def test_scale_over_softcap_beyond_the_compute_type_forward(shape: str, backend: str,
+                                                            dtype: torch.dtype,
+                                                            sign: float) -> None:
+    """Every logit lies in ±softcap (~0): each row is the mean of V, rows of zero scores
+    included (they were NaN)."""
+    scale, softcap = HUGE[dtype]
+    check_forward(shape, backend, dtype, sign * scale, softcap, zero_rows=True)
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0], ids=["positive", "negative"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_scale_over_softcap_beyond_the_compute_type_backward(shape: str, dtype: torch.dtype,
+                                                             sign: float) -> None:
+    """d capped / d score = scale · (1 − tanh²): ``scale`` on a zero score, 0 elsewhere
+    (float16's naive reference overflows here, so it has no budget to compare with)."""
+    scale, softcap = HUGE[dtype]
+    check_backward(shape, dtype, sign * scale, softcap, zero_rows=True)
