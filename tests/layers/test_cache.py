@@ -191,6 +191,52 @@ def test_cache_copy_keeps_owner_and_pickle_drops_it():
     torch.testing.assert_close(step, m(x, is_causal=True)[:, 4:])
 
 
+@pytest.mark.parametrize("kind", ["MHA", "MLA"])
+@pytest.mark.parametrize("first", ["copy", "original"])
+def test_shallow_copy_is_a_fork_that_never_overwrites_the_original(kind, first):
+    """copy.copy(cache) shared the storage: appending to one wrote over the other's next
+    token slot (issue 19). Now each side copies the storage before its first write."""
+    m, _ = _layer_pair(kind)
+    a, b = torch.randn(1, 6, 16, dtype=DT), torch.randn(1, 6, 16, dtype=DT)
+    b[:, :4] = a[:, :4]                             # one prompt, two continuations
+    with torch.no_grad():
+        cache = ak.KVCache(max_len=32)              # spare capacity: appends write in place
+        m(a[:, :4], cache=cache, is_causal=True)
+        twin = copy.copy(cache)
+        assert twin.owner is m and twin.length == 4
+        order = [(twin, b), (cache, a)] if first == "copy" else [(cache, a), (twin, b)]
+        got = {id(c): m(x[:, 4:5], cache=c, is_causal=True) for c, x in order}
+        got2 = {id(c): m(x[:, 5:6], cache=c, is_causal=True) for c, x in order}
+    for c, x in ((cache, a), (twin, b)):
+        want = m(x, is_causal=True)
+        torch.testing.assert_close(got[id(c)], want[:, 4:5], rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(got2[id(c)], want[:, 5:6], rtol=1e-10, atol=1e-10)
+        assert c.length == 6
+    name = "k" if kind == "MHA" else "latent"
+    assert cache.get(name).data_ptr() != twin.get(name).data_ptr()
+
+
+def test_shallow_copy_fork_survives_truncate_chains_and_failed_calls():
+    m, _ = _layer_pair("MHA")
+    x = torch.randn(1, 6, 16, dtype=DT)
+    with torch.no_grad():
+        cache = ak.KVCache(max_len=32)
+        m(x[:, :5], cache=cache, is_causal=True)
+        k5 = cache.k.clone()
+        twin = copy.copy(cache)
+        twin.truncate(3)                            # a draft rejected on the copy only
+        with pytest.raises(ValueError):             # a failed call rolls back, still shared
+            m(x[:, 3:4], cache=twin, is_causal=True, mask=torch.ones(2, 2, dtype=torch.bool))
+        third = copy.copy(twin)                     # a copy of a copy
+        m(torch.randn(1, 2, 16, dtype=DT), cache=twin, is_causal=True)
+        m(torch.randn(1, 1, 16, dtype=DT), cache=third, is_causal=True)
+        torch.testing.assert_close(cache.k, k5, rtol=0, atol=0)
+        assert third.k[:, :, :3].equal(k5[:, :, :3]) and twin.k[:, :, :3].equal(k5[:, :, :3])
+        assert not third.k[:, :, 3].equal(twin.k[:, :, 3])
+        step = m(x[:, 5:], cache=cache, is_causal=True)   # the original is as it was
+    torch.testing.assert_close(step, m(x, is_causal=True)[:, 5:], rtol=1e-10, atol=1e-10)
+
+
 # ---------------------------------------------------------------------------- failed calls
 @pytest.mark.parametrize("kind", ["MHA", "MLA"])
 def test_a_failed_call_leaves_the_cache_as_it_was(kind):

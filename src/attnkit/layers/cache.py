@@ -16,6 +16,12 @@ Caution
 - Made for inference: appending inside autograd (inputs that require grad) switches the cache
   to concatenation so gradients flow, which costs O(N) copies per step.
 - ``max_len`` only sizes the first allocation; the cache grows past it.
+- ``copy.copy(cache)`` is a fork that shares the storage until either side appends: the
+  first append of each then writes into storage of its own (copy-on-write), so neither sees
+  the other's tokens. ``copy.deepcopy`` copies the tensors at once.
+- ``get()`` / ``.k`` / ``.v`` / ``.latent`` are views of the storage: after ``truncate(n)``
+  the next append writes over the tokens past ``n`` that an earlier view still shows
+  (``.clone()`` a view to keep it).
 """
 
 from __future__ import annotations
@@ -48,6 +54,10 @@ class KVCache:
         max_len: expected total number of tokens; that much storage is allocated on the
             first append (the cache still grows past it). ``None``: grow as needed.
     """
+
+    # True while the storage may be shared with a copy.copy() twin: the next append writes
+    # into storage of its own first (class default: caches pickled before this field)
+    _shared: bool = False
 
     def __init__(self, max_len: int | None = None) -> None:
         if max_len is not None:
@@ -149,6 +159,8 @@ class KVCache:
     def __copy__(self) -> KVCache:
         new = KVCache.__new__(KVCache)
         new.__dict__.update(self.__dict__)      # the copy belongs to the same layer
+        new._buffers = dict(self._buffers)      # shares the tensors until one side appends:
+        self._shared = new._shared = True       # each copies its storage before its first write
         return new
 
     def __deepcopy__(self, memo: dict[int, Any]) -> KVCache:
@@ -165,6 +177,7 @@ class KVCache:
         self._buffers = {}
         self._length = 0
         self._owner = self._owner_label = None
+        self._shared = False
 
     def truncate(self, length: int) -> None:
         """Keep only the first ``length`` tokens (e.g. to drop rejected draft tokens); the
@@ -197,6 +210,7 @@ class KVCache:
             )
         self._buffers = {n: b.index_select(0, index.to(b.device))
                          for n, b in self._buffers.items()}
+        self._shared = False                    # index_select made new tensors
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[KVCache]:
@@ -205,12 +219,14 @@ class KVCache:
         The layers run each call in one, so a call that fails (a bad mask, say) leaves the
         cache as it was, and the corrected call does not see the failed call's tokens twice.
         """
-        saved = (self.kind, dict(self._buffers), self._length, self._owner, self._owner_label)
+        saved = (self.kind, dict(self._buffers), self._length, self._owner, self._owner_label,
+                 self._shared)
         try:
             yield self
         except BaseException:
             # tokens written in place past the saved length are invisible once it is restored
-            (self.kind, self._buffers, self._length, self._owner, self._owner_label) = saved
+            (self.kind, self._buffers, self._length, self._owner, self._owner_label,
+             self._shared) = saved
             raise
 
     def append(self, kind: str, *, owner: nn.Module | None = None,
@@ -263,15 +279,17 @@ class KVCache:
                 self._buffers[name] = t if old is None else torch.cat(
                     [old[:, :, : self._length], t], dim=2)
                 continue
-            if old is None or old.shape[2] < end:
-                cap = max(end, 2 * (old.shape[2] if old is not None else 0),
-                          self.max_len or 0, 16)
+            if old is None or old.shape[2] < end or self._shared:
+                # new storage: to grow, or a copy.copy() twin may still read this one
+                held = old.shape[2] if old is not None else 0
+                cap = max(end, held if held >= end else 2 * held, self.max_len or 0, 16)
                 buf = t.new_empty(t.shape[0], t.shape[1], cap, t.shape[3])
                 if old is not None:
                     buf[:, :, : self._length] = old[:, :, : self._length]
                 self._buffers[name] = old = buf
             old[:, :, self._length: end] = t
         self._length = end
+        self._shared = False                    # every stream now has storage of its own
         return {name: self.get(name) for name in streams}
 
 
