@@ -161,6 +161,32 @@ def test_output_folder_must_exist(capsys, tmp_path):
     assert "does not exist" in capsys.readouterr().err
 
 
+def test_outputs_never_replace_a_file_bench_did_not_write(capsys, tmp_path):
+    """Checked before any case runs: a folder, one file for both outputs, a file that is not
+    an earlier --json / --plot of bench (unless --force)."""
+    notes = tmp_path / "notes.json"
+    notes.write_text('{"mine": 1}')
+    assert bench.run_cli(["--tiny", "--json", str(notes)]) == 2
+    cap = capsys.readouterr()
+    assert cap.out == "" and "is not JSON output of attnkit" in cap.err and "--force" in cap.err
+    assert notes.read_text() == '{"mine": 1}'
+    both = tmp_path / "b.png"
+    assert bench.run_cli(["--tiny", "--json", str(both), "--plot", str(both)]) == 2
+    assert "--json and --plot both name" in capsys.readouterr().err
+    assert bench.run_cli(["--tiny", "--json", str(tmp_path)]) == 2
+    assert "is a folder" in capsys.readouterr().err
+
+
+def test_an_earlier_bench_output_is_replaced(tiny_run, capsys, tmp_path):
+    from attnkit._outfiles import looks_like
+
+    _, _, records, png = tiny_run
+    js = tmp_path / "old.json"
+    js.write_text(json.dumps(records))
+    assert looks_like(js, "json") and looks_like(png, "png")
+    assert not looks_like(png, "json") and not looks_like(js, "png")
+
+
 def test_peak_memory_run_is_apart_and_restores_the_timing_policy(monkeypatch):
     """The peak column comes from one untimed run under the RSS-following malloc policy; the
     timed runs go back to the warmed-up one (a fresh mapping per buffer slowed them)."""

@@ -233,7 +233,8 @@ def bad_cases(tmp: Path) -> list[tuple[list[str], list[str]]]:
         (["--q", str(tmp / "ragged.json")], ["ragged.json", "different lengths"]),
         (["--q", str(tmp / "broken.json")], ["broken.json", "not valid JSON"]),
         (["--q", str(tmp / "words.csv")], ["words.csv", "row 1, column 2", "'a'"]),
-        (["--q", str(tmp / "ragged.csv")], ["ragged.csv", "[2, 1]"]),
+        (["--q", str(tmp / "ragged.csv")], ["ragged.csv", "2 different lengths",
+                                             "2 (1), 1 (2)"]),
         (["--q", str(tmp / "pickle.npy")], ["pickle.npy", ".npy"]),
         (["--q", str(tmp / "nan.csv")], ["nan.csv", "non-finite"]),
         (["--q", str(tmp / "empty.json")], ["empty.json", "(1, 0)", "at least one row"]),
@@ -410,3 +411,98 @@ def test_output_paths_are_checked_before_any_work(tmp_path, capsys):
     assert rc == 2 and out == "" and "does not exist" in err and "missing" in err
     rc, out, err = run(capsys, "--plot", str(tmp_path))
     assert rc == 2 and out == "" and "directory" in err
+
+
+# ---------------------------------------------------------------------------- output files
+def test_an_output_over_an_input_file_is_refused_even_with_force(tmp_path, capsys):
+    """`--html q.csv` once wrote the page over the input and said "wrote q.csv" (issue 19)."""
+    q = write(tmp_path / "q.csv", Q)
+    k = write(tmp_path / "k.json", K)
+    v = write(tmp_path / "v.npy", V)
+    m = write(tmp_path / "m.csv", np.ones((2, 2), dtype=bool))
+    link = tmp_path / "link.html"
+    link.symlink_to(q)
+    before = {p: p.read_bytes() for p in (q, k, v, m)}
+    given = ["--q", str(q), "--k", str(k), "--v", str(v), "--mask", str(m)]
+    for target, flag in ((q, "--q"), (k, "--k"), (v, "--v"), (m, "--mask"), (link, "--q")):
+        for force in ([], ["--force"]):
+            rc, out, err = run(capsys, *given, "--html", str(target), *force)
+            assert rc == 2 and out == "", (target, err)
+            (line,) = err.strip().splitlines()
+            assert f"--html {target} is also the {flag} input" in line, line
+            assert "another name" in line and "wrote" not in err
+    assert {p: p.read_bytes() for p in before} == before
+    rc, _, err = run(capsys, "--q", str(q), "--html", str(q), "--lang", "ko")
+    assert rc == 2 and "입력 파일" in err and q.read_bytes() == before[q]
+
+
+def test_an_existing_file_attnkit_did_not_write_needs_force(tmp_path, capsys):
+    notes = tmp_path / "notes.html"
+    notes.write_text("my notes\n")
+    photo = tmp_path / "photo.png"
+    photo.write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 64)       # a PNG attnkit did not draw
+    for opt, path, kind in (("--html", notes, "HTML"), ("--plot", photo, "PNG")):
+        before = path.read_bytes()
+        rc, out, err = run(capsys, "--example", "worked", opt, str(path))
+        assert rc == 2 and out == "", err
+        assert f"{opt} {path} already exists and is not {kind} output of attnkit" in err
+        assert "--force" in err and path.read_bytes() == before
+        rc, _, err = run(capsys, "--example", "worked", opt, str(path), "--force")
+        assert rc == 0, err
+        assert path.read_bytes() != before
+    assert notes.read_text(encoding="utf-8").startswith("<!doctype html>")
+
+
+def test_earlier_outputs_are_replaced_without_force(tmp_path, capsys):
+    page, png = tmp_path / "p.html", tmp_path / "p.png"
+    for _ in range(2):
+        rc, _, err = run(capsys, "--example", "worked", "--html", str(page), "--plot", str(png))
+        assert rc == 0, err
+    for lang in ("en", "ko"):           # a page from before the generator tag: its footer
+        text = page.read_text(encoding="utf-8")
+        old = text.replace('<meta name="generator" content="attnkit">', "")
+        if lang == "ko":
+            old = old.replace("Made by attnkit", "attnkit으로 만든")
+        page.write_text(old, encoding="utf-8")
+        rc, _, err = run(capsys, "--example", "worked", "--html", str(page))
+        assert rc == 0, err
+
+
+def test_two_outputs_never_share_a_file(tmp_path, capsys):
+    both = tmp_path / "both.png"
+    rc, out, err = run(capsys, "--example", "worked", "--html", str(both), "--plot", str(both))
+    assert rc == 2 and out == "" and not both.exists()
+    assert f"--html and --plot both name {both}" in err
+
+
+def test_lesson_and_model_outputs_are_guarded_too(tmp_path, capsys):
+    notes = tmp_path / "notes.png"
+    notes.write_text("not a picture")
+    rc = main(["lesson", "sqrt-dk", "--plot", str(notes)])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "" and "is not PNG output of attnkit" in err
+    assert notes.read_text() == "not a picture"
+    page = tmp_path / "notes.html"
+    page.write_text("mine")
+    rc = main(["explain", "--model", "minilm", "--html", str(page)])   # before the model loads
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "" and "is not HTML output of attnkit" in err
+    assert page.read_text() == "mine"
+
+
+def test_a_ragged_csv_message_stays_short(tmp_path, capsys):
+    """The message once listed every row's length (hundreds of numbers)."""
+    rows = [",".join(["1"] * 64)] * 10 + [",".join(["1"] * 63)] + [",".join(["1"] * 64)] * 300
+    rows += [",".join(["1"] * 65)] * 5
+    (tmp_path / "r.csv").write_text("\n".join(rows) + "\n")
+    rc, _, err = run(capsys, "--q", str(tmp_path / "r.csv"))
+    assert rc == 2
+    (line,) = err.strip().splitlines()
+    assert "rows have 3 different lengths" in line
+    assert "64 (1–10, 12–311), 65 (312–316), 63 (11)" in line, line
+    many = [",".join(["1"] * (1 + i % 200)) for i in range(1000)]      # 200 lengths
+    (tmp_path / "m.csv").write_text("\n".join(many) + "\n")
+    rc, _, err = run(capsys, "--q", str(tmp_path / "m.csv"))
+    (line,) = err.strip().splitlines()
+    assert rc == 2 and "200 different lengths" in line and "… (+196)" in line
+    assert "201, 401, …" in line and len(line) < 400, line

@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ._outfiles import message, output_problem
 from .bench_output import plot, spread, write_json
 
 __all__ = ["run_cli", "Case", "run_case", "measure", "noise", "PEERS"]
@@ -612,10 +613,14 @@ def _parser() -> argparse.ArgumentParser:
                     "date, torch, threads, noise)")
     ap.add_argument("--plot", metavar="OUT.png", help="also draw the speedups against each "
                     "peer as a PNG chart (needs matplotlib: pip install \"attnkit[plot]\")")
+    ap.add_argument("--force", action="store_true", help="replace an existing --json / --plot "
+                    "file that attnkit bench did not write")
     return ap
 
 
 def _check_out(path: str | None, flag: str) -> None:
+    if path and os.path.isdir(path):
+        raise _Usage(f"{flag} {path} is a folder: give a file name inside it")
     if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
         raise _Usage(f"{flag} {path}: the folder {os.path.dirname(os.path.abspath(path))} "
                      "does not exist")
@@ -623,7 +628,7 @@ def _check_out(path: str | None, flag: str) -> None:
 
 def run_cli(argv: list[str]) -> int:
     """``attnkit bench [--quick] [--threads N] [--only TEXT] [--list] [--json PATH]
-    [--plot OUT.png] [--no-flex]``; returns the exit code (2: bad usage)."""
+    [--plot OUT.png] [--no-flex] [--force]``; returns the exit code (2: bad usage)."""
     args = _parser().parse_args(argv)
     size = "tiny" if args.tiny else "quick" if args.quick else "full"
     cases = _cases(size)
@@ -644,6 +649,12 @@ def run_cli(argv: list[str]) -> int:
             raise _Usage(f"--only {args.only!r} matches no case; --list prints the names")
         _check_out(args.json, "--json")
         _check_out(args.plot, "--plot")
+        # not one file for both, nor over a file that is not an earlier output of its kind
+        problem = output_problem("--json", args.json, "json", force=args.force) or \
+            output_problem("--plot", args.plot, "png", earlier=[("--json", args.json)],
+                           force=args.force)
+        if problem is not None:
+            raise _Usage(message(problem))
         if args.plot and importlib.util.find_spec("matplotlib") is None:
             raise _Usage('--plot needs matplotlib, which is not installed: '
                          'pip install "attnkit[plot]"')

@@ -8,6 +8,8 @@ import math
 import statistics
 from typing import Any
 
+from ._outfiles import savefig_kwargs
+
 __all__ = ["spread", "write_json", "plot"]
 
 
@@ -83,4 +85,4 @@ def plot(path: str, cases: list[Any], meta: dict[str, object]) -> None:
                  fontsize=9)
     if used:
         fig.legend(fontsize=8, loc="outside lower center", ncols=len(used))
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, **savefig_kwargs(path))

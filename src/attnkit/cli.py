@@ -4,18 +4,22 @@
     attnkit explain --example NAME        a built-in example (``attnkit examples`` lists them)
     attnkit explain --q Q --k K --v V     your own inputs (.npy, .json or .csv)
           [--causal | --mask FILE] [--scale X] [--softcap C] [--heads N]
-          [--lang en|ko] [--html OUT.html] [--plot OUT.png]
+          [--lang en|ko] [--html OUT.html] [--plot OUT.png] [--force]
     attnkit explain --model minilm [--text "..."] [--layer L --head H --token T]
-          [--pad-to N] [--lang] [--html] [--plot]
+          [--pad-to N] [--lang] [--html] [--plot] [--force]
                                           a real model's attention (every layer × head)
     attnkit examples [--lang ko]          the built-in examples, one per line
-    attnkit lesson [NAME] [--lang] [--plot OUT.png]
+    attnkit lesson [NAME] [--lang] [--plot OUT.png] [--force]
                                           a lesson: sqrt-dk, bounds, attn-vs-ffn, heads
     attnkit --version                     the installed version
     attnkit bench ... / attnkit cost ...  handed to attnkit.bench / attnkit.cost
 
 Bad input (an unreadable file, shapes that don't fit, an unknown example) prints one line
 on stderr — the file, the shapes seen and what would fit — and exits with status 2.
+
+Outputs (``--html``, ``--plot``) are checked before any work: never an input file, never
+one file for two outputs, and an existing file only when it is an earlier attnkit output of
+that kind (a page, a PNG) — anything else needs ``--force`` (see ``attnkit._outfiles``).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NoReturn
 
+from ._outfiles import output_problem
 from .explain.examples import DEFAULT, EXAMPLES, with_overrides
 from .explain.guard import ExplainError
 from .explain.inputs import InputError, finite_number, parse_labels, prepare_inputs
@@ -82,6 +87,8 @@ def _build_parser() -> _Parser:
                     help="terminal colour (default: only on a terminal)")
     ex.add_argument("--html", metavar="OUT.html", help="also write a self-contained HTML page")
     ex.add_argument("--plot", metavar="OUT.png", help="also write heatmaps of the weights")
+    ex.add_argument("--force", action="store_true",
+                    help="replace an existing --html / --plot file that attnkit did not write")
     ex.add_argument("--plot-steps", metavar="LIST", default="weights",
                     help="what --plot draws, comma-separated from scores, scaled, logits, "
                          "weights (default weights)")
@@ -103,6 +110,8 @@ def _build_parser() -> _Parser:
                      help="one of " + ", ".join(LESSONS) + " (none: list them)")
     les.add_argument("--lang", choices=LANGS, default="en", help="language (default en)")
     les.add_argument("--plot", metavar="OUT.png", help="also draw the lesson's figure")
+    les.add_argument("--force", action="store_true",
+                     help="replace an existing --plot file that attnkit did not write")
     exs = sub.add_parser("examples", help="list the built-in examples")
     exs.add_argument("--lang", choices=LANGS, default="en", help="language (default en)")
     for name, text in DELEGATED.items():
@@ -130,8 +139,7 @@ def _model(args: argparse.Namespace) -> int:
              if getattr(args, n) is not None] + (["--causal"] if args.causal else [])
     if given:
         raise InputError("model_only", opts=", ".join(given))
-    _check_output(args.html, "write_html")
-    _check_output(args.plot, "write_plot")
+    _check_outputs(args)
     try:
         from transformers.utils import logging as hf_logging
 
@@ -184,7 +192,7 @@ def _lesson(args: argparse.Namespace) -> int:
         return 0
     lesson = LESSONS[args.name]
     if args.plot:
-        _check_output(args.plot, "write_plot")
+        _check_outputs(args)
         if lesson.make_plot is None:
             raise InputError("lesson_no_plot", name=args.name)
     sys.stdout.write(lesson.text(args.lang))
@@ -230,6 +238,23 @@ def _check_output(path: str | None, key: str) -> None:
         raise InputError(key, path=path, err=f"the folder {parent} does not exist")
 
 
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Every output option (--html, --plot) before any work: writable, not an input file,
+    not the file of another output, and not an existing file attnkit did not write (unless
+    --force)."""
+    outputs = [("--html", getattr(args, "html", None), "html", "write_html"),
+               ("--plot", getattr(args, "plot", None), "png", "write_plot")]
+    inputs = [(f"--{n}", getattr(args, n, None)) for n in ("q", "k", "v", "mask")]
+    earlier: list[tuple[str, str | None]] = []
+    for flag, path, kind, key in outputs:
+        _check_output(path, key)
+        problem = output_problem(flag, path, kind, inputs=inputs, earlier=earlier,
+                                 force=getattr(args, "force", False))
+        if problem is not None:
+            raise InputError(problem[0], **problem[1])
+        earlier.append((flag, path))
+
+
 def _explain(args: argparse.Namespace) -> int:
     if args.decimals < 0 or args.decimals > 12:
         raise InputError("decimals", d=args.decimals)
@@ -248,6 +273,7 @@ def _explain(args: argparse.Namespace) -> int:
     _check_output(args.plot, "write_plot")
     if args.plot and not args.plot.lower().endswith(".png"):
         raise InputError("plot_ext", path=args.plot)
+    _check_outputs(args)
     try:
         traces = _traces(args)
     except (InputError, ExplainError):

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .._outfiles import GENERATOR_META
 from .common import (
     MAX_HEADS,
     NEG_RGB,
@@ -459,7 +460,7 @@ def render_html(traces: Trace | Sequence[Trace], lang: str = "en", decimals: int
     title = f"{t['page_doc_title']} — {first}" if first else t["page_doc_title"]
     body = "".join(_section(tr, lang, i, decimals) for i, tr in enumerate(traces))
     return (
-        f'<!doctype html><html lang="{lang}"><head><meta charset="utf-8">'
+        f'<!doctype html><html lang="{lang}"><head><meta charset="utf-8">{GENERATOR_META}'
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
         f"<title>{E(title)}</title><style>{CSS}{PLAY_CSS}</style>"
         f"<script>{ERROR_HOOK}</script></head>"

@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from .._outfiles import MESSAGES as _OUTPUT_MESSAGES
 from .common import cut_width, shape_str
 from .guard import MAX_VALUES
 
@@ -46,8 +47,8 @@ _FALSE = {"false", "False", "FALSE"}
 MESSAGES: dict[str, dict[str, str]] = {
     "en": {
         "csv_empty": "{what} file {path} is empty: write one row of numbers per line",
-        "csv_ragged": "{what} file {path}: rows have different lengths {lens}; every row needs "
-                      "the same number of comma-separated values",
+        "csv_ragged": "{what} file {path}: rows have {n} different lengths, length (rows): "
+                      "{lens}; every row needs the same number of comma-separated values",
         "csv_cell": "{what} file {path}: row {i}, column {j} is {cell!r}, not a number "
                     "(use e.g. 0.5, -2 or -inf)",
         "json_bad": "{what} file {path} is not valid JSON ({msg} at line {line}, column {col}): "
@@ -126,11 +127,12 @@ MESSAGES: dict[str, dict[str, str]] = {
         "write_plot": "cannot write --plot {path}: {err}",
         "plot_ext": "--plot {path}: heatmaps are written as PNG; give a file name ending in .png",
         "needs_mpl": "--plot needs matplotlib ({err}): pip install \"attnkit[plot]\"",
+        **_OUTPUT_MESSAGES["en"],
     },
     "ko": {
         "csv_empty": "{what} 파일 {path}이(가) 비어 있습니다: 한 줄에 숫자 한 행씩 쓰세요",
-        "csv_ragged": "{what} 파일 {path}: 행의 길이가 서로 다릅니다 {lens}; 모든 행은 쉼표로 "
-                      "구분된 값의 개수가 같아야 합니다",
+        "csv_ragged": "{what} 파일 {path}: 행의 길이가 {n}가지로 서로 다릅니다, 길이 (행): "
+                      "{lens}; 모든 행은 쉼표로 구분된 값의 개수가 같아야 합니다",
         "csv_cell": "{what} 파일 {path}: {i}행 {j}열의 {cell!r}은(는) 숫자가 아닙니다 "
                     "(예: 0.5, -2, -inf)",
         "json_bad": "{what} 파일 {path}은(는) 올바른 JSON이 아닙니다 ({line}행 {col}열: {msg}): "
@@ -213,6 +215,7 @@ MESSAGES: dict[str, dict[str, str]] = {
         "write_plot": "--plot {path}에 쓸 수 없습니다: {err}",
         "plot_ext": "--plot {path}: 히트맵은 PNG로 저장됩니다. 이름이 .png로 끝나는 파일을 주세요",
         "needs_mpl": "--plot에는 matplotlib가 필요합니다 ({err}): pip install \"attnkit[plot]\"",
+        **_OUTPUT_MESSAGES["ko"],
     },
 }
 
@@ -232,6 +235,38 @@ class InputError(ValueError):
         return " ".join(table[self.key].format(**self.params).split("\n"))
 
 
+def _runs(rows: list[int]) -> list[str]:
+    """Sorted 1-based row numbers → ``["1–10", "12"]`` (runs of consecutive rows)."""
+    out: list[str] = []
+    start = prev = rows[0]
+    for r in [*rows[1:], 0]:                                  # 0: the end (rows are >= 1)
+        if r == prev + 1:
+            prev = r
+            continue
+        out.append(f"{start}" if start == prev else f"{start}–{prev}")
+        start = prev = r
+    return out
+
+
+def row_lengths(lens: list[int], max_lengths: int = 4, max_runs: int = 3) -> str:
+    """Each row length with the rows that have it, bounded for a one-line message:
+    ``[4]*10 + [3] + [4]*5`` → ``"4 (1–10, 12–16), 3 (11)"``. The most common length comes
+    first; at most ``max_lengths`` lengths (then ``… (+k)``) and ``max_runs`` runs of rows
+    each (then "…")."""
+    by_len: dict[int, list[int]] = {}
+    for i, n in enumerate(lens, start=1):
+        by_len.setdefault(n, []).append(i)
+    order = sorted(by_len, key=lambda n: -len(by_len[n]))     # stable: ties by first row
+    parts = []
+    for n in order[:max_lengths]:
+        runs = _runs(by_len[n])
+        shown = ", ".join(runs[:max_runs]) + (", …" if len(runs) > max_runs else "")
+        parts.append(f"{n} ({shown})")
+    if len(order) > max_lengths:
+        parts.append(f"… (+{len(order) - max_lengths})")
+    return ", ".join(parts)
+
+
 def _read_csv(path: Path, what: str) -> np.ndarray:
     with path.open(newline="", encoding="utf-8-sig") as f:      # -sig: a BOM (Excel) is fine
         rows = [[c.strip() for c in r] for r in csv.reader(f)]
@@ -239,7 +274,9 @@ def _read_csv(path: Path, what: str) -> np.ndarray:
     if not rows:
         raise InputError("csv_empty", what=what, path=path)
     if len({len(r) for r in rows}) > 1:
-        raise InputError("csv_ragged", what=what, path=path, lens=[len(r) for r in rows])
+        lens = [len(r) for r in rows]
+        raise InputError("csv_ragged", what=what, path=path, n=len(set(lens)),
+                         lens=row_lengths(lens))
     cells = [c for r in rows for c in r]
     if all(c in _TRUE | _FALSE for c in cells):
         return np.array([[c in _TRUE for c in r] for r in rows], dtype=bool)

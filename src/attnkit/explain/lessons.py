@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from .._outfiles import savefig_kwargs
 from .common import fmt
 from .strings import check_lang
 
@@ -186,7 +187,7 @@ def _sqrt_plot(path: Path, lang: str) -> Path:
             ax.legend(fontsize=8)
             ax.grid(alpha=0.3)
         fig.suptitle(title)
-    fig.savefig(path)
+    fig.savefig(path, **savefig_kwargs(path))
     return path
 
 

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .._outfiles import GENERATOR_META, savefig_kwargs
 from .common import fmt, pool
 from .strings import STRINGS, check_lang
 from .text import display_width
@@ -245,7 +246,7 @@ def model_html(mt: ModelTrace, lang: str, layer: int, head: int, token: int) -> 
             + "</section>"
             + f'<p class="legend">{E(t["m_head_note"].format(dh=mt.d_head))}</p>'
             + section_html(one, lang))
-    return (f'<!doctype html><html lang="{lang}"><head><meta charset="utf-8">'
+    return (f'<!doctype html><html lang="{lang}"><head><meta charset="utf-8">{GENERATOR_META}'
             '<meta name="viewport" content="width=device-width, initial-scale=1">'
             f"<title>{E(t['m_title'].format(model=mt.model))}</title>"
             f"<style>{CSS}{MODEL_CSS}</style><script>{ERROR_HOOK}</script></head>"
@@ -305,5 +306,5 @@ def model_plot(mt: ModelTrace, path: str | Path, lang: str, layer: int, head: in
         ticks = ", ".join(f"{i + 1}:{x}" for i, x in enumerate(lab[:n]))
         fig.supxlabel(ticks if len(ticks) < 220 else ticks[:217] + "…", fontsize=7)
     out = Path(path)
-    fig.savefig(out)
+    fig.savefig(out, **savefig_kwargs(out))
     return out

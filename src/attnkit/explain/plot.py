@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .._outfiles import savefig_kwargs
 from .common import (
     MAX_HEADS,
     PLOT_GRID,
@@ -208,5 +209,5 @@ def render_plot(traces: Trace | Sequence[Trace], path: str | Path,
             fig.supxlabel("   ".join(dict.fromkeys(notes)), x=0.01, ha="left", fontsize=7,
                           color="#5b6475")
         out = Path(path)
-        fig.savefig(out, format="png")
+        fig.savefig(out, format="png", **savefig_kwargs(out, "png"))
     return out
