@@ -43,12 +43,13 @@ MESSAGES: dict[str, dict[str, str]] = {
                       "replacing it; give another name, or add --force to replace it",
     },
     "ko": {
-        "out_is_input": "{flag} {path}은(는) {inp} 입력 파일이기도 합니다: attnkit은 입력 "
-                        "파일을 덮어쓰지 않습니다. 출력에 다른 이름을 주세요 (예: {suggest})",
-        "out_twice": "{a}와(과) {b}가 같은 파일 {path}을(를) 가리킵니다: 출력마다 다른 파일을 "
-                     "주세요",
-        "out_exists": "{flag} {path}이(가) 이미 있고, attnkit이 쓴 {kind} 출력이 아닙니다: "
-                      "바꾸지 않습니다. 다른 이름을 주거나, 바꾸려면 --force를 더하세요",
+        "out_is_input": "{flag} {path}: {inp} 입력으로 읽는 파일입니다. attnkit은 입력 파일을 "
+                        "덮어쓰지 않으니, 출력 파일 이름을 따로 정해 주세요 (예: {suggest})",
+        "out_twice": "{a}, {b} 두 출력이 같은 파일({path})을 가리킵니다: 출력마다 다른 파일 "
+                     "이름을 주세요",
+        "out_exists": "{flag} {path}: 이미 있는 파일인데, attnkit이 만든 {kind} 출력이 "
+                      "아니어서 덮어쓰지 않았습니다. 다른 이름을 쓰거나, 덮어쓰려면 --force를 "
+                      "붙이세요",
     },
 }
 
