@@ -4,7 +4,6 @@ causal with N_q != N_k, dropout statistics, and where torch errors."""
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 
 import pytest
@@ -202,7 +201,7 @@ def test_kv_batch_one_is_not_copied():
 
 
 @pytest.mark.parametrize("case", [
-    "gqa_without_flag", "gqa_not_divisible", "mask_with_causal", "1d", "mask_1d",
+    "gqa_without_flag", "gqa_not_divisible", "1d", "mask_1d",
     "mask_enlarges", "mask_int", "mask_f64_for_f32", "dtypes_mixed", "d_k_mismatch",
     "dropout_above_1", "batch_mismatch", "scale_str", "causal_int", "gqa_int",
 ])
@@ -212,7 +211,6 @@ def test_errors_where_torch_errors(case):
     cases = {
         "gqa_without_flag": lambda f: f(q4, k4, k4),
         "gqa_not_divisible": lambda f: f(q4, q4[:, :3], q4[:, :3], enable_gqa=True),
-        "mask_with_causal": lambda f: f(q, q, q, torch.ones(5, 5, dtype=torch.bool), 0.0, True),
         "1d": lambda f: f(q[0, 0, 0], q[0, 0, 0], q[0, 0, 0]),
         "mask_1d": lambda f: f(q, q, q, attn_mask=torch.zeros(5)),
         "mask_enlarges": lambda f: f(q, q, q, attn_mask=torch.zeros(3, 4, 5, 5)),
@@ -227,14 +225,35 @@ def test_errors_where_torch_errors(case):
         "causal_int": lambda f: f(q, q, q, is_causal=1),
         "gqa_int": lambda f: f(q, q, q, enable_gqa=1),
     }
-    # torch's kernels differ here: the math kernel refuses mask + is_causal (the CPU flash
-    # kernel combines them); the default dispatch refuses a 1-D mask (math broadcasts it)
-    kernels = sdpa_kernel(SDPBackend.MATH) if case == "mask_with_causal" else \
-        contextlib.nullcontext()
-    with kernels, pytest.raises((RuntimeError, TypeError, IndexError, ValueError)):
+    # torch's kernels differ here: the default dispatch refuses a 1-D mask (math broadcasts it)
+    with pytest.raises((RuntimeError, TypeError, IndexError, ValueError)):
         cases[case](F.scaled_dot_product_attention)
     with pytest.raises((ValueError, TypeError)):
         cases[case](SDPA)
+
+
+@pytest.mark.parametrize("nq,nk", [(5, 5), (3, 7), (7, 3)])
+@pytest.mark.parametrize("kind", ["bool", "float", "bool_4d"])
+def test_mask_with_is_causal_combines_as_torch(nq: int, nk: int, kind: str) -> None:
+    # torch 2.13's default dispatch takes attn_mask ∧ top-left causal (its math kernel alone
+    # refuses the pair); HF models pass both
+    torch.manual_seed(1)
+    q, k, v = rnd(2, 3, nq, 8, dtype=torch.float32), rnd(2, 3, nk, 8, dtype=torch.float32), \
+        rnd(2, 3, nk, 8, dtype=torch.float32)
+    if kind == "float":
+        mask = torch.randn(nq, nk)
+    else:
+        mask = torch.rand((2, 1, nq, nk) if kind == "bool_4d" else (nq, nk)) > 0.3
+        mask[..., 0] = True                           # every row keeps key 0 (torch: no NaN)
+    q.requires_grad_()
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=True)
+    got = SDPA(q, k, v, attn_mask=mask, is_causal=True)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)
+    (gw,) = torch.autograd.grad(want.sum(), q)
+    (gg,) = torch.autograd.grad(got.sum(), q)
+    torch.testing.assert_close(gg, gw, atol=1e-5, rtol=1e-5)
+    with sdpa_kernel(SDPBackend.MATH), pytest.raises(RuntimeError):   # why older code refused
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=True)
 
 
 def test_empty_sizes_match_torch():

@@ -580,6 +580,15 @@ def _traced(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: float 
     return (out, lse) if return_lse else out
 
 
+def _and_causal(attn_mask: torch.Tensor, n_q: int, n_k: int) -> torch.Tensor:
+    """``attn_mask`` with top-left causal applied too (query i keeps keys 0..i): bool masks
+    are and-ed, float masks get −∞ where causal blocks — as torch 2.13 combines them."""
+    keep = torch.ones(n_q, n_k, dtype=torch.bool, device=attn_mask.device).tril()  # (L, S)
+    if attn_mask.dtype == torch.bool:
+        return attn_mask & keep
+    return attn_mask.masked_fill(~keep, -math.inf)
+
+
 def scaled_dot_product_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
@@ -596,8 +605,10 @@ def scaled_dot_product_attention(
     As in torch: leading dims of query, key and value broadcast against each other (2-D and
     3-D inputs too; K/V with batch 1 are not copied per batch element); ``attn_mask`` is
     bool (True = take part in attention) or float (added to the logits) of query's dtype or
-    float32, at least 2-D; ``is_causal`` is top-left causal (query i sees keys 0..i) and may
-    not be combined with ``attn_mask``; ``scale`` and ``enable_gqa`` are keyword-only;
+    float32, at least 2-D; ``is_causal`` is top-left causal (query i sees keys 0..i), and
+    together with ``attn_mask`` the two combine (mask ∧ causal, as torch 2.13's default
+    dispatch does; its math kernel alone refuses the pair); ``scale`` and ``enable_gqa`` are
+    keyword-only;
     without ``enable_gqa`` the head counts must match or one of them be 1; with it H_q must
     be a multiple of H_kv. A query whose mask row allows no key gets 0 (torch ≥ 2.5; older
     torch gave NaN); a float mask row holding NaN or +inf gives NaN, as in torch.
@@ -626,8 +637,9 @@ def scaled_dot_product_attention(
         raise ValueError(f"dropout_p must be a number in [0, 1], got {dropout_p!r}")
     if attn_mask is not None:
         _check_sdpa_mask(attn_mask, query)
-    if attn_mask is not None and is_causal:
-        _check_causal_flag(attn_mask, is_causal)        # torch refuses both (math kernel)
+    if attn_mask is not None and is_causal:             # torch's default dispatch: mask ∧ causal
+        _check_causal_flag(None, is_causal)
+        attn_mask, is_causal = _and_causal(attn_mask, query.shape[-2], key.shape[-2]), False
     q, k, v = query, key, value
     if max(t.dim() for t in (q, k, v)) > 2:
         q, k, v = _sdpa_broadcast(q, k, v, enable_gqa)
