@@ -11,6 +11,7 @@ Shape legend: q (B, H_q, N_q, D), k, v (B, H_kv, N_k, D).
 from __future__ import annotations
 
 import math
+import threading
 import warnings
 
 import pytest
@@ -300,5 +301,144 @@ def test_float_remainder_and_floor_divide_round_as_torch(dtype: torch.dtype) -> 
     assert n["native"] == 1
     ref = ak.attention(q.to(dtype), k.to(dtype), v.to(dtype), score_mod=mod,
                        backend="reference")
+    tol = {"atol": 1e-12, "rtol": 1e-10} if dtype == F64 else {"atol": 2e-5, "rtol": 2e-5}
+    torch.testing.assert_close(out, ref, **tol)
+
+
+# ---------------------------------------------------------------- never stale, never shared
+def native_vs_reference(q, k, v, mod) -> float:  # noqa: ANN001
+    """Max |tiled (native) - reference| of one float32 call of ``mod``."""
+    with counting() as n:
+        out = ak.attention(q, k, v, score_mod=mod, backend="tiled")
+    assert n["native"] == 1, n
+    ref = ak.attention(q.double(), k.double(), v.double(), score_mod=mod, backend="reference")
+    return (out.double() - ref).abs().max().item()
+
+
+STALE_TABLE = torch.zeros(H, 64, dtype=torch.int32)
+
+
+def _stale_array():  # noqa: ANN202
+    import numpy as np
+    return np.zeros(64)
+
+
+STALE_ARRAY = _stale_array()
+
+
+def via_data(score, b, h, q_idx, kv_idx):  # noqa: ANN001, ANN201
+    return score + STALE_TABLE[h, kv_idx % 64] * 0.25           # read per score
+
+
+def via_folded(score, b, h, q_idx, kv_idx):  # noqa: ANN001, ANN201
+    return score + STALE_TABLE.long()[h, kv_idx % 64] * 0.25    # the trace folds .long()
+
+
+def via_numpy(score, b, h, q_idx, kv_idx):  # noqa: ANN001, ANN201
+    return (score + torch.tensor(STALE_ARRAY)[kv_idx % 64]
+            + torch.as_tensor(STALE_ARRAY)[kv_idx % 64])
+
+
+@pytest.mark.parametrize("mod", [via_data, via_folded, via_numpy], ids=lambda f: f.__name__)
+def test_captured_data_written_behind_torchs_back_is_never_served_stale(mod) -> None:  # noqa: ANN001
+    """A write through ``t.data`` (its own version counter), under a constant the trace folds
+    (``table.long()``), or by NumPy to an array read with ``torch.tensor`` /
+    ``torch.as_tensor`` inside the score_mod: the next call computes with the new data."""
+    STALE_TABLE.zero_()
+    STALE_ARRAY[:] = 0.0
+    q, k, v = (t.float() for t in qkv(1, H, 2, 20, 64, 16))
+    assert native_vs_reference(q, k, v, mod) < 1e-5
+    STALE_TABLE.data[:, :32] = 5                        # .data: STALE_TABLE._version unchanged
+    STALE_ARRAY[:32] = 2.0                              # NumPy: torch sees nothing
+    assert native_vs_reference(q, k, v, mod) < 1e-5
+
+
+def test_threads_share_a_compiled_score_mod_but_not_its_call_state() -> None:
+    """One score_mod in two threads: the out-of-range flag and the captured data belong to
+    each call — the in-range thread never raises, the out-of-range one always does."""
+    small = torch.randn(H, 50)
+
+    def mod(score, b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202
+        return score + small[h, kv_idx]                 # kv_idx >= 50: torch raises
+
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(1, H, 96, 32, generator=g)
+    k_in, v_in = (torch.randn(1, H, 40, 32, generator=g) for _ in range(2))
+    k_out, v_out = (torch.randn(1, H, 60, 32, generator=g) for _ in range(2))
+    ak.attention(q, k_in, v_in, score_mod=mod, backend="tiled")      # compiled once
+    ref = ak.attention(q, k_in, v_in, score_mod=mod, backend="reference")
+    raised = {"in": 0, "out": 0, "wrong": 0}
+    start = threading.Barrier(2)
+
+    def run(which: str, k: torch.Tensor, v: torch.Tensor) -> None:
+        start.wait()
+        for _ in range(40):
+            try:
+                out = ak.attention(q, k, v, score_mod=mod, backend="tiled")
+                if which == "in" and (out - ref).abs().max() > 1e-5:
+                    raised["wrong"] += 1
+            except IndexError:
+                raised[which] += 1
+
+    threads = [threading.Thread(target=run, args=a) for a in (("in", k_in, v_in),
+                                                              ("out", k_out, v_out))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert raised == {"in": 0, "out": 40, "wrong": 0}
+
+
+def test_float64_call_with_float32_and_float16_intermediates() -> None:
+    """A float64 call whose score_mod computes in float32 / float16: correctly rounded ops
+    (casts, + - * /, comparisons) agree with the float64 reference as torch computes them
+    (float16 nodes rounded); torch's float32 functions (exp, tanh, even sqrt here) are not
+    correctly rounded and neither are the kernel's, so those agree to float32 precision at
+    the node — the rule in score_mod.py's Caution."""
+    q, k, v = qkv(1, H, 2, 37, 53, 16)
+
+    def exact(score, b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202
+        d = (q_idx - kv_idx).float()
+        return (score + (d * 0.1 + score.float() / 3).double() + (score.half() * 1.5).double()
+                + torch.where(d.half() > 2.5, 0.3, -0.1))
+
+    def functions(score, b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202
+        d = (q_idx - kv_idx).abs().float()
+        return score + torch.exp(-d * 0.3) + score.float().tanh() - 0.1 * d.sqrt()
+
+    with counting() as n:
+        out = ak.attention(q, k, v, score_mod=exact, backend="tiled")
+        out_f = ak.attention(q, k, v, score_mod=functions, backend="tiled")
+    assert n["native"] == 2
+    ref = ak.attention(q, k, v, score_mod=exact, backend="reference")
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
+    ref_f = ak.attention(q, k, v, score_mod=functions, backend="reference")
+    err = (out_f - ref_f).abs().max().item()
+    assert err < 8 * 2.0**-24 * 8, err                  # a few float32 ulps of the terms
+
+
+I32 = torch.tensor([2**30, 2**30 + 5, 3, -2**31, 7, 2**31 - 1] * 20, dtype=torch.int32)
+EXPONENT = torch.tensor([-1, -2, 0, 3, -3, 1] * 20)
+
+
+def integer_and_half_semantics(score, b, h, q_idx, kv_idx):  # noqa: ANN001, ANN201
+    wrap = kv_idx.to(torch.uint8).float() * 0.01 + (kv_idx * 3).to(torch.int8).float() * 0.01
+    overflow = (I32[kv_idx] * 3 + I32[kv_idx]).double() * 1e-9     # int32 wraps
+    power = torch.pow(kv_idx % 5 - 2, EXPONENT[kv_idx]).float()     # 0, or ±1, for b < 0
+    d = (q_idx - kv_idx).float() * 0.37                    # exact inputs: no flaky rounding
+    rounded = d.half().float() * 0.1 + (d * 1.7).bfloat16().float() * 0.1
+    return score + wrap + overflow + power + rounded
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_integer_wrapping_negative_powers_and_half_rounding_as_torch(dtype) -> None:  # noqa: ANN001
+    """The compiled function computes what torch computes: narrow integer casts wrap, int32
+    arithmetic wraps at 32 bits, an integer to a negative power is 0 (but for ±1), and
+    ``.half()`` / ``.bfloat16()`` round to their formats."""
+    q, k, v = (t.to(dtype) for t in qkv(1, H, 2, 30, 120, 16, scale=4.0))
+    with counting() as n:
+        out = ak.attention(q, k, v, score_mod=integer_and_half_semantics, backend="tiled")
+    assert n["native"] == 1
+    ref = ak.attention(q, k, v, score_mod=integer_and_half_semantics, backend="reference")
     tol = {"atol": 1e-12, "rtol": 1e-10} if dtype == F64 else {"atol": 2e-5, "rtol": 2e-5}
     torch.testing.assert_close(out, ref, **tol)

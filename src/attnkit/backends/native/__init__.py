@@ -236,6 +236,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float |
     if rel is not None:
         cut = max(0, int(rel_max_distance) - (max(Nq, Nk) - 1))  # type: ignore[arg-type]
     n_split = splits or _auto_splits(B * Hkv * math.ceil(Nq / rows), Nk)
+    call = None if score_mod is None else score_mod.bind()  # this call's caps and error flag
     common = (
         float(Dk ** -0.5 if scale is None else scale), float(softcap or 0.0),
         slopes, float(alibi_offset),
@@ -249,17 +250,17 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float |
         None if doc_ids is None else _ids(doc_ids, B, Nq, "doc_ids"),
         None if kv_doc_ids is None else _ids(kv_doc_ids, B, Nk, "kv_doc_ids"),
         None if dense_mask is None else _as4d(dense_mask, shape4, "dense_mask", torch.bool),
-        0 if score_mod is None else score_mod.address,
-        0 if score_mod is None else score_mod.caps_address)
+        0 if call is None else call.address,
+        0 if call is None else call.caps_address)
     ali = alibi_slopes if isinstance(alibi_slopes, torch.Tensor) else None
     if torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (q, k, v, rel, ali, bias)):
         out = _NativeAttention.apply(q, k, v, rel, ali, bias, common,
-                                     (int(n_split), int(rows)), score_mod)
+                                     (int(n_split), int(rows)), call)
     else:
         out = ops.attend(q, k, v, *common, int(n_split), int(rows))
-    if score_mod is not None:
-        score_mod.check()                                    # an index out of range: raise
+    if call is not None:
+        call.check()                                         # an index out of range: raise
     return out
 
 

@@ -15,16 +15,31 @@ Shape legend::
 
 Caution
 -------
-- Float nodes compute in their dtype's C type (float16 / bfloat16 as float); integer nodes
-  as int64; bool as bool. Any op outside ``_UNARY`` / ``_BINARY`` / the casts raises
-  :class:`Unsupported`.
+- Every node computes what torch computes for it (the table test,
+  ``tests/backends/test_native_score_mod_ops.py``, compares each op and dtype to torch):
+  float32 / float64 nodes in float / double; float16 / bfloat16 nodes in float, each result
+  (and derivative) rounded to its format (round-to-nearest-even), operands of another dtype
+  rounded first, except a Python number in ``* / //`` (torch keeps those in float);
+  integer nodes in their own width (int8 / int16 / int32 / uint8 / int64 wrap in two's
+  complement, as torch; built with ``-fwrapv``); bool as bool. Integer ``//`` and ``%`` go
+  through double (the loops vectorise) and, where an int64 operand reaches 2^53, the row runs
+  again with exact integer division. Float -> integer casts of NaN, ±inf or values out of range
+  give what torch gives on x86-64 (int64 / int32: the minimum; narrower: through int32, uint8
+  through int64). Transcendental functions (``exp``, ``log``, ``tanh``, ``sin``, ``pow``, ...)
+  are within a few ulp of torch's, not bit-equal (torch's own differ between its vector and
+  scalar paths, and even its float32 ``sqrt`` is not correctly rounded here): a float64 call
+  whose score_mod computes such a function in float32 agrees with the float64 reference to
+  float32 precision at that node.
+- Any op outside ``_UNARY`` / ``_BINARY`` / the casts raises :class:`Unsupported`; so does a
+  captured 0-d tensor whose type promotion with a per-score value differs between the 0-d
+  trace and torch's batched evaluation (0-d tensors do not promote dimensioned ones there).
 """
 
 from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -41,22 +56,27 @@ class Unsupported(Exception):
 @dataclass
 class _Val:
     """One value per score: a C expression (a variable or a literal) of ``ctype``; ``tan`` the
-    variable holding its derivative by the score (None = 0)."""
+    variable holding its derivative by the score (None = 0). ``lit``: a Python number of the
+    graph; ``const``: a captured 0-d tensor (the same for every score)."""
 
     code: str
     ctype: str
     dtype: torch.dtype | None = None
     tan: str | None = None
+    lit: bool = False
+    const: bool = False
 
 
 @dataclass
 class _Part:
-    """A captured tensor, some leading free dims indexed: ``idx[d]`` None = still free."""
+    """A captured tensor, some leading free dims indexed: ``idx[d]`` None = still free;
+    ``casts`` the dtypes it was cast to, in order (applied per loaded value)."""
 
     cap: int
     shape: tuple[int, ...]
     dtype: torch.dtype
     idx: list[_Val | None]
+    casts: tuple[torch.dtype, ...] = field(default=())
 
 
 @dataclass
@@ -66,6 +86,17 @@ class _Const:
 
 _FLOAT = {torch.float32: "float", torch.float16: "float", torch.bfloat16: "float",
           torch.float64: "double"}
+_INT = {torch.int8: "int8_t", torch.int16: "int16_t", torch.int32: "int32_t",
+        torch.int64: "int64_t", torch.uint8: "uint8_t"}
+_HALF = {torch.float16: "ak_f16", torch.bfloat16: "ak_bf16"}   # float -> the format, in float
+# captured data as the kernel reads it: 4- and 8-byte dtypes in place, narrower ones widened
+# per call (8- and 16-bit gathers, and float16's conversion, would not vectorise)
+_STORE = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.int8: torch.int32,
+          torch.int16: torch.int32, torch.uint8: torch.int32, torch.bool: torch.int32}
+# float -> integer as torch on x86-64 (cvtt: out of range or NaN -> the minimum)
+_F2I = {"int64_t": "ak_f2i64({})", "int32_t": "ak_f2i32({})",
+        "int16_t": "((int16_t)ak_f2i32({}))", "int8_t": "((int8_t)ak_f2i32({}))",
+        "uint8_t": "((uint8_t)ak_f2i64({}))"}
 
 
 def _ctype(dtype: torch.dtype) -> str:
@@ -73,8 +104,8 @@ def _ctype(dtype: torch.dtype) -> str:
         return _FLOAT[dtype]
     if dtype == torch.bool:
         return "bool"
-    if not dtype.is_floating_point and not dtype.is_complex:
-        return "int64_t"
+    if dtype in _INT:
+        return _INT[dtype]
     raise Unsupported(f"dtype {dtype} has no C type here")
 
 
@@ -82,11 +113,18 @@ def _is_float(ct: str) -> bool:
     return ct in ("float", "double")
 
 
+def _is_int(ct: str) -> bool:
+    return ct in _F2I
+
+
 def _literal(x: Any) -> _Val:
     if isinstance(x, bool):
-        return _Val("true" if x else "false", "bool", torch.bool)
+        return _Val("true" if x else "false", "bool", torch.bool, lit=True)
     if isinstance(x, int):
-        return _Val(f"INT64_C({x})", "int64_t", torch.int64)
+        if not -2**63 <= x < 2**63:
+            raise Unsupported(f"integer {x} does not fit int64")
+        code = "INT64_MIN" if x == -2**63 else f"INT64_C({x})"
+        return _Val(code, "int64_t", torch.int64, lit=True)
     if isinstance(x, float):
         if math.isnan(x):
             code = "(double)NAN"
@@ -95,16 +133,27 @@ def _literal(x: Any) -> _Val:
         else:
             code = repr(x)
             code = code if ("e" in code or "." in code) else code + ".0"
-        return _Val(code, "double", torch.float64)
+        return _Val(code, "double", torch.float64, lit=True)
     raise Unsupported(f"argument {x!r} ({type(x).__name__}) is not a number")
 
 
 def _cast(v: _Val, ct: str) -> str:
+    """``v`` converted to C type ``ct`` as torch converts (wrapping, x86's float -> int)."""
     if v.ctype == ct:
         return v.code
     if ct == "bool":
         return f"({v.code} != 0)"
+    if _is_float(v.ctype) and _is_int(ct):
+        return _F2I[ct].format(v.code)
     return f"(({ct})({v.code}))"
+
+
+def _conv(v: _Val, dtype: torch.dtype) -> str:
+    """``v`` converted to torch dtype ``dtype`` (float16 / bfloat16: rounded to the format)."""
+    code = _cast(v, _ctype(dtype))
+    if dtype in _HALF and v.dtype != dtype:
+        code = f"{_HALF[dtype]}({code})"
+    return code
 
 
 def _tan(v: _Val, ct: str) -> str | None:
@@ -148,7 +197,11 @@ _ARITH = {"add", "sub", "rsub", "mul", "div", "floor_divide", "remainder", "fmod
 _COMPARE = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
 _LOGIC = {"logical_and": "&&", "logical_or": "||", "logical_xor": "!=", "and": "&",
           "or": "|", "xor": "^", "bitwise_and": "&", "bitwise_or": "|", "bitwise_xor": "^"}
-_BINARY = _ARITH | set(_COMPARE) | set(_LOGIC)
+_SHIFT = {"lshift": "ak_shl", "rshift": "ak_shr"}
+_BINARY = _ARITH | set(_COMPARE) | set(_LOGIC) | set(_SHIFT)
+# ops whose Python-number operand torch keeps in float for a float16 / bfloat16 tensor
+# (its CPU kernels' scalar paths); every other op rounds it to the tensor's format first
+_OPMATH_SCALAR = {"mul", "div", "floor_divide"}
 _CASTS = {"to", "type", "type_as", "float", "double", "half", "bfloat16", "long", "int",
           "short", "bool", "char", "byte"}
 _SAME = {"contiguous", "clone", "expand", "expand_as", "view", "view_as", "reshape",
@@ -159,7 +212,9 @@ _ALIASES = {"absolute": "abs", "negative": "neg", "clip": "clamp", "true_divide"
             "sgn": "sign", "expit": "sigmoid", "floordiv": "floor_divide", "mod": "remainder",
             "and_": "and", "or_": "or", "__getitem__": "getitem", "logical_not": "not",
             "bitwise_not": "invert", "__and__": "and", "__or__": "or", "__xor__": "xor",
-            "__invert__": "invert", "eq": "eq", "clamp_min": "clamp_min"}
+            "__invert__": "invert", "eq": "eq", "clamp_min": "clamp_min",
+            "bitwise_left_shift": "lshift", "bitwise_right_shift": "rshift",
+            "__lshift__": "lshift", "__rshift__": "rshift", "positive": "pos"}
 _NAMES = (set(_UNARY) | _BINARY | _CASTS | _SAME | set(_ALIASES) | {
     "where", "masked_fill", "clamp", "clamp_min", "clamp_max", "full_like", "zeros_like",
     "ones_like", "detach", "getitem", "invert", "not"})
@@ -203,7 +258,10 @@ def _op_name(node: fx.Node) -> str:
 # ---------------------------------------------------------------- code generation
 class Gen:
     """``score_dtype``: float32 (the kernel's float rows, for float32 / bfloat16 / float16
-    inputs) or float64 (its double rows)."""
+    inputs) or float64 (its double rows). After :meth:`run`: ``caps`` the captured tensors
+    (the graph's own objects: their data is read at each call), ``cap_stores`` the dtype the
+    kernel reads each as, ``exact`` whether a row may need its exact (integer-division)
+    rerun."""
 
     def __init__(self, gm: fx.GraphModule, examples: dict[fx.Node, Any], grad: bool,
                  score_dtype: torch.dtype = torch.float32) -> None:
@@ -212,7 +270,9 @@ class Gen:
         self.score_ct = _ctype(score_dtype)
         self.lines: list[tuple[bool, str]] = []      # (is a derivative line, C statement)
         self.caps: list[torch.Tensor] = []
+        self.cap_stores: list[torch.dtype] = []
         self.cap_types: list[str] = []
+        self.exact = False
         self.n = 0
 
     def new(self, ct: str, expr: str, tangent: bool = False) -> str:
@@ -226,6 +286,12 @@ class Gen:
         t = self.new(ct, tan, tangent=True) if (tan is not None and _is_float(ct)) else None
         return _Val(v, ct, dtype, t)
 
+    def rounded(self, v: _Val) -> _Val:
+        """A float16 / bfloat16 node's value (and derivative) rounded to its format."""
+        f = _HALF[v.dtype]                                           # type: ignore[index]
+        t = None if v.tan is None else self.new("float", f"{f}({v.tan})", tangent=True)
+        return _Val(self.new("float", f"{f}({v.code})"), "float", v.dtype, t)
+
     def capture(self, t: torch.Tensor) -> _Part | _Val:
         if not isinstance(t, torch.Tensor) or t.is_complex() or t.device.type != "cpu":
             raise Unsupported(f"captured {type(t).__name__} {getattr(t, 'dtype', '')} "
@@ -233,12 +299,16 @@ class Gen:
         if self.grad and t.requires_grad:
             raise Unsupported(f"captured tensor of shape {tuple(t.shape)} requires grad (the "
                               "native kernel differentiates the score only)")
-        store = torch.float64 if t.dtype == torch.float64 else (
-            torch.float32 if t.dtype.is_floating_point else torch.int64)
-        self.caps.append(t.detach().to(store).contiguous())
+        _ctype(t.dtype)                                         # a dtype the kernel has
+        store = _STORE.get(t.dtype, t.dtype)
+        self.caps.append(t)
+        self.cap_stores.append(store)
         self.cap_types.append(_ctype(store))
         part = _Part(len(self.caps) - 1, tuple(t.shape), t.dtype, [None] * t.dim())
-        return self.load(part) if t.dim() == 0 else part
+        if t.dim() == 0:
+            v = self.load(part)
+            return _Val(v.code, v.ctype, v.dtype, const=True)
+        return part
 
     def load(self, p: _Part) -> _Val:
         off, stride = [], 1
@@ -250,9 +320,13 @@ class Gen:
         addr = " + ".join(off) if off else "0"
         if stride < 2**31:          # clamped indices: the offset fits int32 (faster gathers)
             addr = f"(int32_t)({addr})"
-        raw = _Val(f"c{p.cap}[{addr}]", self.cap_types[p.cap])
-        ct = _ctype(p.dtype)
-        return _Val(self.new(ct, _cast(raw, ct)), ct, p.dtype)
+        src = self.caps[p.cap].dtype
+        raw = _Val(f"c{p.cap}[{addr}]", self.cap_types[p.cap])          # exact: a widening
+        v = _Val(self.new(_ctype(src), _cast(raw, _ctype(src))), _ctype(src), src)
+        for dt in p.casts:                                    # t.half().float()[i]: each cast
+            if dt != v.dtype:
+                v = _Val(self.new(_ctype(dt), _conv(v, dt)), _ctype(dt), dt)
+        return v
 
     def index(self, p: _Part, index: Any) -> _Part | _Val:
         items = list(index) if isinstance(index, tuple) else [index]
@@ -265,13 +339,15 @@ class Gen:
                 continue
             if isinstance(it, _Const):
                 it = it.value
-            if isinstance(it, (int, bool)) and not isinstance(it, bool):
+            if isinstance(it, int) and not isinstance(it, bool):
                 it = _literal(it)
-            if not isinstance(it, _Val) or it.ctype != "int64_t":
-                raise Unsupported(f"index {it!r} into a captured tensor (integer expressions "
-                                  "of b, h, q_idx, kv_idx only)")
+            if not isinstance(it, _Val) or not _is_int(it.ctype) or it.dtype == torch.uint8:
+                what = f"of dtype {it.dtype}" if isinstance(it, _Val) else repr(it)
+                raise Unsupported(f"index {what} into a captured tensor (integer expressions "
+                                  "of b, h, q_idx, kv_idx only; torch reads a uint8 index as a "
+                                  "mask)")
             idx[d] = it
-        q = _Part(p.cap, p.shape, p.dtype, idx)
+        q = _Part(p.cap, p.shape, p.dtype, idx, p.casts)
         return self.load(q) if all(x is not None for x in idx) else q
 
     def run(self) -> _Val:
@@ -286,7 +362,11 @@ class Gen:
             elif node.op in ("call_function", "call_method"):
                 args = fx.node.map_arg(node.args, lambda n: env[n])
                 kwargs = fx.node.map_arg(node.kwargs, lambda n: env[n])
-                env[node] = self.call(_op_name(node), args, kwargs, self.ex.get(node))
+                name = _op_name(node)
+                got = self.call(name, args, kwargs, self.ex.get(node))
+                if isinstance(got, _Val) and got.dtype in _HALF and name != "getitem":
+                    got = self.rounded(got)
+                env[node] = got
             elif node.op == "output":
                 out = fx.node.map_arg(node.args[0], lambda n: env[n])
                 if isinstance(out, (int, float)):
@@ -315,12 +395,17 @@ class Gen:
             raise Unsupported(f"attribute {args[1]!r}")
         if name == "getitem":
             if isinstance(args[0], _Part):
-                return self.index(args[0], args[1])
+                got = self.index(args[0], args[1])
+                if isinstance(got, _Val) and not (isinstance(ex, torch.Tensor) and
+                                                  ex.numel() == 1):
+                    raise Unsupported(f"indexing a captured tensor of shape {args[0].shape} "
+                                      "does not give one value per score here")
+                return got
             raise Unsupported("indexing a per-score value (it is a single number)")
         if isinstance(args[0], _Part) and name in _CASTS | {"detach", "contiguous", "clone"}:
             p = args[0]
-            return _Part(p.cap, p.shape, ex.dtype if isinstance(ex, torch.Tensor) else p.dtype,
-                         p.idx)
+            dt = ex.dtype if isinstance(ex, torch.Tensor) else p.dtype
+            return _Part(p.cap, p.shape, dt, p.idx, p.casts + ((dt,) if dt != p.dtype else ()))
         if not isinstance(ex, torch.Tensor) or ex.numel() != 1:
             raise Unsupported(f"{name} does not give one value per score "
                               f"(example: {type(ex).__name__} {getattr(ex, 'shape', '')})")
@@ -328,30 +413,31 @@ class Gen:
         ct = _ctype(dtype)
         if name in _CASTS or name in _SAME:
             a = self.operand(args[0])
-            return self.value(ct, dtype, _cast(a, ct), _tan(a, ct))
+            return self.value(ct, dtype, _conv(a, dtype), _tan(a, ct))
         if name == "detach":
             a = self.operand(args[0])
-            return self.value(ct, dtype, _cast(a, ct), None)
+            return self.value(ct, dtype, _conv(a, dtype), None)
         if name in ("full_like", "zeros_like", "ones_like"):
             fill = {"zeros_like": 0, "ones_like": 1}.get(name)
             f = self.operand(args[1] if fill is None else fill)
-            return self.value(ct, dtype, _cast(f, ct), None)
+            return self.value(ct, dtype, _conv(f, dtype), None)
         if name in _UNARY or name in ("invert", "not"):
             return self.unary(name, self.operand(args[0]), ct, dtype, kwargs)
         if name in ("clamp", "clamp_min", "clamp_max"):
             return self.clamp(name, args, kwargs, ct, dtype)
         if name == "where":
             c, a, b = (self.operand(x) for x in args[:3])
+            _same_promotion(name, [a, b], dtype)
             cc = _cast(c, "bool")
             t = None
             if a.tan or b.tan:
                 t = f"({cc} ? {_tan(a, ct) or '(' + ct + ')0'} : {_tan(b, ct) or '(' + ct + ')0'})"
-            return self.value(ct, dtype, f"({cc} ? {_cast(a, ct)} : {_cast(b, ct)})", t)
+            return self.value(ct, dtype, f"({cc} ? {_conv(a, dtype)} : {_conv(b, dtype)})", t)
         if name == "masked_fill":
             a, m, f = (self.operand(x) for x in args[:3])
             mc = _cast(m, "bool")
             t = None if a.tan is None else f"({mc} ? ({ct})0 : {_tan(a, ct)})"
-            return self.value(ct, dtype, f"({mc} ? {_cast(f, ct)} : {_cast(a, ct)})", t)
+            return self.value(ct, dtype, f"({mc} ? {_conv(f, dtype)} : {_conv(a, dtype)})", t)
         if name in _BINARY:
             if kwargs.get("alpha", 1) != 1:
                 raise Unsupported(f"{name} with alpha")
@@ -367,13 +453,13 @@ class Gen:
         if name in ("invert", "not"):
             if ct == "bool":
                 return self.value(ct, dtype, f"(!{_cast(a, 'bool')})", None)
-            return self.value(ct, dtype, f"(~{_cast(a, ct)})", None)
+            return self.value(ct, dtype, f"(~{_conv(a, dtype)})", None)
         if not _is_float(ct) and name not in _INT_UNARY:
             raise Unsupported(f"{name} on integers")
         val_t, tan_t = _UNARY[name]
         if not _is_float(ct) and name in ("floor", "ceil", "trunc", "round"):
             val_t = "{a}"
-        ac = _cast(a, ct)
+        ac = _conv(a, dtype)
         y = self.new(ct, val_t.format(a=ac).replace("(T)", f"({ct})"))
         t = None
         if tan_t is not None and a.tan is not None and _is_float(ct):
@@ -386,24 +472,26 @@ class Gen:
         lo = kwargs.get("min", args[1] if len(args) > 1 and name != "clamp_max" else None)
         hi = kwargs.get("max", args[2] if len(args) > 2 else (
             args[1] if name == "clamp_max" and len(args) > 1 else None))
-        code, conds, tan = _cast(a, ct), [], _tan(a, ct)
+        A = _conv(a, dtype)
+        code, conds, tan = A, [], _tan(a, ct)
         lo_v = None if lo is None else self.operand(lo)
         hi_v = None if hi is None else self.operand(hi)
-        if lo_v is not None:
-            code = f"ak_max_c({code}, {_cast(lo_v, ct)})"
-            conds.append(f"{_cast(a, ct)} >= {_cast(lo_v, ct)}")
+        _same_promotion(name, [v for v in (a, lo_v, hi_v) if v is not None], dtype)
+        if lo_v is not None:                             # NaN in a bound: NaN, as torch
+            code = f"ak_clamp_lo<{ct}>({code}, {_conv(lo_v, dtype)})"
+            conds.append(f"{A} >= {_conv(lo_v, dtype)}")
         if hi_v is not None:
-            code = f"ak_min_c({code}, {_cast(hi_v, ct)})"
-            conds.append(f"{_cast(a, ct)} <= {_cast(hi_v, ct)}")
+            code = f"ak_clamp_hi<{ct}>({code}, {_conv(hi_v, dtype)})"
+            conds.append(f"{A} <= {_conv(hi_v, dtype)}")
         t = None
         if _is_float(ct):
             parts = []
             if tan is not None:
                 parts.append(f"(({' && '.join(conds) or 'true'}) ? {tan} : ({ct})0)")
             if lo_v is not None and lo_v.tan is not None:
-                parts.append(f"({_cast(a, ct)} < {_cast(lo_v, ct)} ? {_tan(lo_v, ct)} : ({ct})0)")
+                parts.append(f"({A} < {_conv(lo_v, dtype)} ? {_tan(lo_v, ct)} : ({ct})0)")
             if hi_v is not None and hi_v.tan is not None:
-                parts.append(f"({_cast(a, ct)} > {_cast(hi_v, ct)} ? {_tan(hi_v, ct)} : ({ct})0)")
+                parts.append(f"({A} > {_conv(hi_v, dtype)} ? {_tan(hi_v, ct)} : ({ct})0)")
             t = _sum(*parts)
         return self.value(ct, dtype, code, t)
 
@@ -412,19 +500,28 @@ class Gen:
         if name in _COMPARE or name in ("logical_and", "logical_or", "logical_xor"):
             if name in _COMPARE:
                 ex = [self.ex.get(x) if isinstance(x, fx.Node) else x for x in raw[:2]]
-                cmp = _ctype(torch.result_type(*[_example(e, v) for e, v in zip(ex, (a, b),
-                                                                                  strict=True)]))
-                op = _COMPARE[name]
+                cdt = torch.result_type(*[_example(e, v) for e, v in zip(ex, (a, b),
+                                                                         strict=True)])
+                _same_promotion(name, [a, b], cdt)
+                cmp = f"({_conv(a, cdt)} {_COMPARE[name]} {_conv(b, cdt)})"
             else:
-                cmp, op = "bool", _LOGIC[name]
-            return self.value("bool", torch.bool, f"({_cast(a, cmp)} {op} {_cast(b, cmp)})", None)
-        if name in _LOGIC:
+                cmp = f"({_cast(a, 'bool')} {_LOGIC[name]} {_cast(b, 'bool')})"
+            return self.value("bool", torch.bool, cmp, None)
+        _same_promotion(name, [a, b], dtype)
+        if name in _LOGIC or name in _SHIFT:
             if _is_float(ct):
                 raise Unsupported(f"{name} on floats")
+            if name in _SHIFT:
+                if ct == "bool":
+                    raise Unsupported(f"{name} of bools")
+                return self.value(ct, dtype, f"{_SHIFT[name]}<{ct}>({_conv(a, dtype)}, "
+                                             f"{_conv(b, dtype)})", None)
             op = {"and": "&&", "or": "||", "xor": "!="}.get(name) if ct == "bool" else None
             return self.value(ct, dtype, f"({_cast(a, ct)} {op or _LOGIC[name]} {_cast(b, ct)})",
                               None)
-        A, B = _cast(a, ct), _cast(b, ct)
+        keep = name in _OPMATH_SCALAR                      # a Python number stays in float
+        A = _cast(a, ct) if keep and a.lit else _conv(a, dtype)
+        B = _cast(b, ct) if keep and b.lit else _conv(b, dtype)
         ta, tb = (_tan(a, ct), _tan(b, ct)) if _is_float(ct) else (None, None)
         fl = _is_float(ct)
         if name == "rsub":
@@ -438,46 +535,56 @@ class Gen:
         if name == "mul":
             return self.value(ct, dtype, f"({A} * {B})", _sum(
                 None if ta is None else f"({ta} * {B})", None if tb is None else f"({A} * {tb})"))
-        if name == "div":
-            y = self.new(ct, f"({A} / {B})")
-            t = None
-            if ta is not None or tb is not None:
-                za, zb = ta or f"({ct})0", tb or f"({ct})0"
-                t = self.new(ct, f"(({za} - {y} * {zb}) / {B})", tangent=True)
-            return _Val(y, ct, dtype, t)
+        if name == "div":                                # torch's: g / b, -g * a / (b * b)
+            return self.value(ct, dtype, f"({A} / {B})", _sum(
+                None if ta is None else f"({ta} / {B})",
+                None if tb is None else f"(-{tb} * {A} / ({B} * {B}))"))
         if name in ("floor_divide", "trunc_divide"):
             if fl:                                       # torch's rounding (from fmod)
                 f = "ak_ffloordiv" if name == "floor_divide" else "ak_ftruncdiv"
                 return self.value(ct, dtype, f"{f}({A}, {B})", None)
             f = "ak_floordiv" if name == "floor_divide" else "ak_truncdiv"
-            return self.value(ct, dtype, f"{f}({A}, {B}, bad)", None)
+            return self.value(ct, dtype, self.intdiv(f, A, B, ct), None)
         if name in ("remainder", "fmod"):
             if not fl:
                 f = "ak_mod" if name == "remainder" else "ak_fmod_i"
-                return self.value(ct, dtype, f"{f}({A}, {B}, bad)", None)
+                return self.value(ct, dtype, self.intdiv(f, A, B, ct), None)
             if name == "remainder":                      # torch: fmod, moved to b's sign
                 return self.value(ct, dtype, f"ak_fremainder({A}, {B})", _sum(
                     ta, None if tb is None else f"(-{tb} * ak_ffloordiv({A}, {B}))"))
             return self.value(ct, dtype, f"std::fmod({A}, {B})",
                               _sum(ta, None if tb is None else f"(-{tb} * ak_ftruncdiv({A}, {B}))"))
         if name == "pow":
-            if not fl:
+            if not fl:                                   # negative exponents: 0, or ±1
                 return self.value(ct, dtype, f"ak_ipow({A}, {B})", None)
             e = _number(raw[1])
-            if e is not None and (e == 0.5 or (e == int(e) and 1 <= abs(e) <= 4)):
-                # a^e as products (or a square root): loops with it vectorise
-                pos = f"std::sqrt({A})" if e == 0.5 else "(" + " * ".join([A] * int(abs(e))) + ")"
-                y = self.new(ct, pos if e > 0 else f"(({ct})1 / {pos})")
+            forms = (1.0, 2.0, -1.0) if dtype == torch.float16 else (
+                1.0, 2.0, 3.0, -1.0, -2.0, 0.5, -0.5)
+            if e in forms:
+                # torch's own forms for these exponents (products, a square root; float16:
+                # std::pow but where that is exact; bfloat16: each product rounded): they
+                # vectorise
+                pos = A
+                for _ in range(int(abs(e)) - 1):                 # type: ignore[arg-type]
+                    pos = f"({pos} * {A})"
+                    pos = f"ak_bf16({pos})" if dtype == torch.bfloat16 else pos
+                pos = f"std::sqrt({A})" if abs(e) == 0.5 else pos  # type: ignore[arg-type]
+                y = self.new(ct, pos if e > 0 else f"(({ct})1 / {pos})")  # type: ignore[operator]
                 d = (f"(({ct})0.5 / {y})" if e == 0.5 else
-                     f"(({ct}){e} * {y} / {A})" if e < 0 else
+                     f"(({ct})-0.5 * {y} / {A})" if e == -0.5 else
+                     f"(({ct}){e} * {y} / {A})" if e < 0 else  # type: ignore[operator]
                      f"(({ct}){int(e)}" + "".join(f" * {A}" for _ in range(int(e) - 1)) + ")")
                 t = None if ta is None else self.new(ct, f"({ta} * {d})", tangent=True)
                 return _Val(y, ct, dtype, t)
-            y = self.new(ct, f"std::pow({A}, {B})")
+            if e is not None and dtype == torch.float32:      # torch: pow(float, double)
+                y = self.new(ct, f"((float)std::pow((double){A}, {_cast(b, 'double')}))")
+            else:
+                y = self.new(ct, f"std::pow({A}, {B})")
             parts = []
-            if ta is not None:
-                parts.append(f"({B} == ({ct})0 ? ({ct})0 : "
-                             f"{ta} * {B} * std::pow({A}, {B} - ({ct})1))")
+            if ta is not None:                           # torch: the exponent as given
+                E = _cast(b, ct) if b.lit else B
+                parts.append(f"({E} == ({ct})0 ? ({ct})0 : "
+                             f"{ta} * {E} * std::pow({A}, {E} - ({ct})1))")
             if tb is not None:
                 parts.append(f"(({A} == ({ct})0 && {B} >= ({ct})0) ? ({ct})0 : "
                              f"{tb} * {y} * std::log({A}))")
@@ -486,18 +593,56 @@ class Gen:
         if name in ("minimum", "maximum", "fmin", "fmax"):
             f = {"minimum": "ak_min", "maximum": "ak_max", "fmin": "std::fmin",
                  "fmax": "std::fmax"}[name]
+            if not fl:                                   # integers: no NaN; exact in int64
+                f = {"fmin": "ak_min", "fmax": "ak_max"}.get(name, f)
             t = None
             if ta is not None or tb is not None:
                 za, zb = ta or f"({ct})0", tb or f"({ct})0"
-                if name in ("minimum", "maximum"):
+                if name in ("minimum", "maximum"):      # torch: ties split, NaN feeds both
+                    lt = "<" if name == "maximum" else ">"
                     gt = ">" if name == "maximum" else "<"
                     t = (f"({A} == {B} ? ({za} + {zb}) * ({ct})0.5 : "
-                         f"({A} {gt} {B} ? {za} : {zb}))")
+                         f"(({A} {lt} {B} ? ({ct})0 : {za}) + ({A} {gt} {B} ? ({ct})0 : {zb})))")
                 else:
                     ge = ">=" if name == "fmax" else "<="
                     t = f"(({A} {ge} {B} || {B} != {B}) ? {za} : {zb})"
-            return self.value(ct, dtype, f"{f}({A}, {B})", t)
+            call = f"{f}<{ct}>" if f.startswith("ak_") else f
+            return self.value(ct, dtype, f"{call}({A}, {B})", t)
         raise Unsupported(f"op {name!r}")
+
+    def intdiv(self, f: str, A: str, B: str, ct: str) -> str:
+        """Integer // or %: through double, exact below 2^53 (int64 operands beyond set
+        ``big``: the row runs again, exactly, see :func:`source`)."""
+        self.exact |= ct == "int64_t"
+        return f"{f}<E>({A}, {B}, bad, big)"
+
+
+def _same_promotion(name: str, vals: list[_Val], dtype: torch.dtype) -> None:
+    """Refuse an op whose operands promote differently per score (0-d, the trace) than in
+    torch's batched evaluation, where a captured 0-d tensor does not promote a dimensioned
+    per-score value of its own kind (``score * torch.tensor(2.0, dtype=torch.float64)``)."""
+    if not any(v.const for v in vals) or all(v.const or v.lit for v in vals):
+        return
+
+    def stand_in(v: _Val) -> Any:
+        if v.lit:
+            return {torch.bool: False, torch.int64: 0}.get(v.dtype, 0.0)  # type: ignore[arg-type]
+        return torch.zeros(() if v.const else (1,), dtype=v.dtype)
+
+    got = stand_in(vals[0])
+    for v in vals[1:]:
+        other = stand_in(v)
+        if isinstance(got, torch.Tensor) or isinstance(other, torch.Tensor):
+            dim = any(isinstance(x, torch.Tensor) and x.dim() for x in (got, other))
+            got = torch.zeros((1,) * dim, dtype=torch.result_type(got, other))
+    batched = got.dtype if isinstance(got, torch.Tensor) else dtype
+    if name == "div" and not batched.is_floating_point:         # int / int: float
+        batched = torch.get_default_dtype()
+    if batched != dtype:
+        raise Unsupported(
+            f"{name} of a captured 0-d tensor and a per-score value: per score (0-d) the "
+            f"result is {dtype}, torch's batched evaluation gives {batched} (a 0-d tensor does "
+            "not promote a dimensioned one): cast the captured tensor to the dtype you mean")
 
 
 def _number(x: Any) -> float | None:
@@ -518,10 +663,16 @@ def _example(ex: Any, v: _Val) -> Any:
     return torch.zeros((), dtype=v.dtype or torch.float64)
 
 
+
 _PRELUDE = r"""// generated by attnkit/backends/native/score_mod.py (codegen.py)
+#include <climits>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
+// integers wrap in their width (two's complement, as torch; built with -fwrapv)
 template <class T> static inline T ak_abs(T a) { return a < (T)0 ? -a : a; }
+static inline float ak_abs(float a) { return std::fabs(a); }
+static inline double ak_abs(double a) { return std::fabs(a); }
 template <class T> static inline T ak_sgn(T a) { return (T)((a > (T)0) - (a < (T)0)); }
 template <class T> static inline T ak_max(T a, T b) {
   return a != a ? a : (b != b ? b : (a > b ? a : b));
@@ -529,8 +680,65 @@ template <class T> static inline T ak_max(T a, T b) {
 template <class T> static inline T ak_min(T a, T b) {
   return a != a ? a : (b != b ? b : (a < b ? a : b));
 }
-template <class T> static inline T ak_max_c(T a, T lo) { return a < lo ? lo : a; }
-template <class T> static inline T ak_min_c(T a, T hi) { return a > hi ? hi : a; }
+// clamp's bounds, NaN in a or in a bound giving NaN (torch); lo > hi gives hi
+template <class T> static inline T ak_clamp_lo(T a, T lo) {
+  return a != a ? a : (lo != lo ? lo : (a < lo ? lo : a));
+}
+template <class T> static inline T ak_clamp_hi(T a, T hi) {
+  return a != a ? a : (hi != hi ? hi : (a > hi ? hi : a));
+}
+// float -> float16 / bfloat16 -> float: round to nearest even (subnormals, overflow to inf,
+// NaN kept), branch-free so loops vectorise
+static inline float ak_f16(float x) {
+  uint32_t u;
+  __builtin_memcpy(&u, &x, 4);
+  const uint32_t a = u & 0x7fffffffu, sign = u ^ a;
+  float ax;
+  __builtin_memcpy(&ax, &a, 4);
+  const float sub = (ax + 0.5f) - 0.5f;                    // |x| < 2^-14: multiples of 2^-24
+  uint32_t r = (a + 0x0fffu + ((a >> 13) & 1u)) & 0xffffe000u;
+  float rf;
+  __builtin_memcpy(&rf, &r, 4);
+  float y = a < 0x38800000u ? sub : rf;
+  y = a >= 0x477ff000u ? INFINITY : y;                     // >= 65520 rounds to inf
+  uint32_t yu;
+  __builtin_memcpy(&yu, &y, 4);
+  yu = a > 0x7f800000u ? u : (yu | sign);
+  float out;
+  __builtin_memcpy(&out, &yu, 4);
+  return out;
+}
+static inline float ak_bf16(float x) {
+  uint32_t u;
+  __builtin_memcpy(&u, &x, 4);
+  const bool nan = (u & 0x7fffffffu) > 0x7f800000u;
+  const uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  const uint32_t y = nan ? (u | 0x00400000u) & 0xffff0000u : r;
+  float out;
+  __builtin_memcpy(&out, &y, 4);
+  return out;
+}
+// float -> int64 / int32 as torch on x86-64 (cvtt*: NaN, inf, out of range -> the minimum)
+template <class F> static inline int64_t ak_f2i64(F x) {
+  const bool ok = x >= (F)-9223372036854775808.0 && x < (F)9223372036854775808.0;
+  return ok ? (int64_t)(ok ? x : (F)0) : INT64_MIN;
+}
+template <class F> static inline int32_t ak_f2i32(F x) {
+  const bool ok = x >= (F)-2147483648.0 && x < (F)2147483648.0;
+  return ok ? (int32_t)(ok ? x : (F)0) : INT32_MIN;
+}
+// << and >> as torch: a shift by < 0 or >= the width gives 0 (<<) or the sign (>>)
+template <class T> static inline T ak_shl(T a, T b) {
+  typedef typename std::make_unsigned<T>::type U;
+  typedef typename std::make_signed<T>::type I;
+  const bool out = (I)b < 0 || (int64_t)b >= (int64_t)sizeof(T) * 8;
+  return out ? (T)0 : (T)((U)a << (out ? 0 : b));
+}
+template <class T> static inline T ak_shr(T a, T b) {
+  const int64_t top = (int64_t)sizeof(T) * 8 - (std::is_signed<T>::value ? 1 : 0);
+  const bool out = (typename std::make_signed<T>::type)b < 0 || (int64_t)b >= top;
+  return (T)(a >> (out ? top : (int64_t)b));
+}
 // e^x in float, ~1 ulp, branch-free so loops vectorise (Cody-Waite, degree-6 polynomial;
 // 2^n applied in two halves, so subnormal results and overflow to inf come out right)
 static inline float ak_exp(float x) {
@@ -625,35 +833,49 @@ static inline int64_t ak_idx(int64_t i, int64_t size, int& bad) {
   bad |= (i < 0) | (i >= size);
   return i < 0 ? 0 : (i >= size ? size - 1 : i);
 }
-// integer // and % through double (exact for |a| < 2^53; int64 division would not vectorise)
-static inline int64_t ak_floordiv(int64_t a, int64_t b, int& bad) {
+// integer // and % as torch: through double while both operands are below 2^53 (exact, and
+// int64 division would not vectorise); beyond, big is set and the row runs again with E =
+// true: plain integer division (INT64_MIN / -1 wraps; torch's own process dies there)
+static inline bool ak_small(int64_t a) {
+  return a > -(INT64_C(1) << 53) && a < (INT64_C(1) << 53);
+}
+template <bool E> static inline int64_t ak_truncdiv(int64_t a, int64_t b, int& bad, int& big) {
   bad |= b == 0;
   b = b == 0 ? 1 : b;
-  const int64_t q = (int64_t)((double)a / (double)b);       // truncated (not lfloor: scalar)
+  if (E) return b == -1 ? (int64_t)(UINT64_C(0) - (uint64_t)a) : a / b;
+  const bool ok = ak_small(a) & ak_small(b);
+  big |= !ok;
+  return (int64_t)(ok ? (double)a / (double)b : 0.0);    // truncated (not lfloor: scalar)
+}
+template <bool E> static inline int64_t ak_floordiv(int64_t a, int64_t b, int& bad, int& big) {
+  const int64_t q = ak_truncdiv<E>(a, b, bad, big);
+  b = b == 0 ? 1 : b;
   return q - ((q * b != a) & ((a < 0) != (b < 0)));
 }
-static inline int64_t ak_truncdiv(int64_t a, int64_t b, int& bad) {
-  bad |= b == 0;
-  return (int64_t)((double)a / (double)(b == 0 ? 1 : b));
-}
-static inline int64_t ak_mod(int64_t a, int64_t b, int& bad) {
-  const int64_t q = ak_floordiv(a, b, bad);
+template <bool E> static inline int64_t ak_mod(int64_t a, int64_t b, int& bad, int& big) {
+  const int64_t q = ak_floordiv<E>(a, b, bad, big);
   return b == 0 ? 0 : a - q * b;
 }
-static inline int64_t ak_fmod_i(int64_t a, int64_t b, int& bad) {
-  const int64_t q = ak_truncdiv(a, b, bad);
+template <bool E> static inline int64_t ak_fmod_i(int64_t a, int64_t b, int& bad, int& big) {
+  const int64_t q = ak_truncdiv<E>(a, b, bad, big);
   return b == 0 ? 0 : a - q * b;
 }
+// a ** e as torch: wrapping; e < 0 gives 0 but for a = 1 (1) and a = -1 (±1)
 static inline int64_t ak_ipow(int64_t a, int64_t e) {
-  int64_t r = 1;
-  for (; e > 0; e >>= 1, a *= a) if (e & 1) r *= a;
-  return r;
+  if (e < 0) return a == 1 ? 1 : (a == -1 ? ((e & 1) ? -1 : 1) : 0);
+  uint64_t r = 1, x = (uint64_t)a;
+  for (; e > 0; e >>= 1, x *= x) if (e & 1) r *= x;
+  return (int64_t)r;
 }
 """
 
 
 def source(gen: Gen, out: _Val) -> str:
-    """The C++ file of ``attnkit_mod`` for the graph ``gen`` has run, returning ``out``."""
+    """The C++ file of ``attnkit_mod`` for the graph ``gen`` has run, returning ``out``.
+
+    The loop over the row is ``ak_rows<E>``; with ``gen.exact`` (an int64 ``//`` or ``%``) a
+    row whose operands reached 2^53 (``big``) is restored and run again with ``E = true``
+    (exact integer division, scalar), in chunks of 256 keys."""
     caps = "".join(f"  const {t}* __restrict c{i} = static_cast<const {t}*>(caps[{i}]);\n"
                    for i, t in enumerate(gen.cap_types))
 
@@ -667,16 +889,36 @@ def source(gen: Gen, out: _Val) -> str:
         return "".join(f"      {s}\n" for s in lines + tail)
 
     head = f"    const int64_t kv = k0 + j;\n    const {S} s = x[j];\n"
-    simd = "#pragma omp simd reduction(|:bad)\n"                # with -fopenmp-simd
-    return (_PRELUDE +
-            f'extern "C" void attnkit_mod({S}* __restrict x, {S}* __restrict dx, int64_t n,\n'
-            "                            int64_t b, int64_t h, int64_t q, int64_t k0,\n"
-            "                            const void* const* caps) {\n"
-            f"{caps}  int bad = 0;\n  (void)b; (void)h; (void)q;\n"
+    simd = "#pragma omp simd reduction(|:bad, big)\n"          # with -fopenmp-simd
+    rows = ("template <bool E>\n"
+            f"static inline int ak_rows({S}* __restrict x, {S}* __restrict dx, int64_t n,\n"
+            "                          int64_t b, int64_t h, int64_t q, int64_t k0,\n"
+            "                          const void* const* caps, int& big_out) {\n"
+            f"{caps}  int bad = 0, big = 0;\n  (void)b; (void)h; (void)q;\n"
             f"  if (dx) {{\n    const {S} ts = ({S})1; (void)ts;\n"
             f"{simd}    for (int64_t j = 0; j < n; ++j) {{\n{head}{body(True)}    }}\n"
             "  } else {\n"
             f"{simd}    for (int64_t j = 0; j < n; ++j) {{\n{head}{body(False)}    }}\n"
-            "  }\n"
+            "  }\n  big_out = big;\n  return bad;\n}\n\n")
+    if gen.exact:
+        run = (f"  for (int64_t c = 0; c < n; c += 256) {{\n"
+               "    const int64_t m = n - c < 256 ? n - c : 256;\n"
+               f"    {S} x0[256];\n"
+               f"    __builtin_memcpy(x0, x + c, sizeof({S}) * m);\n"
+               "    int big = 0;\n"
+               "    int got = ak_rows<false>(x + c, dx ? dx + c : nullptr, m, b, h, q, k0 + c,"
+               " caps, big);\n"
+               "    if (big) {                     // an int64 operand >= 2^53: exactly\n"
+               f"      __builtin_memcpy(x + c, x0, sizeof({S}) * m);\n"
+               "      got = ak_rows<true>(x + c, dx ? dx + c : nullptr, m, b, h, q, k0 + c,"
+               " caps, big);\n"
+               "    }\n    bad |= got;\n  }\n")
+    else:
+        run = "  int big = 0;\n  bad = ak_rows<false>(x, dx, n, b, h, q, k0, caps, big);\n"
+    return (_PRELUDE + rows +
+            f'extern "C" void attnkit_mod({S}* __restrict x, {S}* __restrict dx, int64_t n,\n'
+            "                            int64_t b, int64_t h, int64_t q, int64_t k0,\n"
+            "                            const void* const* caps) {\n"
+            f"  int bad = 0;\n{run}"
             "  if (bad) __atomic_store_n(static_cast<int*>(const_cast<void*>("
             f"caps[{len(gen.caps)}])), 1, __ATOMIC_RELAXED);\n}}\n")

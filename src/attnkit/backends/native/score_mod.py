@@ -15,13 +15,17 @@ loop over the keys of one row (``codegen.py``)::
 
 The derivative is forward-mode from the same graph (every node carries its value and its
 derivative by the score, with torch's conventions: ``abs'(0) = 0``, a clamp passes the
-gradient at its bounds, ``maximum`` / ``minimum`` split it on ties). The source is compiled
+gradient at its bounds, ``maximum`` / ``minimum`` split it on ties and pass it to both
+operands at a NaN). The source is compiled
 by the plain C++ compiler (no torch headers: a fraction of a second) with ``-O3`` and the
 CPU's vector flags (``loader.cpu_flags``) into ``loader.cache_dir() / "score_mod"``, keyed by
 the hash of source, flags and compiler, loaded with ctypes, and kept in a bounded in-process
 cache (``_CACHE_SIZE`` libraries). Captured tensors are not baked into the source: their
-shapes are, and their data (contiguous float32 / float64 / int64 copies) is passed per call
-as ``caps`` — a new closure of the same code with new values reuses the build.
+shapes and dtypes are, and their data is read at each call (:meth:`CompiledScoreMod.bind`:
+in place, or widened to float32 / int32 for 8- and 16-bit dtypes; with the call's own error
+flag, ``caps``) — a
+new closure of the same code with new values reuses the build, and two threads calling one
+compiled score_mod share nothing but its code.
 
 Shape legend::
 
@@ -49,8 +53,18 @@ Caution
   clamped / zeroed in the kernel (no out-of-bounds read) and raise ``IndexError`` after the
   call — but only where the kernel evaluated the score_mod: keys of tiles a mask leaves
   empty are never visited (the reference evaluates every score).
-- Integer arithmetic is int64 (``//`` and ``%`` through double: exact for |a| < 2^53),
-  float arithmetic in the node's dtype (float16 / bfloat16 nodes compute in float32).
+- Each node computes what torch computes for it (``codegen``'s Caution has the rules;
+  ``tests/backends/test_native_score_mod_ops.py`` checks every op and dtype against torch):
+  integers in their own width, wrapping as torch's do (int8 / uint8 / int16 / int32 /
+  int64; ``//`` and ``%`` exact for all int64, through double below 2^53), float16 /
+  bfloat16 nodes rounded to their format after every op, ``a ** b`` of integers 0 for
+  b < 0 (but a = ±1), float -> integer casts of NaN / inf / out-of-range values as torch on
+  x86-64. Functions torch itself approximates (``exp``, ``tanh``, ``sin``, float32 ``sqrt``,
+  general ``pow``, ...) agree to a few ulp of the node's dtype, not to the bit: a float64
+  call whose score_mod computes them in float32 agrees with the reference to float32
+  precision there. A captured 0-d tensor whose type promotion with a per-score value differs
+  between the 0-d trace and torch's batched evaluation (``score * torch.tensor(2.0,
+  dtype=torch.float64)`` with float32 scores) is not supported (the Python path runs it).
   Arithmetic, comparisons, ``where``, ``sqrt``, small integer powers, captured-tensor reads
   (int32 offsets: gathers) and float32 ``exp`` / ``log`` / ``tanh`` / ``sigmoid``
   (attnkit's own, <= 1.5 ulp) vectorise; ``sin``, ``erf``, ``log1p``, general ``pow`` ...
@@ -59,14 +73,18 @@ Caution
   functions 0.9–1.0×, hand-written tanh soft-cap 0.75×, T5 log-buckets 0.5×.
 - Each call runs the score_mod once eagerly on 0-d examples under a ``TorchFunctionMode``
   (~0.15 ms): its op signature — the ops, their Python arguments, and each captured tensor's
-  identity, version counter and data pointer — finds an earlier trace of the same code on
-  the same data (``stats()["reused"]``); anything else (an in-place update, a rebound
-  closure, a changed Python constant) is traced again (~3 ms; more on a loaded machine).
-  The cache keeps those captured tensors alive (at most ``_CACHE_SIZE`` entries). A write
-  torch does not see (through ``.numpy()``, ctypes, another process's shared memory) does
-  not bump the version counter: pass a new tensor, or write with a torch op.
+  identity, version counter, data pointer, shape and dtype — finds an earlier trace of the
+  same code (``stats()["reused"]``); anything else (an in-place update, a rebound closure,
+  a changed Python constant) is traced again (~3 ms; more on a loaded machine). The data a
+  reused trace reads is always the current one: captured tensors are read at each call (a
+  write torch does not see — ``t.data[...] = ``, through ``.numpy()`` — included), and what
+  the trace folds into a constant (``table.long()``, ``torch.tensor(array)``,
+  ``torch.as_tensor(array)``) is keyed by the contents of the tensors and NumPy arrays it
+  came from (hashed per call, ~10–25 µs for 1k entries; beyond 1 MiB each, or with another
+  kind of object argument or a random function, the call is traced afresh). The cache
+  keeps the captured tensors alive (at most ``_CACHE_SIZE`` entries).
 - Built with ``-ffp-contract=off``: no multiply-add is fused, so every elementwise op rounds
-  as torch's op does. The build
+  as torch's op does; ``-fwrapv``: signed integers wrap, as torch's do. The build
   runs per new source (~0.2–0.6 s, once per process, or never again once on disk).
 """
 
@@ -78,13 +96,13 @@ import ctypes
 import hashlib
 import os
 import subprocess
-import tempfile
 import threading
 import time
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, NoReturn
 
 import torch
 import torch.fx as fx
@@ -93,17 +111,46 @@ from ...scores import ScoreTerm, fn_name
 from . import loader
 from .codegen import Gen, Unsupported, source
 
-__all__ = ["CompiledScoreMod", "for_problem", "compile_score_mod", "stats", "clear",
-           "Unsupported"]
+__all__ = ["CompiledScoreMod", "ScoreModCall", "for_problem", "compile_score_mod", "stats",
+           "clear", "Unsupported"]
 
 _CACHE_SIZE = 64
 _FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fopenmp-simd",
-          "-shared", "-fPIC"]   # no FMA contraction: each op rounds as torch rounds it
+          "-fwrapv", "-shared", "-fPIC"]   # no FMA contraction: each op rounds as torch rounds
+# it; -fwrapv: signed integers wrap (two's complement), as torch's do
+_CONTENT_LIMIT = 1 << 20        # bytes of captured data a signature may hash per call
 
 @dataclass
 class CompiledScoreMod:
-    """A loaded score_mod: the C function's ``address`` and ``caps_address`` (a ``void*``
-    array of the captured tensors' data and an error flag), which keep their memory alive."""
+    """A loaded score_mod: the C function's ``address``, the tensors it reads (``sources``: the
+    trace's captured tensors themselves) and the dtype the kernel reads each as (``stores``).
+    One object serves many calls and threads; a call's own state — the captured data as it is
+    at that call, and its error flag — is the :class:`ScoreModCall` that :meth:`bind` returns."""
+
+    name: str
+    address: int
+    sources: list[torch.Tensor] = field(repr=False)
+    stores: list[torch.dtype] = field(repr=False)
+    dtype: torch.dtype = torch.float32                     # the row type it was built for
+
+    def bind(self) -> ScoreModCall:
+        """One call's ``caps``: the captured tensors' data as it is now — float32 / float64 /
+        int32 / int64 read in place, narrower dtypes widened (copied, as is a non-contiguous
+        tensor) — and a fresh error flag."""
+        tensors = [t.detach().to(s).contiguous()
+                   for t, s in zip(self.sources, self.stores, strict=True)]
+        flag = torch.zeros(1, dtype=torch.int32)
+        ptrs = [t.data_ptr() for t in tensors] + [flag.data_ptr()]
+        array = (ctypes.c_void_p * len(ptrs))(*ptrs)
+        return ScoreModCall(self.name, self.address, ctypes.addressof(array), tensors, flag,
+                            array, self.dtype)
+
+
+@dataclass
+class ScoreModCall:
+    """One call of a :class:`CompiledScoreMod`: the C function's ``address`` and
+    ``caps_address`` (a ``void*`` array of the captured data and this call's error flag),
+    which keep their memory alive (also for the backward of the same call)."""
 
     name: str
     address: int
@@ -111,7 +158,7 @@ class CompiledScoreMod:
     tensors: list[torch.Tensor] = field(repr=False)
     flag: torch.Tensor = field(repr=False)
     _array: Any = field(repr=False, default=None)
-    dtype: torch.dtype = torch.float32                     # the row type it was built for
+    dtype: torch.dtype = torch.float32
 
     def check(self) -> None:
         """Raise ``IndexError`` when the kernel met an out-of-range index (or / 0)."""
@@ -135,12 +182,15 @@ class _Examples(fx.Interpreter):
         return r
 
 
+_TRACE_LOCK = threading.Lock()
+
+
 def _trace(fn: Any, score_dtype: torch.dtype) -> tuple[fx.GraphModule, dict[fx.Node, Any]]:
     def score_mod(score, b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202
         return fn(score, b, h, q_idx, kv_idx)
 
     try:
-        with warnings.catch_warnings():
+        with _TRACE_LOCK, warnings.catch_warnings():          # fx's tracer is not thread-safe
             warnings.simplefilter("ignore")
             gm = fx.symbolic_trace(score_mod)
     except Exception as e:  # noqa: BLE001 — any trace failure: not supported
@@ -171,26 +221,37 @@ _BY_CALL: weakref.WeakKeyDictionary[Any, dict[torch.dtype, CompiledScoreMod | st
 # (code, op signature, grad) -> (result, the captured tensors, kept alive so ids stay unique)
 _TRACES: collections.OrderedDict[Any, tuple[CompiledScoreMod | str, list]] = (
     collections.OrderedDict())
-_SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.Size)
+_SCALARS = (int, float, bool, str, type(None), type(Ellipsis), torch.dtype, torch.device,
+            torch.Size, torch.memory_format, torch.layout)
 
 
 class _Signature(torch.overrides.TorchFunctionMode):
     """Records every torch call of one eager run on 0-d examples: the function, the Python
     values of its arguments, and where each tensor argument comes from (an input or an
-    earlier result, by position; a captured tensor by identity, version and data pointer).
-    Two runs with equal signatures compute the same graph on the same captured data."""
+    earlier result, by position; a captured tensor by identity, version, data pointer, shape
+    and dtype). Two runs with equal signatures compute the same graph; the captured data the
+    kernel reads is read per call (:meth:`CompiledScoreMod.bind`). What the trace folds into
+    constants — the results of calls that no per-score value reaches (``table.long()``,
+    ``torch.tensor(array)``) — is keyed by content: the captured tensors and NumPy arrays such
+    a call reads are hashed (up to ``_CONTENT_LIMIT`` bytes each). Any other object argument,
+    a larger one, or a random function makes the run ``reliable = False`` (not cached)."""
 
     def __init__(self, inputs: list[torch.Tensor]) -> None:
         super().__init__()
         self.known = {id(t): i for i, t in enumerate(inputs)}
+        self.derived = {id(t) for t in inputs}           # reached by the per-score inputs
         self.keep: list[torch.Tensor] = list(inputs)     # ids stay unique during the run
         self.captured: list[torch.Tensor] = []
         self.ops: list[tuple] = []
+        self.reliable = True
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         flat, spec = torch.utils._pytree.tree_flatten((args, kwargs))
+        folded = not any(isinstance(a, torch.Tensor) and id(a) in self.derived for a in flat)
+        if getattr(func, "__name__", "").strip("_") in _RANDOM:
+            self.reliable = False                         # a new draw each call
         items: list[Any] = []
         for a in flat:
             if isinstance(a, torch.Tensor):
@@ -198,25 +259,57 @@ class _Signature(torch.overrides.TorchFunctionMode):
                 if k is None:
                     self.captured.append(a)
                     items.append(("cap", id(a), a._version, a.data_ptr(), tuple(a.shape),
-                                  a.dtype, a.requires_grad))
+                                  a.dtype, a.requires_grad, self.digest(a) if folded else None))
                 else:
                     items.append(("t", k))
             elif isinstance(a, slice):
                 items.append(("slice", a.start, a.stop, a.step))
             elif isinstance(a, _SCALARS):
                 items.append((type(a).__name__, a))
+            elif type(a).__module__ == "numpy" and hasattr(a, "dtype"):
+                items.append(("numpy", self.digest(a)))   # an array, or a NumPy scalar
             else:
+                self.reliable = False                      # contents unknown: trace afresh
                 items.append(("obj", type(a).__name__, id(a)))
         for t in torch.utils._pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and id(t) not in self.known:
                 self.known[id(t)] = len(self.known)
                 self.keep.append(t)
+                if not folded:
+                    self.derived.add(id(t))
         self.ops.append((func, str(spec), tuple(items)))
         return out
 
+    def digest(self, a: Any) -> tuple | None:
+        """Content key of a captured tensor or NumPy value (None + unreliable: too large)."""
+        try:
+            if isinstance(a, torch.Tensor):
+                if a.device.type != "cpu" or a.numel() * a.element_size() > _CONTENT_LIMIT:
+                    raise ValueError
+                with torch._C.DisableTorchFunction():
+                    raw = a.detach().reshape(-1).contiguous().view(torch.uint8).numpy()
+                meta: tuple = (str(a.dtype), tuple(a.shape))
+            else:
+                import numpy as np
+                arr = np.asarray(a)
+                if arr.dtype.hasobject or arr.nbytes > _CONTENT_LIMIT:
+                    raise ValueError
+                raw, meta = np.ascontiguousarray(arr).reshape(-1).view(np.uint8), (
+                    arr.dtype.str, arr.shape, type(a).__name__)
+            return (*meta, hashlib.blake2b(memoryview(raw), digest_size=16).digest())
+        except Exception:  # noqa: BLE001 — no content key: not cached
+            self.reliable = False
+            return None
+
+
+_RANDOM = {"rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "randperm",
+           "normal", "bernoulli", "multinomial", "poisson", "uniform", "random",
+           "exponential", "geometric", "cauchy", "log_normal"}
+
 
 def _signature(fn: Any, score_dtype: torch.dtype) -> tuple[tuple, list[torch.Tensor]] | None:
-    """``fn``'s op signature on 0-d examples and the tensors it captured (None: it failed)."""
+    """``fn``'s op signature on 0-d examples and the tensors it captured (None: it failed, or
+    it reads something whose contents the signature cannot key: trace it afresh)."""
     inputs = [torch.zeros((), dtype=score_dtype)] + [torch.zeros((), dtype=torch.int64)
                                                        for _ in range(4)]
     mode = _Signature(inputs)
@@ -227,6 +320,8 @@ def _signature(fn: Any, score_dtype: torch.dtype) -> tuple[tuple, list[torch.Ten
         sig = (tuple(mode.ops), mode.known.get(id(out), -1))
         hash(sig)
     except Exception:  # noqa: BLE001 — no signature: trace it afresh
+        return None
+    if not mode.reliable:
         return None
     return sig, mode.captured
 
@@ -264,25 +359,30 @@ def _build(name: str, source: str) -> int:
             return _LIBS[key][1]
         if key in _FAILED:
             raise Unsupported(_FAILED[key])
-    folder = loader.cache_dir() / "score_mod"
-    so = folder / f"mod_{key}.so"
-    if not so.exists():
-        t0 = time.perf_counter()
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=folder) as tmp:
-            src = os.path.join(tmp, "mod.cpp")
-            with open(src, "w") as f:
-                f.write(source)
-            out = os.path.join(tmp, "mod.so")
-            try:
-                r = subprocess.run([cxx, *_FLAGS, *flags, "-o", out, src], capture_output=True,
-                                   text=True, timeout=300)
-                err = r.stderr.strip().splitlines()[-3:] if r.returncode else None
-            except (OSError, subprocess.SubprocessError) as e:
-                err = [f"{type(e).__name__}: {e}"]
-            if err is not None:
-                _fail(key, name, f"the C++ build failed ({' | '.join(err)[-400:]})")
-            os.replace(out, so)
+    so = loader.cache_dir() / "score_mod" / f"mod_{key}.so"
+
+    def compile_into(tmp: Path) -> Path:                   # (under the library's lock)
+        src, out = tmp / "mod.cpp", tmp / "mod.so"
+        src.write_text(source)
+        try:
+            r = subprocess.run([cxx, *_FLAGS, *flags, "-o", str(out), str(src)],
+                               capture_output=True, text=True, timeout=300)
+        except (OSError, subprocess.SubprocessError) as e:  # (TimeoutExpired: after 300 s)
+            _fail(key, name, f"the C++ build failed ({type(e).__name__}: {e})")
+        if r.returncode < 0:                               # killed (Ctrl-C, OOM): not its fault
+            _fail(key, name, f"the C++ build was stopped by signal {-r.returncode}",
+                  remember=False)
+        if r.returncode:
+            err = r.stderr.strip().splitlines()[-3:]
+            _fail(key, name, f"the C++ build failed ({' | '.join(err)[-400:]})")
+        return out
+
+    t0 = time.perf_counter()
+    try:
+        built = loader.cached_library(so, compile_into, what=f"score_mod {name}")
+    except loader.CacheError as e:
+        _fail(key, name, str(e))
+    if built:
         with _LOCK:
             _STATS["builds"] += 1
             _STATS["build_s"][key] = round(time.perf_counter() - t0, 3)
@@ -299,10 +399,13 @@ def _build(name: str, source: str) -> int:
     return int(addr)                                       # type: ignore[arg-type]
 
 
-def _fail(key: str, name: str, why: str) -> None:
+def _fail(key: str, name: str, why: str, *, remember: bool = True) -> NoReturn:
+    """Warn (once per ``key``) and raise :class:`Unsupported`; ``remember``: the key is not
+    built again in this process (``False`` for an interrupted build: the next call retries)."""
     with _LOCK:
         first = key not in _FAILED
-        _FAILED[key] = why
+        if remember:
+            _FAILED[key] = why
     if first:
         warnings.warn(f"attnkit: could not build score_mod {name} for the native kernel: {why}; "
                       "using the Python path for it (correct, slower)", RuntimeWarning,
@@ -330,10 +433,7 @@ def compile_score_mod(fn: Any, *, grad: bool | None = None,
         _STATS["traces"] += 1
         _STATS["trace_s"] += time.perf_counter() - t0
     addr = _build(name, src)
-    flag = torch.zeros(1, dtype=torch.int32)
-    ptrs = [t.data_ptr() for t in gen.caps] + [flag.data_ptr()]
-    array = (ctypes.c_void_p * len(ptrs))(*ptrs)
-    return CompiledScoreMod(name, addr, ctypes.addressof(array), gen.caps, flag, array, dtype)
+    return CompiledScoreMod(name, addr, gen.caps, gen.cap_stores, dtype)
 
 
 def for_problem(score_mod: Any, dtype: torch.dtype = torch.float32,
