@@ -48,7 +48,9 @@ Caution
   is *not supported*: :func:`for_problem` returns the reason and the call keeps its Python
   path (``tiled``'s compiled or general engine), whose reasons list says why.
 - A failed build or no compiler: one ``RuntimeWarning`` per source (no compiler: per
-  process), then the Python path; nothing is retried in this process.
+  process), then the Python path, and the build is not retried in this process — except
+  after a compiler killed by a signal (Ctrl-C, out of memory), which the next call retries.
+  A cached library is loaded only once it matches its checksum (``loader.cached_library``).
 - Out-of-range indices (torch raises ``IndexError``) and integer division by zero are
   clamped / zeroed in the kernel (no out-of-bounds read) and raise ``IndexError`` after the
   call — but only where the kernel evaluated the score_mod: keys of tiles a mask leaves
