@@ -131,8 +131,9 @@ MESSAGES: dict[str, dict[str, str]] = {
     },
     "ko": {
         "csv_empty": "{what} 파일 {path}이(가) 비어 있습니다: 한 줄에 숫자 한 행씩 쓰세요",
-        "csv_ragged": "{what} 파일 {path}: 행의 길이가 {n}가지로 서로 다릅니다, 길이 (행): "
-                      "{lens}; 모든 행은 쉼표로 구분된 값의 개수가 같아야 합니다",
+        "csv_ragged": "{what} 파일 {path}: 행마다 값의 개수가 다릅니다({n}가지). 개수 (행 "
+                      "번호): {lens}. 모든 행에 쉼표로 구분한 값이 같은 개수만큼 있어야 "
+                      "합니다",
         "csv_cell": "{what} 파일 {path}: {i}행 {j}열의 {cell!r}은(는) 숫자가 아닙니다 "
                     "(예: 0.5, -2, -inf)",
         "json_bad": "{what} 파일 {path}은(는) 올바른 JSON이 아닙니다 ({line}행 {col}열: {msg}): "
