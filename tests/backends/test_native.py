@@ -384,9 +384,6 @@ def test_failed_build_warns_once_and_says_why(tmp_path) -> None:  # noqa: ANN001
 
 _OTHER_LEVEL = """
 import json, sys, torch
-from attnkit.backends.native import loader
-level = sys.argv[1]
-loader.cpu_flags = lambda: (level, {"avx2": ["-mavx2", "-mfma", "-mf16c"], "portable": []}[level])
 import attnkit as ak
 from attnkit.backends import native
 assert native.available(), native.why_unavailable()
@@ -418,7 +415,7 @@ def test_narrower_vector_levels_build_and_agree(level: str, tmp_path) -> None:  
         pytest.skip("no C++ compiler here")
     if loader.cpu_flags()[0] == "portable" and level == "avx2":
         pytest.skip("this CPU cannot run an AVX2 build")
-    env = {**os.environ, "ATTNKIT_CACHE_DIR": str(tmp_path)}
+    env = {**os.environ, "ATTNKIT_CACHE_DIR": str(tmp_path), "ATTNKIT_NATIVE_ISA": level}
     env.pop("ATTNKIT_NATIVE", None)
     run = subprocess.run([sys.executable, "-c", _OTHER_LEVEL, level], env=env,
                          capture_output=True, text=True, timeout=600)
@@ -426,6 +423,23 @@ def test_narrower_vector_levels_build_and_agree(level: str, tmp_path) -> None:  
     worst = json.loads(run.stdout.strip().splitlines()[-1])
     assert worst["torch.float64"] < 1e-12 and worst["torch.float32"] < 1e-5
     assert worst["torch.bfloat16"] < 0.05 and worst["torch.float16"] < 5e-3, worst
+
+
+def test_isa_override_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ATTNKIT_NATIVE_ISA picks a narrower build (the suite can run the AVX2 / portable
+    kernel on a wider CPU); an unknown level or one above the CPU's is refused by name."""
+    detected = loader._detected_level()  # noqa: SLF001
+    monkeypatch.setenv("ATTNKIT_NATIVE_ISA", "portable")
+    assert loader.cpu_flags() == ("portable", [])
+    monkeypatch.setenv("ATTNKIT_NATIVE_ISA", "AVX1024")
+    with pytest.raises(loader._Unavailable, match="not one of portable, avx2, avx512"):  # noqa: SLF001
+        loader.cpu_flags()
+    if detected != "avx512":
+        monkeypatch.setenv("ATTNKIT_NATIVE_ISA", "avx512")
+        with pytest.raises(loader._Unavailable, match="above what this CPU runs"):  # noqa: SLF001
+            loader.cpu_flags()
+    monkeypatch.delenv("ATTNKIT_NATIVE_ISA")
+    assert loader.cpu_flags()[0] == detected
 
 
 def test_no_compiler(fresh_loader, monkeypatch: pytest.MonkeyPatch) -> None:

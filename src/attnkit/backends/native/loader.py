@@ -87,11 +87,35 @@ class NativeUnavailableWarning(UserWarning):
     """The native kernel could not be used; attnkit runs its Python path instead."""
 
 
+_LEVELS = ("portable", "avx2", "avx512")                 # narrowest first
+_LEVEL_FLAGS = {"portable": [], "avx2": ["-mavx2", "-mfma", "-mf16c"],
+                "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw",
+                           "-mavx512vl", "-mavx512dq"]}
+
+
 def cpu_flags() -> tuple[str, list[str]]:
-    """``(level, compiler flags)`` for this CPU: ``avx512``, ``avx2`` or ``portable``."""
+    """``(level, compiler flags)`` for this CPU: ``avx512``, ``avx2`` or ``portable``.
+
+    ``ATTNKIT_NATIVE_ISA=avx2`` (or ``portable``) builds a narrower kernel than the CPU could
+    run — to test on one machine the code another CPU takes; a level above the CPU's is
+    refused (a clear error at the first call, then the Python path)."""
+    level = _detected_level()
+    want = os.environ.get("ATTNKIT_NATIVE_ISA", "").strip().lower()
+    if want:
+        if want not in _LEVELS:
+            raise _Unavailable(f"ATTNKIT_NATIVE_ISA={want!r} is not one of "
+                               f"{', '.join(_LEVELS)}: unset it, or pick one")
+        if _LEVELS.index(want) > _LEVELS.index(level):
+            raise _Unavailable(f"ATTNKIT_NATIVE_ISA={want!r} is above what this CPU runs "
+                               f"({level!r}): unset it, or pick a narrower level")
+        level = want
+    return level, list(_LEVEL_FLAGS[level])
+
+
+def _detected_level() -> str:
     machine = platform.machine().lower()
     if machine not in ("x86_64", "amd64"):
-        return "portable", []
+        return "portable"
     flags: set[str] = set()
     try:
         with open("/proc/cpuinfo") as f:
@@ -100,14 +124,13 @@ def cpu_flags() -> tuple[str, list[str]]:
                     flags = set(line.split(":", 1)[1].split())
                     break
     except OSError:
-        return "portable", []
+        return "portable"
     avx2 = {"avx2", "fma", "f16c"}
     if avx2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
-        return "avx512", ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw",
-                          "-mavx512vl", "-mavx512dq"]
+        return "avx512"
     if avx2 <= flags:
-        return "avx2", ["-mavx2", "-mfma", "-mf16c"]
-    return "portable", []
+        return "avx2"
+    return "portable"
 
 
 def cache_dir() -> Path:
