@@ -508,6 +508,7 @@ def test_keyboard_interrupt_in_load_propagates(monkeypatch, tmp_path) -> None:  
     """In-process: an interrupt inside the build is the caller's, and the next load() tries
     again instead of returning None with no reason."""
     monkeypatch.setenv("ATTNKIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("ATTNKIT_NATIVE", raising=False)   # (the suite may run with it =0)
     saved = dict(loader._state)
     calls = []
 
