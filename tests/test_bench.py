@@ -214,3 +214,22 @@ def test_ab_trees_needs_two_source_trees(tmp_path):
     bad = subprocess.run([sys.executable, str(script), "a", "b", "--cases", "nope"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown case(s) nope" in bad.stderr
+
+
+def test_bench_hotpath_arguments(tmp_path):
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_hotpath.py"
+    bad = subprocess.run([sys.executable, str(script), "--only", "nope"], capture_output=True,
+                         text=True)
+    assert bad.returncode == 2 and "unknown case(s) nope" in bad.stderr
+    one = subprocess.run([sys.executable, str(script), "--trees", str(tmp_path)],
+                         capture_output=True, text=True)
+    assert one.returncode == 2 and "two source trees" in one.stderr
+    two = subprocess.run([sys.executable, str(script), "--trees", str(tmp_path), str(tmp_path)],
+                         capture_output=True, text=True)
+    assert two.returncode == 2 and "has no src/attnkit" in two.stderr
+    reps = subprocess.run([sys.executable, str(script), "--reps", "0"], capture_output=True,
+                          text=True)
+    assert reps.returncode == 2 and "at least 1" in reps.stderr

@@ -78,7 +78,10 @@ class Prepared:
 
     def restore(self, t: torch.Tensor) -> Any:
         """(B, H, N, ...) → the user's layout (and NumPy if NumPy came in)."""
-        t = t[0, 0] if self.two_d else t.reshape(*self.lead, *t.shape[1:])
+        if self.two_d:
+            t = t[0, 0]
+        elif len(self.lead) != 1:                 # one leading dim: B is it, nothing to do
+            t = t.reshape(*self.lead, *t.shape[1:])
         if self.numpy:
             return t.detach().cpu().numpy()
         return t
@@ -108,7 +111,30 @@ def _shape(t: torch.Tensor) -> str:
     return str(tuple(t.shape))
 
 
+def _qkv_fit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """True when :func:`_check_qkv` has nothing to say: the common case in a few comparisons
+    (plain tuple arithmetic on the shapes). False sends the call to the full check, which
+    names what is wrong."""
+    qs, ks, vs = q.shape, k.shape, v.shape
+    r = len(qs)
+    dt = q.dtype
+    if r < 2 or len(ks) != r or len(vs) != r or not dt.is_floating_point \
+            or k.dtype != dt or v.dtype != dt or qs[-1] != ks[-1] or ks[-2] != vs[-2]:
+        return False
+    if r >= 3:
+        h_kv = ks[-3]
+        if vs[-3] != h_kv or h_kv == 0 or qs[-3] % h_kv:
+            return False
+        lead = qs[:-3]
+        for t in (ks, vs):
+            if t[:-3] != lead and not all(n in (m, 1) for m, n in zip(lead, t[:-3], strict=True)):
+                return False
+    return (q.is_cpu and k.is_cpu and v.is_cpu) or q.device == k.device == v.device
+
+
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if _qkv_fit(q, k, v):
+        return
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() < 2:
             raise ValueError(
@@ -174,6 +200,8 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 
 def _check_number(x: Any, name: str) -> float:
+    if type(x) is float and math.isfinite(x):        # the common case, without ABC checks
+        return x
     if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real) \
             or not math.isfinite(x):
         raise ValueError(f"{name} must be a finite number, got {x!r}")
@@ -234,13 +262,8 @@ def _normalise_mask(
         )
     if mask.device != device:
         raise ValueError(f"mask is on {mask.device} but q is on {device}: move it with .to()")
-    try:
-        # the mask broadcasts *to* the logits: it may not enlarge them (B=1 vs a mask of 2)
-        ok = mask.dim() <= len(full_shape) and \
-            torch.broadcast_shapes(mask.shape, full_shape) == torch.Size(full_shape)
-    except RuntimeError:
-        ok = False
-    if not ok:
+    # the mask broadcasts *to* the logits: it may not enlarge them (B=1 vs a mask of 2)
+    if not _broadcasts_to(tuple(mask.shape), full_shape):
         target = "(N_q, N_k)" if two_d else "(..., H_q, N_q, N_k)"
         shown = tuple(full_shape[1:]) if two_d else tuple(full_shape)
         raise ValueError(
@@ -289,6 +312,14 @@ def _normalise_mask(
     return structured, bias
 
 
+def _broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    """Whether ``shape`` broadcasts to ``target`` without enlarging it (each dim, aligned on
+    the right, is the target's size or 1) — plain tuple arithmetic, no torch call."""
+    n = len(shape)
+    return n <= len(target) and all(
+        s == t or s == 1 for s, t in zip(shape, target[len(target) - n:], strict=True))
+
+
 def prepare(
     q: Any, k: Any, v: Any, *, mask: Any = None, is_causal: bool = False,
     scale: float | None = None, softcap: float | None = None,
@@ -312,10 +343,13 @@ def prepare(
         lead: tuple[int, ...] = ()
     else:
         lead = tuple(q.shape[:-3])
-        q4, k4, v4 = (_flatten_batch(t, lead) for t in (q, k, v))
+        q4, k4, v4 = _flatten_batch(q, lead), _flatten_batch(k, lead), _flatten_batch(v, lead)
     full_shape = (*lead, q4.shape[1], q4.shape[2], k4.shape[2])
-    structured, bias = _normalise_mask(mask, is_causal, full_shape, lead, q.device, two_d,
-                                       q.dtype)
+    if mask is None and is_causal is False:
+        structured = bias = None
+    else:
+        structured, bias = _normalise_mask(mask, is_causal, full_shape, lead, q.device, two_d,
+                                           q.dtype)
     d_k = q.shape[-1]
     if scale is None:
         scale_f = 1.0 / math.sqrt(d_k) if d_k > 0 else 1.0
@@ -365,8 +399,8 @@ def _flatten_batch(t: torch.Tensor, lead: tuple[int, ...]) -> torch.Tensor:
     """(…lead', H, N, D) → (B, H, N, D) with B = prod(lead). K/V with batch 1 (lead' all 1)
     become a stride-0 ``expand`` view: one copy of K/V serves every batch element."""
     rest = t.shape[-3:]
-    if tuple(t.shape[:-3]) == lead:
-        return t.reshape(math.prod(lead), *rest)
+    if t.shape[:-3] == lead:
+        return t if len(lead) == 1 else t.reshape(math.prod(lead), *rest)
     if all(n == 1 for n in t.shape[:-3]):
         return t.reshape(1, *rest).expand(math.prod(lead), *rest)
     return t.expand(*lead, *rest).reshape(math.prod(lead), *rest)   # partly broadcast: copies
@@ -435,8 +469,9 @@ def _run(p: Problem, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     if bad is None or not bad.any():
         out, lse = chosen.forward(p)
         # one-pass screen: NaN/inf anywhere make the sum non-finite (an overflowing sum of
-        # finite values only sends us to the exact check below)
-        if bad is not None or bool(torch.isfinite(out.sum(dtype=_compute_dtype(p.dtype)))):
+        # finite values only sends us to the exact check below); math.isfinite on the sum's
+        # value: torch.isfinite is several tensor ops, a cost on every small call
+        if bad is not None or math.isfinite(out.sum(dtype=_compute_dtype(p.dtype)).item()):
             return out, lse
         bad = _bad_kv_rows(p)
         if not bad.any():
@@ -621,19 +656,15 @@ def scaled_dot_product_attention(
     them silently). Errors are attnkit's (ValueError / TypeError with the shapes seen), not
     torch's RuntimeError.
     """
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"scaled_dot_product_attention(): argument '{name}' must be Tensor, "
-                            f"not {type(t).__name__}")
-        if t.dim() < 2:
-            raise ValueError(
-                "scaled_dot_product_attention: query, key and value must be at least 2-D "
-                f"(..., L, E), got query {_shape(query)}, key {_shape(key)}, value "
-                f"{_shape(value)}")
+    if not (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor)
+            and isinstance(value, torch.Tensor) and query.dim() >= 2 and key.dim() >= 2
+            and value.dim() >= 2):
+        _check_sdpa_tensors(query, key, value)
     if not isinstance(enable_gqa, (bool, np.bool_)):
         raise TypeError(f"enable_gqa must be True or False, got {enable_gqa!r}")
-    if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, numbers.Real) \
-            or not 0.0 <= dropout_p <= 1.0:
+    if (type(dropout_p) is not float or not 0.0 <= dropout_p <= 1.0) and (
+            isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, numbers.Real)
+            or not 0.0 <= dropout_p <= 1.0):
         raise ValueError(f"dropout_p must be a number in [0, 1], got {dropout_p!r}")
     if attn_mask is not None:
         _check_sdpa_mask(attn_mask, query)
@@ -641,7 +672,7 @@ def scaled_dot_product_attention(
         _check_causal_flag(None, is_causal)
         attn_mask, is_causal = _and_causal(attn_mask, query.shape[-2], key.shape[-2]), False
     q, k, v = query, key, value
-    if max(t.dim() for t in (q, k, v)) > 2:
+    if q.dim() > 2 or k.dim() > 2 or v.dim() > 2:
         q, k, v = _sdpa_broadcast(q, k, v, enable_gqa)
     poison = None
     if attn_mask is not None and attn_mask.dtype.is_floating_point:
@@ -653,6 +684,18 @@ def scaled_dot_product_attention(
     if poison is not None:                              # (..., L, 1): NaN rows, as in torch
         out = torch.where(poison, torch.full_like(out, torch.nan), out)
     return out
+
+
+def _check_sdpa_tensors(query: Any, key: Any, value: Any) -> None:
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"scaled_dot_product_attention(): argument '{name}' must be Tensor, "
+                            f"not {type(t).__name__}")
+        if t.dim() < 2:
+            raise ValueError(
+                "scaled_dot_product_attention: query, key and value must be at least 2-D "
+                f"(..., L, E), got query {_shape(query)}, key {_shape(key)}, value "
+                f"{_shape(value)}")
 
 
 def _check_sdpa_mask(m: Any, q: torch.Tensor) -> None:
@@ -672,14 +715,23 @@ def _sdpa_broadcast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gq
     """torch's broadcasting of SDPA's inputs: ranks padded on the left to one rank ≥ 3,
     leading dims broadcast; q is expanded where K/V have the larger size, K/V stay as they
     are (attention() broadcasts K/V of batch 1 without a copy)."""
-    r = max(t.dim() for t in (q, k, v))
-    q, k, v = (t.reshape((1,) * (r - t.dim()) + tuple(t.shape)) for t in (q, k, v))
-    try:
-        lead = torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
-    except RuntimeError:
-        raise ValueError(
-            f"the leading (batch) dims of query {_shape(q)}, key {_shape(k)} and value "
-            f"{_shape(v)} do not broadcast: give each dim one size or 1") from None
+    r = max(q.dim(), k.dim(), v.dim())
+    if not q.dim() == k.dim() == v.dim() == r:
+        q, k, v = (t if t.dim() == r else t.reshape((1,) * (r - t.dim()) + tuple(t.shape))
+                   for t in (q, k, v))
+    lead = q.shape[:-3]
+    if k.shape[:-3] != lead or v.shape[:-3] != lead:        # broadcast, as tuple arithmetic
+        sizes = []
+        for dims in zip(lead, k.shape[:-3], v.shape[:-3], strict=True):
+            n = 1
+            for s in dims:
+                if s != 1 and n != 1 and s != n:
+                    raise ValueError(
+                        f"the leading (batch) dims of query {_shape(q)}, key {_shape(k)} and "
+                        f"value {_shape(v)} do not broadcast: give each dim one size or 1")
+                n = s if s != 1 else n
+            sizes.append(n)
+        lead = tuple(sizes)
     h_q, h_kv = q.shape[-3], k.shape[-3]
     h = h_q
     if not enable_gqa and h_q != h_kv:

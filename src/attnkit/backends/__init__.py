@@ -14,9 +14,10 @@ What lives where::
 Each backend is a :class:`~attnkit.backends.base.Backend` with a name, declared
 :class:`~attnkit.backends.base.Capabilities`, its own ``extra_reasons(problem)`` and a
 ``forward(problem)``. ``backend="auto"`` takes the first backend in :data:`PRIORITY` that
-reports no reasons. A forced backend that cannot run raises ``ValueError`` with its reasons;
-when nothing fits, the error describes the call once and then gives every backend's reasons,
-one line each.
+reports no reasons (asked as ``can_run(problem)``, which a backend may answer without
+building the reasons' text). A forced backend that cannot run raises ``ValueError`` with its
+reasons; when nothing fits, the error describes the call once and then gives every
+backend's reasons, one line each.
 """
 
 from __future__ import annotations
@@ -84,14 +85,12 @@ def select(p: Problem, name: str = "auto") -> Backend:
                 "Use backend='auto' to pick one that can."
             )
         return REGISTRY[name]
-    lines = []
     for n in PRIORITY:
-        if n not in REGISTRY:
-            continue
-        reasons = REGISTRY[n].not_supported_reasons(p)
-        if not reasons:
-            return REGISTRY[n]
-        lines.append(f"  {n}: " + "; ".join(reasons))
+        b = REGISTRY.get(n)
+        if b is not None and b.can_run(p):
+            return b
+    lines = [f"  {n}: " + "; ".join(REGISTRY[n].not_supported_reasons(p))
+             for n in PRIORITY if n in REGISTRY]
     raise ValueError(f"no backend can run this call ({p.describe()}):\n" + "\n".join(lines))
 
 

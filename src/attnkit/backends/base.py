@@ -251,9 +251,8 @@ class Capabilities:
 
     def reasons(self, p: Problem) -> list[str]:
         """One reason per unmet field (empty = every declared capability fits ``p``)."""
-        hint = dict(self.hints)
-
         def say(field_: str, text: str) -> str:
+            hint = dict(self.hints)
             return f"{text}: {hint[field_]}" if field_ in hint else text
 
         out = []
@@ -294,6 +293,12 @@ class Backend:
     def not_supported_reasons(self, p: Problem) -> list[str]:
         """Why this backend cannot run ``p`` (an empty list means it can)."""
         return self.capabilities.reasons(p) + self.extra_reasons(p)
+
+    def can_run(self, p: Problem) -> bool:
+        """``not self.not_supported_reasons(p)``: what ``backend="auto"`` asks of every
+        backend in priority order. A backend may answer it faster (without building the
+        reasons' text) where the answer is plain — it must always agree with the reasons."""
+        return not self.not_supported_reasons(p)
 
     def extra_reasons(self, p: Problem) -> list[str]:
         """Backend-specific reasons beyond :attr:`capabilities` (default: none)."""

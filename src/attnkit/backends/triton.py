@@ -462,6 +462,19 @@ def _default_blocks(dtype: torch.dtype, d: int, interpret: bool) -> tuple[tuple[
     return (64, 32, 4, 2), (32, 32, 4, 1)
 
 
+_CAPS_INTERPRETED = Capabilities(
+    devices=("cuda", "cpu"), dtypes=(torch.float16, torch.float32, torch.float64),
+    max_head_dim=_MAX_HEAD_DIM, score_mod=False,
+    hints=(("dtypes", "Triton's interpreter multiplies the raw bits of bfloat16 in "
+                      "tl.dot (triton-lang/triton#11584), so bfloat16 runs only on "
+                      "a GPU"), _SCORE_MOD_HINT))
+_CAPS_GPU = Capabilities(
+    devices=("cuda",), max_head_dim=_MAX_HEAD_DIM, score_mod=False,
+    hints=(("devices", "set TRITON_INTERPRET=1 to run the kernels on CPU tensors in "
+                       "Triton's interpreter, for testing"),
+           _SCORE_MOD_HINT))
+
+
 class TritonBackend(Backend):
     """Fused FlashAttention-2 style kernels in Triton (forward + backward), for CUDA GPUs.
 
@@ -484,18 +497,15 @@ class TritonBackend(Backend):
     def capabilities(self) -> Capabilities:  # type: ignore[override]
         """CUDA tensors, or CPU tensors in Triton's interpreter (``TRITON_INTERPRET=1``, read
         at each call), which cannot run bfloat16."""
-        if interpreter_enabled():
-            return Capabilities(
-                devices=("cuda", "cpu"), dtypes=(torch.float16, torch.float32, torch.float64),
-                max_head_dim=_MAX_HEAD_DIM, score_mod=False,
-                hints=(("dtypes", "Triton's interpreter multiplies the raw bits of bfloat16 in "
-                                  "tl.dot (triton-lang/triton#11584), so bfloat16 runs only on "
-                                  "a GPU"), _SCORE_MOD_HINT))
-        return Capabilities(
-            devices=("cuda",), max_head_dim=_MAX_HEAD_DIM, score_mod=False,
-            hints=(("devices", "set TRITON_INTERPRET=1 to run the kernels on CPU tensors in "
-                               "Triton's interpreter, for testing"),
-                   _SCORE_MOD_HINT))
+        return _CAPS_INTERPRETED if interpreter_enabled() else _CAPS_GPU
+
+    def can_run(self, p: Problem) -> bool:
+        """O(1) for tensors on a device the kernels cannot run on (CPU tensors outside the
+        interpreter): the device reason is then always among the reasons."""
+        dev = p.device.type
+        if dev != "cuda" and (dev != "cpu" or not interpreter_enabled()):
+            return False
+        return not self.not_supported_reasons(p)
 
     def extra_reasons(self, p: Problem) -> list[str]:
         reasons = []

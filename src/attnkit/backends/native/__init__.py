@@ -187,24 +187,13 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float |
     soft-cap, in ALiBi's place (not together with ALiBi or a table).
     """
     ops = _ops()
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"native.forward: {name} must be a 4-D tensor (B, H, N, D), got "
-                             f"{getattr(t, 'shape', type(t))}")
-    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in DTYPES:
-        raise TypeError(f"native.forward: q, k, v must share one dtype of float32 / float64 / "
-                        f"bfloat16 / float16, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if q.device.type != "cpu" or k.device.type != "cpu" or v.device.type != "cpu":
-        raise ValueError(f"native.forward runs on CPU tensors, got {q.device}, {k.device}, "
-                         f"{v.device}")
+    if not _layout_fits(q, k, v):
+        _check_layout(q, k, v)
     B, Hq, Nq, Dk = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    if (k.shape[0], k.shape[3]) != (B, Dk) or v.shape[:3] != k.shape[:3] or Hq % Hkv:
-        raise ValueError(f"native.forward: shapes q {tuple(q.shape)}, k {tuple(k.shape)}, "
-                         f"v {tuple(v.shape)} do not fit the layout (B, H_q, N_q, D_k), "
-                         "(B, H_kv, N_k, D_k), (B, H_kv, N_k, D_v) with H_q a multiple of H_kv")
-    rel = _rel_table(rel_table, rel_max_distance, Hq)
-    cdt = _compute_dtype(q.dtype)                            # score terms and LSE
+    rel = None if rel_table is None and rel_max_distance is None else \
+        _rel_table(rel_table, rel_max_distance, Hq)
+    cdt = torch.float64 if q.dtype is torch.float64 else torch.float32   # score terms, LSE
     if score_mod is not None and score_mod.dtype != cdt:
         raise TypeError(f"native.forward: score_mod {score_mod.name} was compiled for "
                         f"{score_mod.dtype} rows, but {q.dtype} inputs compute in {cdt}: "
@@ -212,7 +201,12 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float |
     if Nq == 0 or Nk == 0:                                   # no query, or nothing to see
         return (q.new_zeros(B, Hq, Nq, v.shape[3]),
                 torch.full((B, Hq, Nq), -math.inf, dtype=cdt))
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
     shape4 = (B, Hq, Nq, Nk)
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be > 0, got {softcap}")
@@ -253,8 +247,9 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float |
         0 if call is None else call.address,
         0 if call is None else call.caps_address)
     ali = alibi_slopes if isinstance(alibi_slopes, torch.Tensor) else None
-    if torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (q, k, v, rel, ali, bias)):
+    if torch.is_grad_enabled() and (
+            q.requires_grad or k.requires_grad or v.requires_grad
+            or any(t is not None and t.requires_grad for t in (rel, ali, bias))):
         out = _NativeAttention.apply(q, k, v, rel, ali, bias, common,
                                      (int(n_split), int(rows)), call)
     else:
@@ -262,6 +257,42 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float |
     if call is not None:
         call.check()                                         # an index out of range: raise
     return out
+
+
+def _layout_fits(q: object, k: object, v: object) -> bool:
+    """True when :func:`_check_layout` has nothing to say (the common case, in a few
+    comparisons); False sends the call to it, which names what is wrong."""
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
+            and isinstance(v, torch.Tensor)):
+        return False
+    qs, ks, vs = q.shape, k.shape, v.shape
+    dt = q.dtype
+    return (len(qs) == 4 and len(ks) == 4 and len(vs) == 4 and k.dtype is dt
+            and v.dtype is dt and dt in DTYPES and q.is_cpu and k.is_cpu and v.is_cpu
+            and ks[0] == qs[0] and ks[3] == qs[3] and vs[0] == ks[0] and vs[1] == ks[1]
+            and vs[2] == ks[2] and ks[1] > 0 and qs[1] % ks[1] == 0)
+
+
+def _check_layout(q: object, k: object, v: object) -> None:
+    """The layout checks of :func:`forward`, each with its message."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"native.forward: {name} must be a 4-D tensor (B, H, N, D), got "
+                             f"{getattr(t, 'shape', type(t))}")
+    assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) \
+        and isinstance(v, torch.Tensor)
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in DTYPES:
+        raise TypeError(f"native.forward: q, k, v must share one dtype of float32 / float64 / "
+                        f"bfloat16 / float16, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.device.type != "cpu" or k.device.type != "cpu" or v.device.type != "cpu":
+        raise ValueError(f"native.forward runs on CPU tensors, got {q.device}, {k.device}, "
+                         f"{v.device}")
+    B, Hq, Nq, Dk = q.shape
+    Hkv = k.shape[1]
+    if (k.shape[0], k.shape[3]) != (B, Dk) or v.shape[:3] != k.shape[:3] or Hq % Hkv:
+        raise ValueError(f"native.forward: shapes q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)} do not fit the layout (B, H_q, N_q, D_k), "
+                         "(B, H_kv, N_k, D_k), (B, H_kv, N_k, D_v) with H_q a multiple of H_kv")
 
 
 def _rel_table(table: torch.Tensor | None, max_distance: int | None, Hq: int,
@@ -443,14 +474,16 @@ def forward_problem(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     if rest is not None:
         opts["dense_mask"] = rest.evaluate(p.n_q, p.n_k, batch=p.batch, heads=p.heads_q,
                                            device=p.device)
-    ali = _alibi_of(p)
-    if ali is not None:
-        opts["alibi_slopes"], opts["alibi_offset"] = ali
-    rel = _relbias_of(p)
-    if rel is not None:
-        opts["rel_table"], opts["rel_max_distance"] = rel
-    if _user_mod(p) is not None:
-        opts["score_mod"] = for_problem(p.score_mod, _compute_dtype(p.dtype))
-    run = decode if p.n_q <= DECODE_MAX_QUERIES else forward
-    return run(p.q, p.k, p.v, scale=p.scale, softcap=p.softcap, bias=p.bias,  # type: ignore[arg-type]
-               **opts)
+    if p.score_mod is not None:
+        ali = _alibi_of(p)
+        if ali is not None:
+            opts["alibi_slopes"], opts["alibi_offset"] = ali
+        rel = _relbias_of(p)
+        if rel is not None:
+            opts["rel_table"], opts["rel_max_distance"] = rel
+        if _user_mod(p) is not None:
+            opts["score_mod"] = for_problem(p.score_mod, _compute_dtype(p.dtype))
+    if p.n_q <= DECODE_MAX_QUERIES:                           # native.decode's block
+        opts.setdefault("block_q", p.n_q)
+    return forward(p.q, p.k, p.v, scale=p.scale, softcap=p.softcap, bias=p.bias,  # type: ignore[arg-type]
+                   **opts)

@@ -179,7 +179,7 @@ def _nonfinite_query_rows(q: torch.Tensor) -> torch.Tensor | None:
     """``(B, H_q, N_q)`` True where a query row holds NaN or ±inf; ``None`` when none does
     (one reduction over q; the exact row test only when the sum is not finite)."""
     with torch.no_grad():
-        if bool(torch.isfinite(q.sum(dtype=compute_dtype(q.dtype)))):
+        if math.isfinite(q.sum(dtype=compute_dtype(q.dtype)).item()):   # one reduction
             return None
         bad = ~torch.isfinite(q).all(-1)
     return bad if bool(bad.any()) else None

@@ -1,0 +1,192 @@
+"""The per-call cost of small attention calls (decoding, short prefill) next to torch SDPA.
+
+    .venv/bin/python benchmarks/bench_hotpath.py                  # every case (~1 minute)
+    .venv/bin/python benchmarks/bench_hotpath.py --only decode,prefill --reps 2000
+    .venv/bin/python benchmarks/bench_hotpath.py --trees OLD NEW --rounds 3   # A/B two trees
+
+A decoder calls attention once per layer and token on tiny tensors, so the Python around the
+kernel decides its speed. Each case times attnkit's call and torch's
+``F.scaled_dot_product_attention`` on the same inputs, alternating one call of each
+(interleaved repeats, so a load burst on this shared machine hits both), and prints both
+medians and the ratio ``SDPA time / attnkit time`` (> 1 = attnkit faster). One thread
+(``torch.set_num_threads(1)``, as a decoder's per-token call is measured), under
+``torch.no_grad()``.
+
+Cases (B=1, H_q=8, D=64; GQA with H_kv=2 for decode):
+``decode`` (1 query × 192 keys, fp32 and bf16, through ``ak.scaled_dot_product_attention``
+and through ``ak.attention``), ``decode4096`` (1 query × 4096 keys, fp32), ``prefill``
+((1,8,128,64) causal, fp32), ``hf`` (a tiny transformers Llama — hidden 64, 3 layers, 4/2
+heads — one forward of an 8-token prompt, ``attn_implementation="attnkit"`` vs ``"sdpa"``;
+skipped without transformers).
+
+``--trees OLD NEW``: one process per tree and round, alternating (OLD, NEW, OLD, NEW, …), each
+importing attnkit from ``TREE/src``; every process prints its own lines (and its own SDPA
+times, so compare ratios round by round).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+CASES = ("decode", "decode4096", "prefill", "hf")
+
+
+def cpu_name() -> str:
+    """lscpu's model name (falls back to platform.processor())."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def interleaved(a: Callable[[], object], b: Callable[[], object], reps: int,
+                ) -> tuple[float, float]:
+    """Medians (seconds) of ``a`` and ``b``, timed alternately ``reps`` times each."""
+    for _ in range(max(20, reps // 20)):             # warm-up
+        a()
+        b()
+    ta, tb = [], []
+    clock = time.perf_counter
+    for _ in range(reps):
+        t0 = clock()
+        a()
+        t1 = clock()
+        b()
+        t2 = clock()
+        ta.append(t1 - t0)
+        tb.append(t2 - t1)
+    return statistics.median(ta), statistics.median(tb)
+
+
+def _hf_case() -> tuple[Callable[[], object], Callable[[], object]] | str:
+    """A tiny Llama's forward through attnkit and through sdpa, or why it is skipped."""
+    try:
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        import attnkit.integrations.transformers as akt
+    except ImportError as e:
+        return f"skipped ({e})"
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=64)
+    name = akt.register()
+    ours = LlamaForCausalLM(cfg).eval()
+    ours.set_attn_implementation(name)
+    theirs = LlamaForCausalLM(cfg).eval()
+    theirs.load_state_dict(ours.state_dict())
+    theirs.set_attn_implementation("sdpa")
+    ids = torch.randint(0, 128, (1, 8))
+    return (lambda: ours(input_ids=ids, use_cache=False),
+            lambda: theirs(input_ids=ids, use_cache=False))
+
+
+def one_process(cases: list[str], reps: int) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    import attnkit as ak
+    from attnkit.backends import native
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    print(f"CPU {cpu_name()}; torch {torch.__version__} "
+          f"(capability {torch.backends.cpu.get_cpu_capability()}); attnkit "
+          f"{getattr(ak, '__version__', '?')} from {os.path.dirname(ak.__file__)}; native "
+          f"kernel {native.loader.cpu_flags()[0] if native.available() else 'unavailable'}; "
+          f"1 thread; medians of {reps} interleaved calls", flush=True)
+    print(f"  {'case':<56} {'attnkit':>10} {'SDPA':>10} {'SDPA/attnkit':>13}")
+
+    def line(name: str, ours: Callable[[], object], theirs: Callable[[], object]) -> None:
+        t_ours, t_theirs = interleaved(ours, theirs, reps)
+        print(f"  {name:<56} {t_ours * 1e6:8.1f}us {t_theirs * 1e6:8.1f}us "
+              f"{t_theirs / t_ours:12.2f}x", flush=True)
+
+    def qkv(n_q: int, n_k: int, h_kv: int, dtype: torch.dtype) -> list[torch.Tensor]:
+        return [torch.randn(1, 8, n_q, 64).to(dtype), torch.randn(1, h_kv, n_k, 64).to(dtype),
+                torch.randn(1, h_kv, n_k, 64).to(dtype)]
+
+    with torch.no_grad():
+        for c in cases:
+            if c == "decode":
+                for dt, dn in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+                    q, k, v = qkv(1, 192, 2, dt)
+
+                    def sdpa(q=q, k=k, v=v) -> object:
+                        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+                    line(f"decode {dn} (1,8,1,64) x 192 keys GQA 8/2, ak.sdpa",
+                         lambda q=q, k=k, v=v: ak.scaled_dot_product_attention(
+                             q, k, v, enable_gqa=True), sdpa)
+                    line(f"decode {dn} (1,8,1,64) x 192 keys GQA 8/2, ak.attention",
+                         lambda q=q, k=k, v=v: ak.attention(q, k, v), sdpa)
+            elif c == "decode4096":
+                q, k, v = qkv(1, 4096, 2, torch.float32)
+                line("decode fp32 (1,8,1,64) x 4096 keys GQA 8/2, ak.sdpa",
+                     lambda q=q, k=k, v=v: ak.scaled_dot_product_attention(
+                         q, k, v, enable_gqa=True),
+                     lambda q=q, k=k, v=v: F.scaled_dot_product_attention(
+                         q, k, v, enable_gqa=True))
+            elif c == "prefill":
+                q, k, v = qkv(128, 128, 8, torch.float32)
+                line("prefill fp32 (1,8,128,64) causal, ak.sdpa",
+                     lambda q=q, k=k, v=v: ak.scaled_dot_product_attention(
+                         q, k, v, is_causal=True),
+                     lambda q=q, k=k, v=v: F.scaled_dot_product_attention(
+                         q, k, v, is_causal=True))
+            elif c == "hf":
+                got = _hf_case()
+                if isinstance(got, str):
+                    print(f"  tiny Llama forward: {got}")
+                else:
+                    line("tiny Llama (64 hidden, 3 layers, 4/2 heads), 8 tokens", *got)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", default=",".join(CASES),
+                    help=f"comma-separated cases, from {', '.join(CASES)}")
+    ap.add_argument("--reps", type=int, default=3000, help="timed calls per case (median)")
+    ap.add_argument("--trees", nargs="+", default=None,
+                    help="A/B: two (or more) source trees, each with src/attnkit")
+    ap.add_argument("--rounds", type=int, default=3, help="with --trees: processes per tree")
+    args = ap.parse_args(argv)
+    cases = [c for c in args.only.split(",") if c]
+    unknown = sorted(set(cases) - set(CASES))
+    if unknown:
+        ap.error(f"unknown case(s) {', '.join(unknown)}; choose from {', '.join(CASES)}")
+    if args.reps < 1 or args.rounds < 1:
+        ap.error("--reps and --rounds must be at least 1")
+    if args.trees is None:
+        one_process(cases, args.reps)
+        return 0
+    if len(args.trees) < 2:
+        ap.error("--trees needs two source trees to compare (e.g. two git worktrees)")
+    for tree in args.trees:
+        if not os.path.isdir(os.path.join(tree, "src", "attnkit")):
+            ap.error(f"{tree} has no src/attnkit")
+    for r in range(args.rounds):
+        for tree in args.trees:
+            env = {**os.environ, "PYTHONPATH": os.path.join(os.path.abspath(tree), "src")}
+            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--only",
+                                  ",".join(cases), "--reps", str(args.reps)], env=env,
+                                 capture_output=True, text=True, check=False)
+            print(f"round {r + 1}, tree {tree}:", flush=True)
+            print(out.stdout.rstrip() if out.returncode == 0 else out.stderr.rstrip(),
+                  flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

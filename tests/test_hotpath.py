@@ -1,0 +1,346 @@
+"""The lean hot path of small calls (issue 20, item 3): the fast checks that accept a call in a
+few comparisons agree with the full checks they stand in front of, value-dependent screens
+still run on every call (nothing about a call's values is remembered from an earlier call of
+the same signature), errors are the same on every repeat, and ``backend="auto"``'s quick
+``can_run`` answers agree with each backend's reasons.
+
+Shape legend: q (B, H_q, N_q, D_k), k (B, H_kv, N_k, D_k), v (B, H_kv, N_k, D_v).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+import threading
+
+import pytest
+import torch
+
+import attnkit as ak
+from attnkit import api, masks
+from attnkit.backends import REGISTRY, native
+from attnkit.backends.base import Problem
+
+# ============================================================ values are never remembered
+
+
+def _decode_qkv(dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    return [torch.randn(1, 8, 1, 64, dtype=dtype), torch.randn(1, 2, 192, 64, dtype=dtype),
+            torch.randn(1, 2, 192, 64, dtype=dtype)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("entry", ["attention", "sdpa"])
+def test_same_signature_new_values_are_screened_every_call(entry, dtype):
+    """A call signature that ran clean before is screened again: NaN in an allowed K row
+    gives NaN (its K/V head's queries only), NaN in a blocked row stays out, inf in V with no
+    mask gives NaN (not inf) — each right after clean calls of the same shapes."""
+    q, k, v = _decode_qkv(dtype)
+    pad = masks.padding(torch.tensor([100]))             # keys 100.. blocked
+
+    def call(k: torch.Tensor, v: torch.Tensor, mask: object = None) -> torch.Tensor:
+        if entry == "attention":
+            return ak.attention(q, k, v, mask=mask)
+        m = None if mask is None else mask.to_dense(1, 192).reshape(1, 192)  # type: ignore[union-attr]
+        return ak.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)
+
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.isfinite(call(k, v)).all()
+            assert torch.isfinite(call(k, v, pad)).all()
+        k_nan = k.clone()
+        k_nan[0, 1, 50] = math.nan                       # allowed row of K/V head 1
+        out = call(k_nan, v)
+        assert out[0, 4:].isnan().all() and torch.isfinite(out[0, :4]).all()
+        k_blocked = k.clone()
+        k_blocked[0, :, 150] = math.nan                  # a padded row: never reaches output
+        v_blocked = v.clone()
+        v_blocked[0, :, 190] = math.inf
+        clean = call(k, v, pad)
+        got = call(k_blocked, v_blocked, pad)
+        assert torch.isfinite(got).all() and torch.equal(got, clean)
+        v_inf = v.clone()
+        v_inf[0, 0, 3] = math.inf                        # no mask: every query attends to it
+        out = call(k, v_inf)
+        assert out[0, :4].isnan().all() and torch.isfinite(out[0, 4:]).all()
+        assert torch.isfinite(call(k, v)).all()          # and clean again afterwards
+
+
+def test_nan_query_row_still_nan_after_clean_calls():
+    q, k, v = (torch.randn(1, 8, 128, 64) for _ in range(3))
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.isfinite(ak.attention(q, k, v, is_causal=True)).all()
+        q_bad = q.clone()
+        q_bad[0, 3, 7, 0] = math.nan
+        out = ak.attention(q_bad, k, v, is_causal=True)
+    assert out[0, 3, 7].isnan().all()
+    assert torch.isfinite(out[0, 3, :7]).all() and torch.isfinite(out[0, :3]).all()
+
+
+def test_score_mod_minus_inf_on_nan_v_row_still_gives_nan():
+    """A Python score_mod's −∞ is a score, not a mask: a NaN V row it removes still gives
+    NaN — on the first call and on a repeat with new values."""
+    q, k, v = (torch.randn(1, 2, 4, 8) for _ in range(3))
+
+    def drop_key_0(score, b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202
+        return torch.where(kv_idx == 0, -math.inf, score)
+
+    with torch.no_grad():
+        assert torch.isfinite(ak.attention(q, k, v, score_mod=drop_key_0)).all()
+        v_bad = v.clone()
+        v_bad[0, 0, 0] = math.nan
+        assert ak.attention(q, k, v_bad, score_mod=drop_key_0)[0, 0].isnan().all()
+        m = masks.from_fn(lambda b, h, q_idx, kv_idx: kv_idx != 0)
+        assert torch.isfinite(ak.attention(q, k, v_bad, mask=m)).all()   # a mask removes it
+
+
+# ============================================================ errors: the same every time
+BAD_CALLS = [
+    # (q, k, v) shapes / dtypes, expected error type, a fragment of its message
+    (((2, 3, 4, 8), (2, 2, 4, 8), (2, 2, 4, 8)), ValueError, "must be a multiple"),
+    (((2, 4, 4, 8), (2, 2, 4, 7), (2, 2, 4, 8)), ValueError, "same feature width D_k"),
+    (((2, 4, 4, 8), (2, 2, 5, 8), (2, 2, 4, 8)), ValueError, "same number of keys N_k"),
+    (((2, 4, 4, 8), (3, 2, 4, 8), (3, 2, 4, 8)), ValueError, "same leading (batch) dims"),
+    (((2, 4, 4, 8), (2, 2, 4, 8), (2, 1, 4, 8)), ValueError, "same number of heads H_kv"),
+    (((2, 4, 4, 8), (2, 0, 4, 8), (2, 0, 4, 8)), ValueError, "no heads (H_kv=0)"),
+    (((4, 8), (2, 2, 4, 8), (2, 2, 4, 8)), ValueError, "same rank"),
+    (((8,), (8,), (8,)), ValueError, "must be 2-D"),
+]
+
+
+@pytest.mark.parametrize(("shapes", "err", "fragment"), BAD_CALLS)
+def test_bad_call_raises_the_same_error_every_time(shapes, err, fragment):
+    qkv = [torch.randn(*s) for s in shapes]
+    messages = []
+    for _ in range(3):
+        with pytest.raises(err, match=re.escape(fragment)) as e:
+            ak.attention(*qkv)
+        messages.append(str(e.value))
+    ak.attention(*(torch.randn(2, 4, 4, 8) for _ in range(3)))      # a good call between
+    with pytest.raises(err) as e:
+        ak.attention(*qkv)
+    assert len(set(messages)) == 1 and str(e.value) == messages[0]
+
+
+def test_dtype_and_device_errors_repeat():
+    q, k, v = (torch.randn(1, 2, 3, 4) for _ in range(3))
+    for _ in range(2):
+        with pytest.raises(TypeError, match="share one dtype"):
+            ak.attention(q, k.double(), v)
+        with pytest.raises(TypeError, match="floating-point"):
+            ak.attention(q.int(), k.int(), v.int())
+        with pytest.raises(ValueError, match="on one device"):
+            ak.attention(q, k.to("meta"), v)
+        with pytest.raises(ValueError, match="dropout_p must be a number in"):
+            ak.scaled_dot_product_attention(q, k, v, dropout_p=1.5)
+        with pytest.raises(ValueError, match="dropout_p must be a number in"):
+            ak.scaled_dot_product_attention(q, k, v, dropout_p=math.nan)
+        with pytest.raises(ValueError, match="dropout_p must be a number in"):
+            ak.scaled_dot_product_attention(q, k, v, dropout_p=True)
+        with pytest.raises(TypeError, match="argument 'key' must be Tensor"):
+            ak.scaled_dot_product_attention(q, k.numpy(), v)
+        with pytest.raises(ValueError, match="must be a finite number"):
+            ak.attention(q, k, v, dropout_p=math.inf)
+
+
+# ============================================================ fast checks == full checks
+def _full_check_passes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """The full checks of _check_qkv alone (its fast accept switched off)."""
+    saved = api._qkv_fit
+    api._qkv_fit = lambda *a: False  # type: ignore[assignment]
+    try:
+        api._check_qkv(q, k, v)
+        return True
+    except (ValueError, TypeError):
+        return False
+    finally:
+        api._qkv_fit = saved  # type: ignore[assignment]
+
+
+def test_fast_qkv_accept_never_accepts_what_the_full_check_refuses():
+    sizes = (0, 1, 2, 3)
+    dims = [(), (1,), (2,), (2, 1), (1, 2)]
+    seen = 0
+    for lead_q, lead_k in itertools.product(dims, dims):
+        if len(lead_q) != len(lead_k):
+            continue
+        for h_q, h_kv, n_k_v in itertools.product(sizes, sizes, ((3, 3), (3, 2))):
+            q = torch.empty(*lead_q, h_q, 2, 4)
+            k = torch.empty(*lead_k, h_kv, n_k_v[0], 4)
+            v = torch.empty(*lead_k, h_kv, n_k_v[1], 5)
+            full = _full_check_passes(q, k, v)
+            if api._qkv_fit(q, k, v):
+                assert full, (q.shape, k.shape, v.shape)
+                seen += 1
+    assert seen > 20
+    for q, k, v in [(torch.empty(3, 4), torch.empty(5, 4), torch.empty(5, 2)),
+                    (torch.empty(3, 4), torch.empty(5, 3), torch.empty(5, 2)),
+                    (torch.empty(2, 3, 4), torch.empty(1, 3, 4), torch.empty(1, 3, 4))]:
+        assert api._qkv_fit(q, k, v) == _full_check_passes(q, k, v)
+
+
+def test_sdpa_broadcast_is_torchs_broadcast():
+    torch.manual_seed(0)
+    dims = (1, 2, 3)
+    for lq, lk, lv in itertools.product(itertools.product(dims, repeat=2), repeat=3):
+        q, k, v = torch.empty(*lq, 4, 2, 8), torch.empty(*lk, 2, 3, 8), torch.empty(*lv, 2, 3, 8)
+        try:
+            lead = torch.broadcast_shapes(lq, lk, lv)
+        except RuntimeError:
+            with pytest.raises(ValueError, match="do not broadcast"):
+                api._sdpa_broadcast(q, k, v, True)
+            continue
+        q2, k2, v2 = api._sdpa_broadcast(q, k, v, True)
+        assert tuple(q2.shape) == (*lead, 4, 2, 8) and k2 is k and v2 is v
+    # ranks padded on the left
+    q2, k2, v2 = api._sdpa_broadcast(torch.empty(2, 4, 2, 8), torch.empty(2, 3, 8),
+                                     torch.empty(2, 3, 8), True)
+    assert (q2.shape, k2.shape, v2.shape) == ((2, 4, 2, 8), (1, 2, 3, 8), (1, 2, 3, 8))
+    with pytest.raises(ValueError, match="do not broadcast"):
+        api._sdpa_broadcast(torch.empty(0, 2, 2, 8), torch.empty(3, 2, 3, 8),
+                            torch.empty(3, 2, 3, 8), True)
+
+
+def test_mask_broadcast_rule_is_torchs():
+    target = (2, 3, 4, 5)
+    for shape in itertools.product((0, 1, 2, 3, 4, 5), repeat=2):
+        for lead in ((), (1,), (2,), (3,), (1, 3), (2, 1), (2, 3), (1, 1, 1)):
+            s = (*lead, *shape)
+            try:
+                ok = len(s) <= 4 and torch.broadcast_shapes(s, target) == torch.Size(target)
+            except RuntimeError:
+                ok = False
+            assert api._broadcasts_to(s, target) == ok, s
+
+
+def test_native_fast_layout_accept_agrees_with_its_checks():
+    good = (torch.empty(2, 4, 3, 8), torch.empty(2, 2, 5, 8), torch.empty(2, 2, 5, 6))
+    assert native._layout_fits(*good)
+    native._check_layout(*good)
+    bad = [
+        (torch.empty(2, 3, 3, 8), good[1], good[2]),                   # H_q % H_kv
+        (good[0], torch.empty(2, 2, 5, 7), good[2]),                   # D_k
+        (good[0], good[1], torch.empty(2, 2, 4, 6)),                   # N_k
+        (good[0], good[1].double(), good[2]),                          # dtype
+        (good[0].int(), good[1].int(), good[2].int()),                 # not a kernel dtype
+        (good[0][0], good[1], good[2]),                                # 3-D
+        (good[0], good[1].to("meta"), good[2]),                        # device
+        (good[0], torch.empty(1, 2, 5, 8), torch.empty(1, 2, 5, 6)),   # batch
+    ]
+    for q, k, v in bad:
+        assert not native._layout_fits(q, k, v)
+        with pytest.raises((ValueError, TypeError)):
+            native._check_layout(q, k, v)
+        if native.available():
+            with pytest.raises((ValueError, TypeError)) as e1:
+                native.forward(q, k, v)
+            with pytest.raises((ValueError, TypeError)) as e2:
+                native.forward(q, k, v)
+            assert str(e1.value) == str(e2.value) and "native.forward" in str(e1.value)
+
+
+# ============================================================ backend="auto": can_run
+def _problems() -> list[Problem]:
+    out = []
+    for dtype, n_q, grad, dropout in itertools.product(
+            (torch.float32, torch.bfloat16, torch.float64), (1, 17), (False, True), (0.0, 0.1)):
+        q = torch.randn(1, 4, n_q, 8, dtype=dtype, requires_grad=grad)
+        k, v = torch.randn(1, 2, 9, 8, dtype=dtype), torch.randn(1, 2, 9, 8, dtype=dtype)
+        out.append(api.prepare(q, k, v, dropout_p=dropout).problem)
+        out.append(api.prepare(q, k, v, is_causal=True, softcap=5.0).problem)
+    out.append(api.prepare(*(torch.randn(1, 2, 3, 300) for _ in range(3))).problem)
+    return out
+
+
+@pytest.mark.parametrize("interpret", ["0", "1"])
+def test_can_run_agrees_with_the_reasons(monkeypatch, interpret):
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    with torch.enable_grad():
+        for p in _problems():
+            for name, b in REGISTRY.items():
+                assert b.can_run(p) == (not b.not_supported_reasons(p)), (name, p.describe())
+
+
+def test_auto_picks_the_first_backend_without_reasons_and_lists_all_when_none_fits(
+        monkeypatch):
+    p = api.prepare(*(torch.randn(1, 2, 3, 4) for _ in range(3))).problem
+    first = next(n for n in ak.backends.PRIORITY
+                 if n in REGISTRY and not REGISTRY[n].not_supported_reasons(p))
+    assert ak.backends.select(p).name == first
+    for n in ak.backends.names():
+        monkeypatch.setattr(REGISTRY[n], "extra_reasons", lambda p, n=n: [f"no {n}"])
+    for _ in range(2):
+        with pytest.raises(ValueError, match="no backend can run this call") as e:
+            ak.backends.select(p)
+        lines = str(e.value).splitlines()[1:]
+        assert [ln.split(":")[0].strip() for ln in lines] == [
+            n for n in ak.backends.PRIORITY if n in REGISTRY]
+
+
+def test_triton_interpreter_switch_is_read_on_every_call(monkeypatch):
+    p = api.prepare(*(torch.randn(1, 2, 3, 4) for _ in range(3))).problem
+    tri = REGISTRY.get("triton")
+    if tri is None:
+        pytest.skip("triton backend not registered")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not tri.can_run(p)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert tri.can_run(p) == (not tri.not_supported_reasons(p))
+    assert "runs on CUDA" not in "; ".join(tri.not_supported_reasons(p))
+
+
+def test_native_switch_is_read_on_every_call(monkeypatch):
+    if not native.available():
+        pytest.skip("native kernel unavailable")
+    q, k, v = _decode_qkv()
+    from attnkit.backends.tiled import counting
+    with torch.no_grad():
+        with counting() as c:
+            ak.attention(q, k, v)
+        assert c["native"] == 1
+        monkeypatch.setenv("ATTNKIT_NATIVE", "0")
+        with counting() as c:
+            out = ak.attention(q, k, v)
+        assert c["native"] == 0
+        monkeypatch.delenv("ATTNKIT_NATIVE")
+        with counting() as c:
+            again = ak.attention(q, k, v)
+        assert c["native"] == 1
+    torch.testing.assert_close(out, again, rtol=1e-5, atol=1e-5)
+
+
+def test_hot_path_from_many_threads():
+    """Concurrent small calls of several signatures give each its own right answer."""
+    torch.manual_seed(0)
+    cases = []
+    for n_k in (5, 64, 192):
+        q, k, v = torch.randn(1, 8, 1, 16), torch.randn(1, 2, n_k, 16), torch.randn(1, 2, n_k, 16)
+        with torch.no_grad():
+            cases.append((q, k, v, ak.attention(q, k, v, backend="reference")))
+    errors: list[str] = []
+
+    def work(i: int) -> None:
+        for j in range(40):
+            q, k, v, want = cases[(i + j) % len(cases)]
+            with torch.no_grad():
+                got = ak.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+            if not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
+                errors.append(f"thread {i} call {j}")
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+
+
+def test_restore_keeps_the_users_leading_dims():
+    for lead in ((), (3,), (2, 3)):
+        q, k, v = (torch.randn(*lead, 2, 5, 4) for _ in range(3))
+        assert ak.attention(q, k, v).shape == (*lead, 2, 5, 4)
+    q, k, v = (torch.randn(5, 4) for _ in range(3))
+    assert ak.attention(q, k, v).shape == (5, 4)
