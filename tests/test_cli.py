@@ -139,7 +139,7 @@ def test_example_with_a_different_scale(capsys):
 def test_an_example_under_an_override_says_the_values_used(capsys, lang):
     rc, out, _ = run(capsys, "--example", "worked", "--scale", "1", "--lang", lang)
     assert rc == 0
-    assert "1/√d_k = 1/2" not in out and "1/2로 스케일" not in out    # the example's own text
+    assert "1/√d_k = 1/2" not in out and "√d_k = 2로 나누고" not in out  # the example's own text
     assert "[0.665, 0.090, 0.245]" in out                              # softmax([2, 0, 1])
     assert ("scale = 1/√4 = 0.500" in out) and len(parse(out)) == 1    # ×10 half left out
     assert ("Left out" in out) if lang == "en" else ("뺀 비교" in out)

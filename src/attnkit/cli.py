@@ -29,8 +29,8 @@ import importlib
 import os
 import sys
 import warnings
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, NoReturn
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from ._outfiles import output_problem
 from .explain.examples import DEFAULT, EXAMPLES, with_overrides
@@ -106,7 +106,7 @@ def _build_parser() -> _Parser:
 
     les = sub.add_parser("lesson", help="a built-in lesson (measured or drawn)",
                          description="A built-in lesson: " + ", ".join(LESSONS))
-    les.add_argument("name", nargs="?", choices=list(LESSONS), metavar="NAME",
+    les.add_argument("name", nargs="?", metavar="NAME",     # checked in _lesson, in --lang
                      help="one of " + ", ".join(LESSONS) + " (none: list them)")
     les.add_argument("--lang", choices=LANGS, default="en", help="language (default en)")
     les.add_argument("--plot", metavar="OUT.png", help="also draw the lesson's figure")
@@ -155,7 +155,7 @@ def _model(args: argparse.Namespace) -> int:
             mt.to_html(args.html, lang=args.lang)
             print(f"attnkit: wrote {args.html}", file=sys.stderr)
         if args.plot:
-            mt.plot(args.plot, lang=args.lang)
+            _noting("explain", mt.plot, args.plot, lang=args.lang)
             print(f"attnkit: wrote {args.plot}", file=sys.stderr)
     except ModelError as e:
         print(f"attnkit explain: {e}", file=sys.stderr)
@@ -182,6 +182,17 @@ def _examples(args: argparse.Namespace) -> int:
     return 0
 
 
+def _noting(cmd: str, draw: Callable[..., Any], *a: Any, **kw: Any) -> Any:
+    """Draw a figure; its warnings (e.g. no font with Hangul) become one note each on
+    stderr."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = draw(*a, **kw)
+    for msg in dict.fromkeys(" ".join(str(w.message).split()) for w in caught):
+        print(f"attnkit {cmd}: note: {msg}", file=sys.stderr)
+    return out
+
+
 def _lesson(args: argparse.Namespace) -> int:
     from .explain.lessons import LESSONS
 
@@ -190,6 +201,8 @@ def _lesson(args: argparse.Namespace) -> int:
         for name, les in LESSONS.items():
             print(f"{name.ljust(width)}  {les.describe(args.lang)}")
         return 0
+    if args.name not in LESSONS:
+        raise InputError("unknown_lesson", name=args.name, names=", ".join(LESSONS))
     lesson = LESSONS[args.name]
     if args.plot:
         _check_outputs(args)
@@ -197,7 +210,7 @@ def _lesson(args: argparse.Namespace) -> int:
             raise InputError("lesson_no_plot", name=args.name)
     sys.stdout.write(lesson.text(args.lang))
     if args.plot:
-        lesson.plot(args.plot, args.lang)
+        _noting("lesson", lesson.plot, args.plot, args.lang)
         print(f"attnkit: wrote {args.plot}", file=sys.stderr)
     return 0
 
@@ -299,12 +312,7 @@ def _explain(args: argparse.Namespace) -> int:
         try:
             from .explain.plot import render_plot
 
-            with warnings.catch_warnings(record=True) as caught:   # e.g. no Hangul font
-                warnings.simplefilter("always")
-                render_plot(traces, args.plot, what=plot_what, lang=args.lang)
-            for w in caught:
-                print(f"attnkit explain: note: {' '.join(str(w.message).split())}",
-                      file=sys.stderr)
+            _noting("explain", render_plot, traces, args.plot, what=plot_what, lang=args.lang)
         except ImportError as e:
             raise InputError("needs_mpl", err=e) from None
         except OSError as e:
@@ -318,7 +326,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in DELEGATED:
         return _delegate(argv[0], argv[1:])
-    lang = "en"
+    lang, args = "en", None
     try:
         args = _build_parser().parse_args(argv)
         lang = getattr(args, "lang", "en")
@@ -333,7 +341,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(" ".join(str(e).split("\n")), file=sys.stderr)
         return 2
     except (InputError, ExplainError) as e:
-        print("attnkit explain: " + e.message(lang), file=sys.stderr)
+        cmd = "lesson" if getattr(args, "cmd", None) == "lesson" else "explain"
+        print(f"attnkit {cmd}: " + e.message(lang), file=sys.stderr)
         return 2
     except BrokenPipeError:             # `attnkit explain | head`
         devnull = os.open(os.devnull, os.O_WRONLY)

@@ -199,8 +199,9 @@ def test_examples_command_lists_every_example_with_a_description(capsys):
 # (키 of the keyboard — "Tab 키", "화살표 키" — is another word.)
 TRANSLITERATED = re.compile(r"소프트맥스|마스크|쿼리|스코어|밸류|점수|"
                             r"(?<![가-힣])(?<!Tab )(?<!화살표 )키(?=[를가의는에와로도 )]|$)")
-# English words the Korean output once carried ("(K, V alike)", "8 heads → concat", ...)
-ENGLISH = re.compile(r"\b(alike|concat|heads?|raw|scores?|queries|keys|values|weights|output|"
+# English words the Korean output once carried ("(K, V alike)", "8 heads → concat", ...);
+# "head" itself is the course's word (issue 22), the English plural is not
+ENGLISH = re.compile(r"\b(alike|concat|heads|raw|scores?|queries|keys|values|weights|output|"
                      r"scaled|sum to)\b")
 # a particle written right after a shape such as (3, 8): its final sound decides the particle
 SHAPE_PARTICLE = re.compile(r"\(\d+(?:, \d+)+\)(?:이어야|여야|[이가은는을를])(?![가-힣])")

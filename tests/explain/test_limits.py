@@ -96,7 +96,7 @@ def test_many_heads_are_capped_and_named(tmp_path):
     page = tr.to_html()
     assert page.count('<button type="button" data-head=') == cm.MAX_HEADS
     assert "… 4 more heads are not shown: the page shows the first 8" in page
-    assert "헤드 4개 더 있음" in tr.to_html(lang="ko")
+    assert "head 4개 더 있음" in tr.to_html(lang="ko")
     assert tr.plot(tmp_path / "h.png").stat().st_size > 0
 
 

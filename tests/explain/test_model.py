@@ -92,7 +92,7 @@ def test_text_html_png(pronoun, tmp_path):
     assert "animal" in text and f"Layer {layer}, head {head}, query 'it'" in text
     assert "the weights sum to 1.000" in text
     ko = pronoun.to_text("ko")
-    assert f"레이어 {layer}, 헤드 {head}, Query 'it'" in ko and "가중치의 합 = 1.000" in ko
+    assert f"레이어 {layer}, head {head}, Query 'it'" in ko and "가중치의 합 = 1.000" in ko
     page = pronoun.to_html(tmp_path / "m.html")
     assert page.count('<button type="button" class="mini') == 72
     assert page.count('class="mini on"') == 1
@@ -113,7 +113,7 @@ def test_cli_model(pronoun, tmp_path, capsys):
     rc = main(["explain", "--model", "minilm", "--token", "it", "--layer", "4", "--head", "2",
                "--html", str(html), "--lang", "ko"])
     out = capsys.readouterr().out
-    assert rc == 0 and "레이어 4, 헤드 2, Query 'it'" in out
+    assert rc == 0 and "레이어 4, head 2, Query 'it'" in out
     assert html.exists()
     assert main(["explain", "--model", "minilm", "--scale", "1"]) == 2
     assert "not with --model" in capsys.readouterr().err

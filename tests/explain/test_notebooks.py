@@ -29,7 +29,8 @@ def test_notebook_runs(lang):
     assert "Softmax" in text and "0.506" in text
     pages = [o["data"]["text/html"] for o in outputs if "text/html" in o.get("data", {})]
     assert any("<iframe srcdoc=" in p for p in pages)                  # the trace's page
-    if lang == "ko":
+    if lang == "ko":                # the interactive cell is the Korean page (was lang="en")
+        assert all('lang=&quot;ko&quot;' in p and "Try it" not in p for p in pages)
         assert "분산" in text and "가중치" in text
         prose = text + "".join(c.source for c in nb.cells if c.cell_type == "markdown")
         for word in ("소프트맥스", "마스크", "쿼리", "점수"):     # the course's terms are Latin

@@ -77,7 +77,7 @@ def causal_three_tokens() -> list[Trace]:
         "V's first three columns are one-hot, so the output shows the weights themselves.",
         "디코더는 미래 토큰을 볼 수 없습니다: 토큰 i는 토큰 1..i만 봅니다.\n"
         "인과 Mask는 대각선 위에 −∞를 넣으므로 1행은 Key 1개, 2행은 2개, 3행은 3개를 봅니다.\n"
-        "V의 앞 세 열이 원-핫이라서 출력에 가중치가 그대로 나타납니다.",
+        "V의 앞 세 열이 one-hot이라서 출력에 가중치가 그대로 나타납니다.",
     ))]
 
 
@@ -102,7 +102,7 @@ def masked() -> list[Trace]:
         "gives the logits; e^−∞ = 0, so k3 gets weight 0 and its value [10, 10] never\n"
         "reaches the output — however large its score.",
         "Query 1개(d_k = 4)와 Key 3개. k3의 Score가 가장 크지만 Mask M = [0, 0, −∞]가\n"
-        "k3을 가립니다(미래 토큰이라고 생각하세요). 1/√4로 스케일하고 M을 더하면 로짓이 되고,\n"
+        "k3을 가립니다(미래 토큰이라고 생각하세요). √4 = 2로 나누고 M을 더하면 logit이 되고,\n"
         "e^−∞ = 0이므로 k3의 가중치는 0입니다. Score가 아무리 커도 k3의 Value [10, 10]은\n"
         "출력에 닿지 않습니다.",
     ))]
@@ -126,16 +126,16 @@ def worked() -> list[Trace]:
         "q = [1, 0, 1, 0]. The keys are chosen so that the raw scores q·k are [2, 0, 1].\n"
         "Scale by 1/√d_k = 1/2, softmax, and mix the three value rows with the weights.",
         "q = [1, 0, 1, 0]. Score q·k가 [2, 0, 1]이 되도록 Key를 골랐습니다.\n"
-        "1/√d_k = 1/2로 스케일하고, Softmax를 거쳐, 가중치로 Value의 세 행을 섞습니다.",
+        "√d_k = 2로 나누고, Softmax를 거쳐, 가중치로 Value의 세 행을 섞습니다.",
     ))
     sharp = _text(explain(q, k, v, scale=10 * 0.5), (
         "The same logits × 10: softmax sharpens",
-        "같은 로짓 × 10: Softmax가 날카로워짐",
+        "같은 logit × 10: Softmax가 날카로워짐",
     ), (
         "Same q, K, V with scale = 10 · (1/2): the logits become [10, 0, 5]. Softmax only\n"
         "sees differences, and differences ten times larger push almost all the weight\n"
         "onto the best key.",
-        "같은 q, K, V에 scale = 10 · (1/2): 로짓이 [10, 0, 5]가 됩니다. Softmax는 차이만\n"
+        "같은 q, K, V에 scale = 10 · (1/2): logit이 [10, 0, 5]가 됩니다. Softmax는 차이만\n"
         "보므로, 차이가 열 배 커지면 가중치가 거의 모두 가장 좋은 Key로 쏠립니다.",
     ))
     return [main, sharp]
@@ -155,18 +155,18 @@ def scaling() -> list[Trace]:
     v = np.eye(3)
     raw = _text(explain(_t(q), _t(k), _t(v), scale=1.0), (
         "d_k = 64 without scaling: softmax saturates",
-        "d_k = 64, 스케일 없이: Softmax 포화",
+        "d_k = 64, √d_k로 나누지 않으면: Softmax 포화",
     ), (
         "With d_k = 64, dot products grow large: here the raw scores are [16, 8, 0].\n"
         "Used as logits directly (scale = 1), softmax puts nearly all weight on one key.\n"
         "V is the identity, so the output equals the weights.",
         "d_k = 64일 때는 내적이 커집니다: 여기서 Score는 [16, 8, 0]입니다.\n"
-        "그대로 로짓으로 쓰면(scale = 1) Softmax가 거의 모든 가중치를 Key 하나에 줍니다.\n"
+        "그대로 logit으로 쓰면(scale = 1) Softmax가 거의 모든 가중치를 Key 하나에 줍니다.\n"
         "V가 단위행렬이라 출력이 곧 가중치입니다.",
     ))
     scaled = _text(explain(_t(q), _t(k), _t(v)), (
         "d_k = 64 scaled by 1/√64 = 1/8",
-        "d_k = 64, 1/√64 = 1/8로 스케일",
+        "d_k = 64, √64 = 8로 나누면",
     ), (
         "The same scores divided by √64 = 8 become [2, 1, 0]: the weights stay soft,\n"
         "every key keeps a share, and gradients can flow to all of them.",
@@ -191,7 +191,7 @@ O = W @ V                                     # (2, 2) output"""
 
 # The same code with Korean comments (the code itself is the same: a test runs both).
 NUMPY_CODE_KO = (NUMPY_CODE.replace("# (2, 2) raw scores", "# (2, 2) Score")
-                 .replace("scaled by 1/√d_k", "1/√d_k로 스케일")
+                 .replace("scaled by 1/√d_k", "√d_k로 나눔")
                  .replace("softmax, max-subtracted", "Softmax (행 최댓값을 먼저 뺌)")
                  .replace("rows sum to 1", "행마다 합이 1")
                  .replace("(2, 2) output", "(2, 2) 출력"))
@@ -230,14 +230,14 @@ def multihead() -> list[Trace]:
     tr.labelled(words, words)
     return [_text(tr, (
         "Multi-head: T = 3 tokens, d = 8, h = 2 heads",
-        "멀티헤드: 토큰 T = 3, d = 8, 헤드 h = 2",
+        "Multi-Head: 토큰 T = 3, d = 8, head h = 2",
     ), (
         "Q, K and V are (3, 8). Two heads each take a 4-wide slice: head 1 columns 1–4,\n"
         "head 2 columns 5–8, so d_k = 8 / 2 = 4 and each head scales by 1/√4. Each head\n"
         "attends on its own and gives a (3, 4) output; concatenating them gives (3, 8).",
-        "Q, K, V는 (3, 8)입니다. 두 헤드가 각각 4칸짜리 조각을 맡습니다: 헤드 1은 1–4열,\n"
-        "헤드 2는 5–8열이므로 d_k = 8 / 2 = 4, 각 헤드는 1/√4로 스케일합니다. 헤드마다\n"
-        "따로 어텐션을 계산해 (3, 4) 출력을 내고, 이어 붙이면 (3, 8) 모양이 됩니다.",
+        "Q, K, V는 (3, 8)입니다. 두 head가 각각 4칸짜리 조각을 맡습니다: head 1은 1–4열,\n"
+        "head 2는 5–8열이므로 d_k = 8 / 2 = 4, 각 head는 √4 = 2로 나눕니다. head마다\n"
+        "따로 Attention을 계산해 (3, 4) 출력을 내고, 이어 붙이면 (3, 8) 모양이 됩니다.",
     ))]
 
 
@@ -281,9 +281,9 @@ def shape_walk() -> list[Trace]:
         + walk("(K, V alike)", "head", f"{h} heads", "concat")
         + "\n\nOnly head 1 is printed below; every head has the same shapes.",
         f"폭 {d_model}인 토큰 {n}개 (시드 고정 난수: 모양만 중요합니다).\n"
-        "각 헤드는 X를 자신의 Q, K, V로 사영합니다:\n\n  "
-        + walk("(K, V도 같음)", "헤드 출력", f"헤드 {h}개", "이어붙이기")
-        + "\n\n아래에는 헤드 1만 출력합니다. 모든 헤드의 모양은 같습니다.",
+        "각 head는 X를 자신의 Q, K, V로 사영합니다:\n\n  "
+        + walk("(K, V도 같음)", "head 출력", f"head {h}개", "이어붙이기")
+        + "\n\n아래에는 head 1만 출력합니다. 모든 head의 모양은 같습니다.",
     ))]
 
 
@@ -303,13 +303,13 @@ def cross() -> list[Trace]:
     tr = explain(q, k, v).labelled(target, source)
     return [_text(tr, (
         "Cross-attention: translating 나는 학교에 간다 → I go to school",
-        "크로스 어텐션: 나는 학교에 간다 → I go to school 번역",
+        "Cross-Attention: 나는 학교에 간다 → I go to school 번역",
     ), (
         "The decoder's 4 target words ask (queries); the encoder's 3 source words answer\n"
         "(keys and values). n_q = 4 ≠ n_k = 3, so the weights are (4, 3). V is one-hot per\n"
         "source word: each output row says how much of each source word it carries.",
         "디코더의 목표 단어 4개가 묻고(Query), 인코더의 원문 단어 3개가 답합니다(Key와 Value).\n"
-        "n_q = 4 ≠ n_k = 3이므로 가중치는 (4, 3)입니다. V가 원문 단어마다 원-핫이라서\n"
+        "n_q = 4 ≠ n_k = 3이므로 가중치는 (4, 3)입니다. V가 원문 단어마다 one-hot이라서\n"
         "출력의 각 행은 원문 단어를 얼마나 담았는지 보여 줍니다.",
     ))]
 
@@ -416,17 +416,17 @@ EXAMPLES: dict[str, Example] = {e.name: e for e in [
     _ex("masked", "the key with the largest raw score is masked and contributes nothing",
         "Score가 가장 큰 Key가 Mask로 가려져 아무것도 기여하지 않음", masked),
     _ex("worked", "one query, raw scores [2, 0, 1], d_k = 4; then the same logits ×10",
-        "Query 1개, Score [2, 0, 1], d_k = 4; 이어서 같은 로짓 ×10", worked),
+        "Query 1개, Score [2, 0, 1], d_k = 4; 이어서 같은 logit ×10", worked),
     _ex("scaling", "d_k = 64: unscaled logits saturate softmax, 1/√d_k fixes it",
-        "d_k = 64: 스케일 없는 로짓은 Softmax를 포화시키고 1/√d_k가 이를 막음", scaling),
+        "d_k = 64: √d_k로 나누지 않은 logit은 Softmax를 포화시키고 1/√d_k가 이를 막음", scaling),
     _ex("numpy", "two tokens, the whole computation in plain NumPy",
         "두 토큰, 전체 계산을 NumPy로", two_tokens_numpy),
     _ex("multihead", "T = 3, d = 8, h = 2: two heads of width 4, outputs concatenated",
-        "T = 3, d = 8, h = 2: 폭 4인 헤드 2개, 출력을 이어 붙임", multihead),
+        "T = 3, d = 8, h = 2: 폭 4인 head 2개, 출력을 이어 붙임", multihead),
     _ex("shapes", "the base model's shape walk: (10, 512) → 8 heads of 64",
-        "기본 모델의 모양 따라가기: (10, 512) → 64차원 헤드 8개", shape_walk),
+        "기본 모델의 모양 따라가기: (10, 512) → 64차원 head 8개", shape_walk),
     _ex("cross", "cross-attention: 4 target words query a 3-word source",
-        "크로스 어텐션: 목표 단어 4개가 원문 단어 3개에 질의", cross),
+        "Cross-Attention: 목표 단어 4개가 원문 단어 3개에 질의", cross),
     _ex("shared-qk", "one shared W for Q and K gives symmetric scores",
         "Q와 K가 W 하나를 공유하면 Score가 대칭", shared_qk),
 ]}

@@ -121,6 +121,8 @@ MESSAGES: dict[str, dict[str, str]] = {
         "model_only": "{opts}: not with --model (a model makes its own Q, K, V, scale and "
                       "mask); drop them, or drop --model",
         "needs_model": "{opts}: only with --model NAME (e.g. --model minilm)",
+        "unknown_lesson": "unknown lesson {name!r}; choose one of {names} (see `attnkit "
+                          "lesson`)",
         "lesson_no_plot": "the lesson {name} has no figure: drop --plot (sqrt-dk has one)",
         "api": "{msg}{files}",
         "write_html": "cannot write --html {path}: {err}",
@@ -145,12 +147,12 @@ MESSAGES: dict[str, dict[str, str]] = {
         "json_deep": "{what} 파일 {path}: 리스트가 {depth}단계로 중첩되어 있습니다: (n, d), "
                      "(h, n, d) 또는 (b, h, n, d)처럼 [ ]를 4단계까지만 쓰세요",
         "json_huge": "{what} 파일 {path}에 float64로 나타낼 수 없는 큰 정수가 있습니다 "
-                     "(±1.8e308 밖): 값의 크기를 줄이거나 1e300 같은 실수로 쓰세요",
+                     "(±1.8e308 밖): 값의 크기를 줄이거나 1e300처럼 지수 표기로 쓰세요",
         "ext": "{what} 파일 {path}을(를) 읽을 수 없습니다: 알 수 없는 확장자 {ext!r}; "
                "{formats} 중 하나를 쓰세요",
         "missing": "{what} 파일 {path}을(를) 읽을 수 없습니다: 파일이 없습니다",
         "file_values": "{what} 파일 {path} {shape}의 값은 {n}개로, 입력 하나에 대한 explain의 "
-                       "한도 {limit}개를 넘습니다: 행, 열, 헤드를 줄인 일부만 주세요",
+                       "한도 {limit}개를 넘습니다: 행, 열, head를 줄인 일부만 주세요",
         "file_text": "{what} 파일 {path}: 텍스트 크기가 {mb} MB로 {limit} MB를 넘습니다: 배열을 "
                      ".npy로 저장하거나(numpy.save) 더 작은 일부만 주세요",
         "is_dir": "{what} 파일 {path}을(를) 읽을 수 없습니다: 폴더입니다. 파일({formats})을 "
@@ -176,9 +178,9 @@ MESSAGES: dict[str, dict[str, str]] = {
         "mask_shape": "--mask {path}의 모양은 {shape}인데 Score는 (n_q, n_k) = ({n_q}, {n_k})"
                       "입니다: ({n_q}, {n_k}) Mask, 또는 모든 Query가 함께 쓰는 한 행 "
                       "(1, {n_k}) 모양의 Mask를 주세요",
-        "mask_values": "--mask {path}에 {val}이(가) 있습니다: 숫자 Mask는 로짓에 더해지므로 "
+        "mask_values": "--mask {path}에 {val}이(가) 있습니다: 숫자 Mask는 logit에 더해지므로 "
                        "0(유지) 또는 -inf(차단)을 쓰세요",
-        "mask_01": "--mask {path}에 {val}이(가) 있습니다: 숫자 Mask는 로짓에 더해지므로 "
+        "mask_01": "--mask {path}에 {val}이(가) 있습니다: 숫자 Mask는 logit에 더해지므로 "
                    "0(유지) 또는 -inf(차단)을 쓰세요 (0/1로 유지/차단을 뜻했다면 true/false로 "
                    "쓰세요)",
         "heads_divide": "--heads {h}은(는) --{name} {path} {shape}의 특징 폭을 나누지 못합니다: "
@@ -189,9 +191,9 @@ MESSAGES: dict[str, dict[str, str]] = {
                "d_k {a} 대 {b}. K를 {fit} 모양으로 주세요",
         "n_k": "K와 V의 행 수 n_k가 같아야 합니다 (Key마다 Value 하나); 받은 것: {seen}: "
                "n_k {a} 대 {b}. V를 {fit} 모양으로 주세요",
-        "lead": "Q, K, V의 앞쪽(헤드) 차원이 같아야 합니다; 받은 것: {seen}",
+        "lead": "Q, K, V의 앞쪽(head) 차원이 같아야 합니다; 받은 것: {seen}",
         "heads_min": "--heads는 1 이상이어야 합니다, 받은 값: {h}",
-        "heads_3d": "--heads는 (n, d) 입력을 헤드로 나누는데, 파일에 이미 헤드가 있습니다: "
+        "heads_3d": "--heads는 (n, d) 입력을 head로 나누는데, 파일에 이미 head가 있습니다: "
                     "{seen}; --heads를 빼세요",
         "causal_and_mask": "--causal과 --mask 중 하나만 주세요 (인과 패턴을 Mask 파일에 "
                            "넣으세요)",
@@ -210,6 +212,8 @@ MESSAGES: dict[str, dict[str, str]] = {
         "model_only": "{opts}: --model과 함께 쓸 수 없습니다 (모델이 Q, K, V, scale, Mask를 "
                       "스스로 만듭니다). 이 옵션을 빼거나 --model을 빼세요",
         "needs_model": "{opts}: --model NAME과 함께만 씁니다 (예: --model minilm)",
+        "unknown_lesson": "알 수 없는 레슨 {name!r}; {names} 중 하나를 고르세요 "
+                          "(`attnkit lesson --lang ko` 참고)",
         "lesson_no_plot": "레슨 {name}에는 그림이 없습니다: --plot을 빼세요 (sqrt-dk에는 있음)",
         "api": "입력이 맞지 않습니다 (라이브러리 메시지): {msg}{files}",
         "write_html": "--html {path}에 쓸 수 없습니다: {err}",

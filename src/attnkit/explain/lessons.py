@@ -119,15 +119,15 @@ _SQRT = {
         "q와 k의 각 성분을 평균 0, 분산 1로 서로 독립이 되게 뽑습니다. 그러면\n"
         "  q·k = Σ_i q_i k_i,  E[q_i k_i] = 0,  Var(q_i k_i) = E[q_i²] E[k_i²] = 1\n"
         "이므로 Var(q·k) = d_k (독립인 항 d_k개의 합)이고, Var(q·k / √d_k) = 1입니다.\n"
-        "나누지 않으면 로짓이 √d_k에 비례해 퍼집니다: Softmax가 거의 원-핫이 되고,\n"
-        "Softmax의 기울기 p(1−p)가 사라집니다 — 역전파의 기울기가 지나가는 곳이 바로 이 값입니다.\n"
+        "나누지 않으면 logit이 √d_k에 비례해 퍼집니다: Softmax가 거의 one-hot이 되고,\n"
+        "p(1−p)가 0에 가까워져 역전파의 학습 신호가 약해집니다.\n"
         "측정값 (Query {trials}개 × 각각 Key {n}개, 시드 {seed}):",
         "한계: 이 유도는 성분이 서로 독립이고 분산이 1이라고 가정합니다 — 초기화 때만\n"
         "맞는 가정입니다. 학습하면서 W_Q, W_K가 바뀌고 q, k의 노름이 커지면 ÷√d_k만으로는\n"
-        "로짓의 분산을 1 근처로 붙잡지 못합니다. 여기서 QK-Norm이 등장합니다: q와 k 자체를\n"
-        "정규화하므로 학습 중에도 로짓이 유계로 남습니다 (`attnkit lesson bounds` 참고).",
-        ("d_k", "Var(q·k)", "Var(q·k/√d_k)", "최대 w 그대로", "최대 w ÷√d_k", "H 그대로",
-         "H ÷√d_k", "p(1−p) 그대로", "p(1−p) ÷√d_k"),
+        "logit의 분산을 1 근처로 붙잡지 못합니다. 여기서 QK-Norm이 등장합니다: q와 k 자체를\n"
+        "정규화하므로 학습 중에도 logit이 유계로 남습니다 (`attnkit lesson bounds` 참고).",
+        ("d_k", "Var(q·k)", "Var(q·k/√d_k)", "최대 w 나누기 전", "최대 w ÷√d_k", "H 나누기 전",
+         "H ÷√d_k", "p(1−p) 나누기 전", "p(1−p) ÷√d_k"),
         "엔트로피 H의 단위는 nat (Key {n}개에 고르게 퍼지면 ln {n} = {ln})",
     ),
 }
@@ -158,9 +158,9 @@ def _sqrt_text(lang: str, trials: int = 2000, n: int = 16, seed: int = 0) -> str
 def _sqrt_plot(path: Path, lang: str) -> Path:
     from matplotlib.figure import Figure
 
-    from .plot import cjk_font
+    from .plot import korean_font
 
-    font = cjk_font() if lang == "ko" else None
+    font = korean_font("figure's labels") if lang == "ko" else None
     if lang == "ko" and font is None:
         lang = "en"
     import matplotlib as mpl
@@ -204,24 +204,24 @@ def _bounds_text(lang: str) -> str:
          "제한하지 않음: 초기화 때의 분산만 1로 맞춤"],
         ["QK-Norm", "q and k, before the dot product" if en else "내적 전의 q와 k",
          "|q̂·k̂| ≤ 1, so every logit ≤ g (the learned gain)" if en else
-         "|q̂·k̂| ≤ 1이므로 모든 로짓 ≤ g (g: 학습되는 배율)"],
+         "|q̂·k̂| ≤ 1이므로 모든 logit ≤ g (g: 학습되는 배율)"],
         ["soft-cap c" if en else "소프트캡 c", "the scaled score, before the mask" if en else
-         "Mask 전의 스케일된 Score", "c·tanh(a/c) ∈ (−c, c)"],
+         "Mask 전의 Score (scale을 곱한 뒤)", "c·tanh(a/c) ∈ (−c, c)"],
     ])
     caps = _table(("a", "50·tanh(a/50)"), [[f"{a:g}", f"{x:.3f}"] for a, x in rows])
     intro = ("√d_k scaling, QK-Norm and soft-capping, side by side: where each acts and what "
              "it bounds.\n  QK-Norm: q̂ = q/‖q‖, k̂ = k/‖k‖, logit = g · q̂·k̂ (RMSNorm in "
              "practice).\n  soft-cap (Gemma 2: c = 50): a ↦ c·tanh(a/c) — near a for |a| ≪ c, "
              "never beyond ±c." if en else
-             "√d_k 스케일, QK-Norm, 소프트캡을 나란히: 각각 어디에 작용하고 무엇을 제한하는가.\n"
-             "  QK-Norm: q̂ = q/‖q‖, k̂ = k/‖k‖, 로짓 = g · q̂·k̂ (실제로는 RMSNorm).\n"
+             "÷√d_k, QK-Norm, 소프트캡을 나란히: 각각 어디에 작용하고 무엇을 제한하는가.\n"
+             "  QK-Norm: q̂ = q/‖q‖, k̂ = k/‖k‖, logit = g · q̂·k̂ (실제로는 RMSNorm).\n"
              "  소프트캡 (Gemma 2: c = 50): a ↦ c·tanh(a/c) — |a| ≪ c이면 거의 a이고, ±c를 "
              "넘지 않음.")
     tail = ("In attnkit: ak.attention(..., scale=...), MultiHeadAttention(qk_norm=True), "
             "ak.attention(..., softcap=50)." if en else
             "attnkit에서는: ak.attention(..., scale=...), MultiHeadAttention(qk_norm=True), "
             "ak.attention(..., softcap=50).")
-    title = "Scaling vs QK-Norm vs soft-capping" if en else "스케일 vs QK-Norm vs 소프트캡"
+    title = "Scaling vs QK-Norm vs soft-capping" if en else "÷√d_k vs QK-Norm vs 소프트캡"
     return "\n".join([title, "=" * 40, intro, "", table, "", caps, "", tail]) + "\n"
 
 
@@ -239,23 +239,29 @@ def _ffn_text(lang: str, d: int = 512) -> str:
         rows.append([str(n), f"{att:,}", f"{ffn:,}", f"{att / ffn:.2f}"])
     r = report(d, 8, 1)
     head = (("n", "attention 8nd² + 4n²d", "FFN 16nd²", "attention / FFN") if en else
-            ("n", "어텐션 8nd² + 4n²d", "FFN 16nd²", "어텐션 / FFN"))
+            ("n", "Attention 8nd² + 4n²d", "FFN 16nd²", "Attention / FFN"))
     intro = (f"One layer, d = {d}: weights — attention 4d² = {r.attn_params['MHA']:,}, "
              f"FFN 8d² = {r.ffn_params:,} (the FFN holds twice as many).\n"
              "Forward FLOPs per sequence: attention 8nd² + 4n²d, FFN 16nd²; the ratio is "
              "(2 + n/d) / 4, so attention costs more once n > 2d." if en else
-             f"레이어 하나, d = {d}: 가중치 — 어텐션 4d² = {r.attn_params['MHA']:,}, "
+             f"레이어 하나, d = {d}: 가중치 — Attention 4d² = {r.attn_params['MHA']:,}, "
              f"FFN 8d² = {r.ffn_params:,} (FFN이 두 배).\n"
-             "시퀀스 하나의 순전파 FLOPs: 어텐션 8nd² + 4n²d, FFN 16nd². 비율은 "
-             "(2 + n/d) / 4이므로 n > 2d부터 어텐션이 더 비쌉니다.")
+             "시퀀스 하나의 순전파 FLOPs: Attention 8nd² + 4n²d, FFN 16nd². 비율은 "
+             "(2 + n/d) / 4이므로 n > 2d부터 Attention이 더 비쌉니다.")
     tail = ("`attnkit cost --d-model D --heads H --seq N` prints both subtotals for any size."
             if en else "`attnkit cost --d-model D --heads H --seq N`은 어떤 크기든 두 소계를 "
             "함께 보여 줍니다.")
-    title = "Attention vs FFN" if en else "어텐션 vs FFN"
+    title = "Attention vs FFN"
     return "\n".join([title, "=" * 40, intro, "", _table(head, rows), "", tail]) + "\n"
 
 
 # ---------------------------------------------------------------------------- heads
+
+
+def _blocks(h: int) -> str:
+    """The concatenated heads, each written while they fit: ``O_1 | O_2``; ``O_1 | … | O_8``."""
+    names = [f"O_{i + 1}" for i in range(h)]
+    return " | ".join(names if h <= 4 else [names[0], "…", names[-1]])
 
 
 def _heads_text(lang: str, n: int = 3, d: int = 8, h: int = 2) -> str:
@@ -263,12 +269,12 @@ def _heads_text(lang: str, n: int = 3, d: int = 8, h: int = 2) -> str:
     dh = d // h
     cols = [f"d{j + 1}" for j in range(d)]
     mark = "".join(f"h{j // dh + 1}".center(4) for j in range(d))
-    lines = [("The multi-head split, drawn" if en else "멀티헤드 분할 그림"), "=" * 40,
+    lines = [("The multi-head split, drawn" if en else "Multi-Head 분할 그림"), "=" * 40,
              (f"n = {n} tokens, d = {d}, h = {h} heads of d_h = d/h = {dh}:" if en else
-              f"토큰 n = {n}개, d = {d}, 헤드 h = {h}개, 헤드마다 d_h = d/h = {dh}:"), "",
+              f"토큰 n = {n}개, d = {d}, head h = {h}개, head마다 d_h = d/h = {dh}:"), "",
              f"  X ({n}, {d})  ·  W_Q ({d}, {d})  →  Q ({n}, {d})", "",
              "      " + "".join(c.center(4) for c in cols),
-             "      " + mark + ("   ← " + ("head of each column" if en else "열마다 맡은 헤드"))]
+             "      " + mark + ("   ← " + ("head of each column" if en else "열마다 맡은 head"))]
     for i in range(n):
         lines.append(f"  q{i + 1}  " + "".join(" ·  " for _ in cols))
     lines.append("")
@@ -277,15 +283,15 @@ def _heads_text(lang: str, n: int = 3, d: int = 8, h: int = 2) -> str:
         qg = f"Q_{g + 1} ({n}, {dh})"
         lines.append(f"  head {g + 1}: columns d{a}–d{b}  →  {qg}, and K_{g + 1}, V_{g + 1} "
                      "the same columns" if en else
-                     f"  헤드 {g + 1}: d{a}–d{b} 열  →  {qg}, K_{g + 1}, V_{g + 1}도 같은 열")
+                     f"  head {g + 1}: d{a}–d{b} 열  →  {qg}, K_{g + 1}, V_{g + 1}도 같은 열")
     lines += ["",
               (f"  each head: softmax(Q_i K_iᵀ / √{dh}) V_i  →  O_i ({n}, {dh})" if en else
-               f"  헤드마다: softmax(Q_i K_iᵀ / √{dh}) V_i  →  O_i ({n}, {dh})"),
-              f"  {'concat' if en else '이어붙이기'} [O_1 | … | O_{h}]  →  ({n}, {d})  ·  "
+               f"  head마다: softmax(Q_i K_iᵀ / √{dh}) V_i  →  O_i ({n}, {dh})"),
+              f"  {'concat' if en else '이어붙이기'} [{_blocks(h)}]  →  ({n}, {d})  ·  "
               f"W_O ({d}, {d})  →  ({n}, {d})", "",
               (f"Head 2 is d{dh + 1}–d{2 * dh}, not d1–d{dh}: a head is a slice of the columns "
                "(features), every token keeps all its rows." if en else
-               f"헤드 2는 d1–d{dh}가 아니라 d{dh + 1}–d{2 * dh}입니다: 헤드는 열(특징)의 조각이고, "
+               f"head 2는 d1–d{dh}가 아니라 d{dh + 1}–d{2 * dh}입니다: head는 열(특징)의 조각이고, "
                "모든 토큰은 자기 행을 그대로 가집니다."),
               ("Try it: attnkit explain --example multihead" if en else
                "직접 해 보기: attnkit explain --example multihead --lang ko")]
@@ -297,12 +303,12 @@ LESSONS: dict[str, Lesson] = {x.name: x for x in [
                          "왜 ÷√d_k인가, 직접 재어 보기: 분산, 최대 가중치, 엔트로피, p(1−p)"),
            _sqrt_text, _sqrt_plot),
     Lesson("bounds", _p("√d_k scaling vs QK-Norm vs soft-capping: where each acts",
-                        "√d_k 스케일 vs QK-Norm vs 소프트캡: 어디에 작용하나"), _bounds_text),
+                        "÷√d_k vs QK-Norm vs 소프트캡: 어디에 작용하나"), _bounds_text),
     Lesson("attn-vs-ffn", _p("attention vs FFN: 4d² vs 8d² weights, 8nd² + 4n²d vs 16nd²",
-                             "어텐션 vs FFN: 가중치 4d² vs 8d², FLOPs 8nd² + 4n²d vs 16nd²"),
+                             "Attention vs FFN: 가중치 4d² vs 8d², FLOPs 8nd² + 4n²d vs 16nd²"),
            _ffn_text),
     Lesson("heads", _p("the multi-head split drawn: which columns each head takes",
-                       "멀티헤드 분할 그림: 헤드마다 맡는 열"), _heads_text),
+                       "Multi-Head 분할 그림: head마다 맡는 열"), _heads_text),
 ]}
 
 

@@ -210,7 +210,7 @@ class ModelTrace:
         lab = self.labels()
         one.labelled(lab, lab)
         one.title = {"en": f"{self.model} · layer {layer}, head {head}",
-                     "ko": f"{self.model} · 레이어 {layer}, 헤드 {head}"}
+                     "ko": f"{self.model} · 레이어 {layer}, head {head}"}
         return one
 
     def steps(self, layer: int, head: int, token: int) -> dict[str, np.ndarray]:

@@ -146,17 +146,25 @@ def _mini_svg(m: np.ndarray, label: str, on: bool, key: str) -> str:
                              f'height="{c:.2f}" fill="{bg}"/>')
     cls = "mini on" if on else "mini"
     return (f'<button type="button" class="{cls}" data-head="{key}" '
-            f'aria-label="{E(label)}" title="{E(label)}"><svg viewBox="0 0 84 84" width="84" '
-            f'height="84"><rect width="84" height="84" fill="#fff" stroke="#d9dee8"/>'
+            f'aria-label="{E(label)}" title="{E(label)}"><svg viewBox="0 0 84 84" '
+            f'preserveAspectRatio="xMinYMin meet"><rect width="84" height="84" fill="#fff" '
+            f'stroke="#d9dee8"/>'
             f'{"".join(rects)}</svg></button>')
 
 
 MODEL_CSS = """
-.mgrid{border-collapse:collapse;margin:6px 0}
-.mgrid th{font:12px system-ui,sans-serif;color:var(--mute);padding:2px 4px}
-.mgrid td{padding:1px}
+.mgrid{margin:6px 0}
+.mlayer{display:flex;align-items:flex-start;gap:6px;margin:0 0 6px}
+.mlab{flex:0 0 auto;width:4.5em;font:12px system-ui,sans-serif;color:var(--mute);
+ padding-top:16px}
+.mheads{flex:1 1 0;min-width:0;display:grid;gap:2px;
+ grid-template-columns:repeat(auto-fill,minmax(48px,1fr))}
+.mcell{min-width:0;text-align:center;font:11px system-ui,sans-serif;color:var(--mute)}
+.mcell span{display:block;white-space:nowrap;overflow:hidden;text-overflow:ellipsis}
 button.mini{border:2px solid transparent;background:none;padding:0;cursor:pointer;
- border-radius:4px;line-height:0}
+ border-radius:4px;line-height:0;width:100%;max-width:88px}
+button.mini svg{width:100%;height:auto;display:block}
+@media (max-width:600px){.mlab{width:auto;padding-top:0}.mlayer{display:block}}
 button.mini.on{border-color:#b00020}
 button.mini:focus-visible{outline:2px solid var(--acc)}
 .mwrap{overflow-x:auto;max-width:100%}
@@ -217,8 +225,7 @@ def model_html(mt: ModelTrace, lang: str, layer: int, head: int, token: int) -> 
     w = mt.weights
     n = w.shape[-1]
     head_word = t["head"]
-    grid = ['<div class="mwrap"><table class="mgrid"><tr><th></th>' + "".join(
-        f"<th>{E(head_word)} {h + 1}</th>" for h in range(mt.n_heads)) + "</tr>"]
+    grid = ['<div class="mgrid">']          # one row per layer; its heads wrap to the width
     focus = []
     for li in range(mt.n_layers):
         cells = []
@@ -226,10 +233,12 @@ def model_html(mt: ModelTrace, lang: str, layer: int, head: int, token: int) -> 
             m = w[li, h] if n <= GRID_TOKENS else pool(w[li, h], GRID_TOKENS, GRID_TOKENS)[0]
             on = (li + 1, h + 1) == (layer, head)
             label = f"{t['m_layer']} {li + 1}, {head_word} {h + 1}"
-            cells.append(f"<td>{_mini_svg(m, label, on, f'{li + 1}-{h + 1}')}</td>")
+            cells.append(f'<div class="mcell"><span>{E(head_word)} {h + 1}</span>'
+                         f"{_mini_svg(m, label, on, f'{li + 1}-{h + 1}')}</div>")
             focus.append(_focus_html(mt, lang, li + 1, h + 1, token, hidden=not on))
-        grid.append(f"<tr><th>{E(t['m_layer'])} {li + 1}</th>{''.join(cells)}</tr>")
-    grid.append("</table></div>")
+        grid.append(f'<div class="mlayer"><div class="mlab">{E(t["m_layer"])} {li + 1}</div>'
+                    f'<div class="mheads">{"".join(cells)}</div></div>')
+    grid.append("</div>")
     line = _strongest_line(mt, lang)
     pad = (f'<p>{E(t["m_padding"].format(p=len(mt.tokens) - mt.n_real))}</p>'
            if mt.n_real < len(mt.tokens) else "")
@@ -269,10 +278,10 @@ def model_plot(mt: ModelTrace, path: str | Path, lang: str, layer: int, head: in
     """A PNG of the grid: every layer × head's weights (Blues, 0 → 1), the chosen head framed."""
     from matplotlib.figure import Figure
 
-    from .plot import cjk_font
+    from .plot import korean_font
 
     t = check_lang(lang)
-    font = cjk_font() if lang == "ko" else None
+    font = korean_font("plot's labels") if lang == "ko" else None
     if lang == "ko" and font is None:
         lang, t = "en", STRINGS["en"]
     import matplotlib as mpl

@@ -15,8 +15,9 @@ Caution
   a larger matrix is downsampled into blocks (each pixel the mean of its block, a block that
   is all masked stays grey) and the figure says so. At most 8 heads are drawn
   (:data:`~attnkit.explain.common.MAX_HEADS`); the figure names the rest.
-- Hangul (``lang="ko"`` or Korean word labels) needs a CJK font: Debian's fonts-noto-cjk or
-  fonts-nanum. Without one, the titles fall back to English and a warning says why.
+- Hangul (``lang="ko"`` or Korean word labels) needs a font with Hangul (Debian/Ubuntu:
+  ``sudo apt install fonts-noto-cjk``; or fonts-nanum; Windows and macOS ship one). Without
+  one, the titles fall back to English and one warning says why and how to install one.
 """
 
 from __future__ import annotations
@@ -45,42 +46,86 @@ from .strings import STRINGS, check_lang
 if TYPE_CHECKING:
     from .trace import Trace
 
-__all__ = ["render_plot", "cjk_font", "short_value", "WHAT", "MAX_HEADS"]
+__all__ = ["render_plot", "cjk_font", "korean_font", "short_value", "WHAT", "MAX_HEADS"]
 
 WHAT = ("scores", "scaled", "logits", "weights")
 
-CJK_FAMILIES = ("Noto Sans CJK KR", "NanumGothic", "Noto Sans KR", "Noto Sans CJK JP",
-                "Noto Sans CJK SC", "UnDotum", "Droid Sans Fallback")
+# Families with Hangul, the course's first: Korean ones, then CJK sets that carry Hangul too
+# (Linux: fonts-noto-cjk, fonts-nanum, fonts-unfonts-core, fonts-baekmuk; Windows: Malgun
+# Gothic; macOS: Apple SD Gothic Neo, AppleGothic).
+CJK_FAMILIES = ("Noto Sans CJK KR", "Noto Sans KR", "Source Han Sans K", "Source Han Sans KR",
+                "NanumGothic", "NanumBarunGothic", "Malgun Gothic", "Apple SD Gothic Neo",
+                "AppleGothic", "UnDotum", "Baekmuk Gulim", "Noto Sans CJK JP",
+                "Noto Sans CJK SC", "Noto Sans CJK TC", "Droid Sans Fallback")
 _HANGUL = re.compile("[\u1100-\u11ff\u3130-\u318f\uac00-\ud7af]")
+NO_FONT = ("no font with Hangul found, so the {what} fall back to English: install one "
+           "(Debian/Ubuntu: sudo apt install fonts-noto-cjk) and run again")
+
+
+def _has_hangul(entry: object) -> bool:
+    """Whether the font file of a font_manager entry really draws Hangul (가, 한)."""
+    from matplotlib import ft2font
+
+    try:
+        try:                            # matplotlib >= 3.11 opens a face of a collection
+            font = ft2font.FT2Font(entry.fname, face_index=getattr(entry, "index", 0))
+        except TypeError:
+            font = ft2font.FT2Font(entry.fname)
+        return all(font.get_char_index(ord(c)) for c in "가한")
+    except Exception:   # noqa: BLE001 - an unreadable font is just not a candidate
+        return False
+
+
+def _pick(ttflist: list) -> str | None:
+    """The first family of CJK_FAMILIES present with a regular face that has Hangul."""
+    by_name: dict[str, list] = {}
+    for f in ttflist:
+        by_name.setdefault(f.name, []).append(f)
+    for fam in CJK_FAMILIES:
+        faces = sorted(by_name.get(fam, []), key=lambda f: (f.style != "normal",
+                                                             abs(_weight(f.weight) - 400)))
+        if faces and faces[0].style == "normal" and _weight(faces[0].weight) == 400 \
+                and _has_hangul(faces[0]):
+            return fam
+    return None
+
+
+def _weight(w: object) -> int:
+    from matplotlib.font_manager import weight_dict
+
+    return w if isinstance(w, int) else weight_dict.get(str(w), 400)
 
 
 @lru_cache(maxsize=1)
 def cjk_font() -> str | None:
-    """The name of an installed font with Hangul, or None (registers Debian's if unseen)."""
+    """The family of an installed font with Hangul, or None.
+
+    As matplotlib users do: look through ``font_manager.fontManager.ttflist`` for a family
+    of :data:`CJK_FAMILIES` whose regular face has Hangul glyphs. matplotlib's font list is
+    a cache, so a font installed after it was built is missing from it: then the system's
+    font files that the list does not hold yet are added (every face and weight, so no
+    ``findfont: Failed to find font weight`` follows) and the list is searched again."""
     from matplotlib import font_manager
 
-    names = {f.name for f in font_manager.fontManager.ttflist}
-    for fam in CJK_FAMILIES:
-        if fam in names:
-            return fam
-    roots = [Path("/usr/share/fonts"), Path.home() / ".local/share/fonts"]
-    for root in roots:          # a font installed after matplotlib built its cache
-        if not root.is_dir():
+    found = _pick(font_manager.fontManager.ttflist)
+    if found:
+        return found
+    known = {f.fname for f in font_manager.fontManager.ttflist}
+    for path in sorted(set(font_manager.findSystemFonts()) - known):
+        try:
+            font_manager.fontManager.addfont(path)
+        except Exception:   # noqa: BLE001 - an unreadable font is just skipped
             continue
-        for pat in ("*NotoSansCJK*", "*Nanum*", "*CJK*"):
-            for f in sorted(root.rglob(pat)):
-                if f.suffix.lower() in (".ttf", ".otf", ".ttc"):
-                    try:
-                        font_manager.fontManager.addfont(str(f))
-                    except Exception:   # noqa: BLE001 - an unreadable font is just skipped
-                        continue
-                    added = {x.name for x in font_manager.fontManager.ttflist} - names
-                    for fam in CJK_FAMILIES:
-                        if fam in added:
-                            return fam
-                    if added:
-                        return sorted(added)[0]
-    return None
+    return _pick(font_manager.fontManager.ttflist)
+
+
+def korean_font(what: str) -> str | None:
+    """:func:`cjk_font`, warning (once per figure) that ``what`` falls back to English
+    when there is none."""
+    font = cjk_font()
+    if font is None:
+        warnings.warn(NO_FONT.format(what=what), stacklevel=3)
+    return font
 
 
 def short_value(v: float) -> str:
@@ -120,10 +165,8 @@ def render_plot(traces: Trace | Sequence[Trace], path: str | Path,
     texts = [tr.title.get(lang, "") for tr in traces] + [
         lab for tr in traces for lab in (tr.q_labels or []) + (tr.k_labels or [])]
     needs_cjk = lang == "ko" or any(_HANGUL.search(t) for t in texts)
-    font = cjk_font() if needs_cjk else None
+    font = korean_font("heatmap titles") if needs_cjk else None
     if needs_cjk and font is None:
-        warnings.warn("no font with Hangul found (install fonts-noto-cjk or fonts-nanum); "
-                      "the heatmap titles fall back to English", stacklevel=2)
         lang = "en"
     family = ["DejaVu Sans", font] if font else ["DejaVu Sans"]
     t = STRINGS[lang]

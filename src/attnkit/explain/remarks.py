@@ -35,6 +35,11 @@ import numpy as np
 from .common import axis_labels, default_scale, fmt, head_label, n_matrices
 from .strings import check_lang, ko_label
 
+
+def _ratio(x: float) -> str:
+    """How many times smaller the usual scale is: ``10`` (not 10.0) when it is whole."""
+    return str(round(x)) if abs(x - round(x)) < 1e-9 * max(1.0, abs(x)) else fmt(x, 1)
+
 if TYPE_CHECKING:
     from .trace import Trace
 
@@ -127,7 +132,7 @@ def remarks(trace: Trace, lang: str = "en", decimals: int = 3, limit: int = 2) -
             if trace.scale > default * 1.5 and trace.softcap is None:
                 out += t["r_saturated_scale"].format(
                     scale=fmt(trace.scale, decimals), default=fmt(default, decimals),
-                    ratio=fmt(trace.scale / default, 1))
+                    ratio=_ratio(trace.scale / default))
             return out
         pre = f"[{head_label(lead, h, lang)}] " if many else ""          # symmetric
         return pre + t["r_symmetric"].format(q1=ql[0], k2=kl[1], q2=ql[1], k1=kl[0])

@@ -9,13 +9,17 @@ mask gets its display name. (The command line's messages about input files live 
 file readers: ``inputs.MESSAGES``.)
 
 Korean follows the course's wording: the course's own terms stay in Latin script — Query,
-Key, Value, Score, Mask, Softmax (``Softmax를``, ``Mask가``: the particle follows the word
-as it is read aloud, 소프트맥스, 마스크 — every one of the six ends in a vowel) — and so do
-the step names, which are the labels of the course's diagram (MatMul, Scale, Mask, Softmax,
-Concat; the flow diagram and the step table show the same names); the sentences around them
-are Korean (행렬곱, 스케일, 가중치, 이어붙이기). No particle is written right after a
-number, a shape or a label that is filled in (``{x}``), since its final sound is unknown; a
-word label the user gave is quoted (``'나는'의``, see :func:`ko_label`).
+Key, Value, Score, Mask, Softmax, and Attention, head, Cross-Attention, Self-Attention,
+logit, one-hot, scale (the parameter) — never their Hangul transliterations. The particle
+follows the word as it is read aloud: ``Softmax를``, ``Mask가``, ``head는`` (소프트맥스,
+마스크, 헤드 end in a vowel), but ``Attention은``, ``logit이``, ``one-hot으로``,
+``scale을`` (어텐션, 로짓, 원핫, 스케일 end in a consonant). The step names stay Latin too:
+they are the labels of the course's diagram (MatMul, Scale, Mask, Softmax, Concat; the flow
+diagram and the step table show the same names); the sentences around them are Korean
+(행렬곱, 가중치, 이어붙이기; "scale을 곱한 Score", not 스케일된). No particle is written
+right after a number, a shape or a label that is filled in (``{x}``), since its final sound
+is unknown (a fraction ``1/{n}로`` is read "n분의 일로", so it is safe); a word label the
+user gave is quoted (``'나는'의``, see :func:`ko_label`).
 
 Caution
 -------
@@ -182,7 +186,7 @@ STRINGS: dict[str, dict[str, str]] = {
     },
     "ko": {
         # ---- the walkthrough (text, page and plot)
-        "title": "어텐션 단계별 풀이:  O = softmax(Q Kᵀ · scale + M) V",
+        "title": "Attention 단계별 풀이:  O = softmax(Q Kᵀ · scale + M) V",
         "step": "단계", "what": "하는 일", "formula": "수식", "shape": "모양",
         "name_MatMul": "MatMul", "name_Scale": "Scale", "name_Mask": "Mask",
         "name_Softmax": "Softmax", "name_Concat": "Concat",
@@ -191,42 +195,42 @@ STRINGS: dict[str, dict[str, str]] = {
         "Mask": "Query가 볼 수 없는 Key를 가림 (−∞)",
         "Softmax": "각 행을 합이 1인 가중치로 변환",
         "MatMul_output": "행렬곱: 가중치로 Value(V)를 섞음",
-        "Concat": "헤드들의 출력을 옆으로 이어 붙임",
-        "head": "헤드", "kv_head": "KV 헤드", "heads": "헤드", "batch": "배치",
+        "Concat": "각 head의 출력을 옆으로 이어 붙임",
+        "head": "head", "kv_head": "KV head", "heads": "head", "batch": "배치",
         "row_sums": "가중치 행의 합",
-        "sum": "합", "per_head": "헤드마다",
-        "inputs": "입력", "scale_is": "스케일", "queries": "Query", "keys": "Key",
+        "sum": "합", "per_head": "head마다",
+        "inputs": "입력", "scale_is": "scale", "queries": "Query", "keys": "Key",
         "softcap_is": "소프트캡", "mask_is": "Mask", "no_mask": "없음",
         "rows_cols": "행 = Query, 열 = Key",
         "summarised": "{r} × {c}: 일부만 표시 (모든 값은 --html 페이지에 있습니다)",
         "summarised_pooled": "{r} × {c}: 일부만 표시 (--html 페이지에는 블록 평균으로 줄여서 "
                              "보여 줍니다)",
-        "more_heads": "… 같은 모양의 헤드 {n}개 더 (--html 또는 --plot 참고)",
+        "more_heads": "… 같은 모양의 head {n}개 더 (--html 또는 --plot 참고)",
         # ---- teaching remarks
         "remarks": "눈여겨볼 점",
         "r_masked_max": "{qn}: Key {kn}의 Score({s})가 가장 컸지만 Mask(−∞)로 가려져 "
                         "가중치가 0입니다 — 출력에 전혀 기여하지 않습니다.",
         "r_zero_score": "{q}·{k} = 0이어도 Key {kn}의 가중치는 {w}입니다: Softmax는 정규화 "
-                        "전에 로짓 0을 e⁰\u00a0=\u00a01로 바꾸므로, Score가 0이라고 가중치가 "
+                        "전에 logit 0을 e⁰\u00a0=\u00a01로 바꾸므로, Score가 0이라고 가중치가 "
                         "0인 것은 아닙니다.",
         "r_saturated": "{qn}: 포화 상태입니다 — 가중치 중 {w}만큼을 Key 하나가 가져갑니다 "
-                       "(로짓 범위 {spread}). 로짓이 크면 Softmax는 거의 원-핫이 되고 "
-                       "기울기가 거의 사라집니다.",
+                       "(logit 범위 {spread}). logit이 크면 Softmax는 거의 one-hot이 되고, "
+                       "p(1−p)가 0에 가까워져 역전파의 학습 신호가 약해집니다.",
         "r_saturated_scale": " 여기서는 scale\u00a0=\u00a0{scale}입니다. 보통의 값"
-                             "(1/√d_k = {default})을 쓰면 로짓이 {ratio}분의 1로 줄어듭니다.",
+                             "(1/√d_k = {default})을 쓰면 logit이 1/{ratio}로 줄어듭니다.",
         "r_symmetric": "S가 대칭입니다 (S = Sᵀ): {q1}·{k2} = {q2}·{k1}. Q와 K가 같은 W에서 "
                        "나오면 이렇게 됩니다. i에서 j로의 Score와 j에서 i로의 Score가 같고, "
                        "가중치는 행마다 따로 정규화되므로 여전히 다릅니다.",
         "r_empty_row": "{qn}: 볼 수 있는 Key가 없습니다. 가중치는 모두 0, 출력도 0입니다 "
                        "(NaN이 아님).",
         "r_cross": "Query n_q = {nq}개, Key n_k = {nk}개: Query와 Key가 서로 다른 시퀀스에서 "
-                   "옵니다 (크로스 어텐션). 가중치는 ({nq}, {nk}), 출력은 Query마다 "
+                   "옵니다 (Cross-Attention). 가중치는 ({nq}, {nk}), 출력은 Query마다 "
                    "한 행입니다.",
-        "r_concat": "헤드 {h}개가 각각 {dk}차원 조각에서 따로 계산한 ({nq}, {dv}) 출력을 "
+        "r_concat": "head {h}개가 각각 {dk}차원 조각에서 따로 계산한 ({nq}, {dv}) 출력을 "
                     "이어 붙이면 ({nq},\u00a0{hdv}) 모양이 됩니다.",
         "and_more": "(같은 경우 {n}개 더)",
         # ---- the HTML page
-        "page_doc_title": "어텐션 단계별 풀이",
+        "page_doc_title": "Attention 단계별 풀이",
         "page_legend": "모든 Query가 모든 Key에 Score를 매기고, Score는 Key에 대해 합이 1인 "
                        "가중치가 되며, 가중치가 Value를 섞습니다. 셀 위에 마우스를 올리면 값이 "
                        "보입니다.",
@@ -235,10 +239,10 @@ STRINGS: dict[str, dict[str, str]] = {
         "page_stage_softmax": "Softmax", "page_stage_sum": "가중합",
         "page_f_score": "S = Q Kᵀ", "page_f_scale_mask": "L = S·scale + M",
         "page_f_softmax": "W = softmax(L)", "page_f_sum": "O = W V",
-        "page_concat": "헤드 이어붙이기", "page_blocked": "가려짐 (−∞)",
+        "page_concat": "head 이어붙이기", "page_blocked": "가려짐 (−∞)",
         "page_hover": "셀에 마우스를 올리세요", "page_rows": "행: Query", "page_cols": "열: Key",
         "page_options": "옵션",
-        "page_per_head": "헤드 {h}개: 여기의 모든 모양은 헤드 하나 기준",
+        "page_per_head": "head {h}개: 여기의 모든 모양은 head 하나 기준",
         "page_colors": "색", "page_c_weights": "가중치", "page_c_other": "다른 행렬",
         "page_c_masked": "Mask로 가려짐 (−∞)",
         "page_generated": "attnkit으로 만든 독립 실행형 페이지: 네트워크가 필요 없습니다.",
@@ -247,24 +251,25 @@ STRINGS: dict[str, dict[str, str]] = {
                        "색을 칠합니다 (셀 위에 마우스를 올리면 블록이 보입니다). 모서리 부분의 "
                        "정확한 값은 텍스트 출력에 있습니다.",
         "page_block": "셀 하나 = {br} × {bc} 블록의 평균",
-        "page_more_heads": "… 헤드 {n}개 더 있음: 이 페이지에는 처음 {m}개만 보여 줍니다",
+        "page_more_heads": "… head {n}개 더 있음: 이 페이지에는 처음 {m}개만 보여 줍니다",
         # ---- an example under the learner's --scale / --softcap (examples.with_overrides)
         "ov_intro": "직접 준 값({given})으로 다시 계산했습니다. 예제의 원래 설명은 "
                     "scale = {theirs} 기준이므로, 실제로 쓴 값을 보여 줍니다 (Query 1): Score "
-                    "S = {s} → 로짓 (scale = {scale}) {x} → 가중치 {w}, 합 = {sum}.",
+                    "S = {s} → logit (scale = {scale}) {x} → 가중치 {w}, 합 = {sum}.",
         "ov_dropped": "뺀 비교: {names} — 그 비교는 scale을 스스로 정하므로, 직접 준 값을 "
                       "쓰면 이 결과와 같은 숫자가 나옵니다.",
         # ---- a real model (model.py, modelview.py)
-        "m_title": "실제 문장에서 본 {model}: 모든 레이어 × 헤드",
-        "m_about": "레이어 {layers}개 × 헤드 {heads}개, d_model = {d}, d_h = {dh}. Q, K, V는 "
-                   "모델 자신의 값입니다 (attnkit이 모든 어텐션 레이어를 계산하는 동안 담아 둠).",
+        "m_title": "실제 문장에서 본 {model}: 모든 레이어 × head",
+        "m_about": "레이어 {layers}개 × head {heads}개, d_model = {d}, d_h = {dh}. Q, K, V는 "
+                   "모델 자신의 값입니다 (attnkit이 모든 Attention 레이어를 계산하는 동안 "
+                   "담아 둠).",
         "m_text": "문장", "m_tokens": "토큰 ({n}개)", "m_layer": "레이어",
         "m_padding": "끝의 패딩 토큰 {p}개: Mask가 Key 자리에서 가립니다",
-        "m_grid": "Query {tok}의 시선: 레이어 × 헤드마다 가중치가 가장 큰 Key와 그 가중치 "
-                  "(* = 아래에서 풀어 보는 헤드)",
-        "m_grid_page": "모든 레이어 × 헤드: 토큰 사이의 가중치 (행 = Query, 열 = Key; 헤드를 "
-                       "누르면 그 헤드를 풀어 봅니다)",
-        "m_focus": "레이어 {l}, 헤드 {h}, Query {tok}: 이 헤드의 실제 값으로 본 다섯 단계",
+        "m_grid": "Query {tok}의 시선: 레이어 × head마다 가중치가 가장 큰 Key와 그 가중치 "
+                  "(* = 아래에서 풀어 보는 head)",
+        "m_grid_page": "모든 레이어 × head: 토큰 사이의 가중치 (행 = Query, 열 = Key; head를 "
+                       "누르면 그 head를 풀어 봅니다)",
+        "m_focus": "레이어 {l}, head {h}, Query {tok}: 이 head의 실제 값으로 본 다섯 단계",
         "m_key": "Key", "m_s": "1. q·k", "m_x": "2. × scale", "m_m": "3. Mask",
         "m_w": "4. Softmax",
         "m_scale": "scale = {scale} = 1/√d_h (d_h = {dh})",
@@ -272,8 +277,8 @@ STRINGS: dict[str, dict[str, str]] = {
         "m_mix": "5. 섞기: o = Σ_j w_j v_j — 값 {dv}개 가운데 처음 {m}개:",
         "m_top": "가중치가 큰 Key: {items}",
         "m_strongest": "이 모델에서 Query {a}의 가중치가 Key {b}에 가장 많이 가는 곳은 "
-                       "레이어 {l}, 헤드 {h}입니다 ({w}). 다른 헤드는 다른 곳을 봅니다.",
-        "m_head_note": "이 헤드의 전체 행렬 (폭 d_h = {dh}: 페이지의 직접 해 보기에 넣기에는 "
+                       "레이어 {l}, head {h}입니다 ({w}). 다른 head는 다른 곳을 봅니다.",
+        "m_head_note": "이 head의 전체 행렬 (폭 d_h = {dh}: 페이지의 직접 해 보기에 넣기에는 "
                        "너무 넓으니, 직접 해 보기는 작은 예제로 해 보세요):",
         # ---- the page's playground (live.py)
         "play_title": "직접 해 보기: 입력을 바꾸고 모든 단계를 지켜보세요",
@@ -281,8 +286,8 @@ STRINGS: dict[str, dict[str, str]] = {
                      "페이지가 모든 단계를 스스로 다시 계산합니다 (네트워크 없음). Tab 키로 "
                      "컨트롤 사이를 옮기고, 화살표 키로 슬라이더를 움직이고, Enter나 Space로 "
                      "셀을 가립니다.",
-        "play_first_head": "(첫 번째 헤드)",
-        "play_factor": "로짓에 곱할 값",
+        "play_first_head": "(첫 번째 head)",
+        "play_factor": "logit에 곱할 값",
         "play_pad": "패딩: 실제로 쓰는 Key 개수",
         "play_reset": "처음으로",
         "play_mask": "Mask M (셀을 누르면 그 Key를 가리거나 다시 엽니다)",
@@ -297,20 +302,20 @@ STRINGS: dict[str, dict[str, str]] = {
         "play_f_output": "O = W V",
         "play_none": "이 풀이에는 직접 해 보기가 없습니다: 페이지가 스스로 다시 계산하는 것은 "
                      "Query, Key, 특징이 각각 {n}개 이하이고, 입력이 모두 유한하며, score_mod나 "
-                     "실수 bias가 없는 풀이뿐입니다.",
+                     "float bias가 없는 풀이뿐입니다.",
         # ---- the heatmaps (PNG)
         "plot_weights": "가중치 W = softmax(L)", "plot_scores": "Score S = Q Kᵀ",
-        "plot_scaled": "스케일된 Score X = S · scale", "plot_logits": "로짓 L = X + M",
+        "plot_scaled": "scale을 곱한 Score X = S · scale", "plot_logits": "logit L = X + M",
         "plot_masked": "회색 = Mask로 가려짐 (−∞)",
         "plot_pooled": "축소됨: 한 칸은 {br} × {bc} 블록의 평균",
-        "plot_more_heads": "헤드 {n}개 중 처음 {m}개만 그림",
+        "plot_more_heads": "head {n}개 중 처음 {m}개만 그림",
         # ---- errors (ExplainError)
         "err_too_large": "explain은 모든 단계를 float64 행렬로 보관하는데, 이 호출의 Score는 "
                          "{cells}개(batch·heads·n_q·n_k = {expr})로 한도 {limit}개를 넘습니다: "
-                         "Query, Key, 헤드를 줄인 일부만 explain하거나(예: 처음 {fit}개의 "
+                         "Query, Key, head를 줄인 일부만 explain하거나(예: 처음 {fit}개의 "
                          "Query와 Key) 전체 크기는 ak.attention으로 계산하세요",
         "err_input_large": "explain은 모든 입력을 float64 행렬로 보관하는데, {name} {shape}의 "
-                           "값은 {n}개로 한도 {limit}개를 넘습니다: 행, 열, 헤드를 줄인 일부만 "
+                           "값은 {n}개로 한도 {limit}개를 넘습니다: 행, 열, head를 줄인 일부만 "
                            "explain 하세요",
         "err_overflow_s": "Q·Kᵀ가 {dtype} 범위를 넘칩니다 (Query q{i}, Key k{j}{where}): 내적은 "
                           "±{max} 안에 있어야 하는데 Q와 K의 가장 큰 |값|은 각각 {qmax}, "
@@ -318,7 +323,8 @@ STRINGS: dict[str, dict[str, str]] = {
         "err_overflow_x": "S · scale이 {dtype} 범위를 넘칩니다 (Query q{i}, Key k{j}{where}): "
                           "S = {s}, scale = {scale}: 곱이 ±{max} 범위를 벗어납니다 — "
                           "더 작은 scale을 쓰세요 (또는 Q와 K의 크기를 줄이세요)",
-        "err_overflow_mod": "Query q{i}, Key k{j}{where} 위치의 스케일된 로짓 X 값이 {val}입니다 "
+        "err_overflow_mod": "Query q{i}, Key k{j}{where} 위치의 logit X(scale을 곱한 Score)가 "
+                            "{val}입니다 "
                             "(S · scale 값은 유한: {s}): {what}에서 생긴 값입니다 — 유한한 수를 "
                             "돌려주게 하세요 (Key를 가릴 때만 −∞)",
         "err_decimals": "decimals는 0에서 12 사이의 정수여야 합니다, 받은 값: {d}",
@@ -330,7 +336,7 @@ SYMBOLIC = {"scores": "(n_q, n_k)", "scaled": "(n_q, n_k)", "logits": "(n_q, n_k
             "weights": "(n_q, n_k)", "output": "(n_q, d_v)"}
 
 _MASK_KO = (("causal", "인과(causal)"), ("bool mask", "참/거짓 Mask"),
-            ("float mask", "실수 Mask"), ("sliding_window", "슬라이딩 윈도우"),
+            ("float mask", "더하는 Mask"), ("sliding_window", "슬라이딩 윈도우"),
             ("padding", "패딩"), ("document", "문서"), ("prefix", "프리픽스"))
 
 

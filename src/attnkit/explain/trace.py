@@ -29,6 +29,7 @@ from ..backends import check_name
 from ..reference import reference
 from ..scores import ScoreMod
 from .guard import check_overflow, check_size
+from .strings import check_lang
 
 
 @dataclass
@@ -40,6 +41,23 @@ class Step:
     formula: str         # e.g. "S = Q Kᵀ"
     shape: tuple[int, ...]
     value: np.ndarray
+
+
+@dataclass(frozen=True)
+class PageView:
+    """What :meth:`Trace.view` returns: Jupyter displays it as the trace's page in ``lang``."""
+
+    trace: Trace
+    lang: str = "en"
+
+    def _repr_html_(self) -> str:
+        import html
+
+        page = self.trace.to_html(lang=self.lang)
+        title = "attnkit explain"
+        return (f'<iframe srcdoc="{html.escape(page, quote=True)}" title="{title}" '
+                'style="width:100%;height:720px;border:1px solid #d9dee8;border-radius:8px">'
+                "</iframe>")
 
 
 @dataclass
@@ -133,13 +151,14 @@ class Trace:
 
     def _repr_html_(self) -> str:
         """Jupyter shows the trace as its page (in an iframe, so the page's script runs and
-        its styles stay inside)."""
-        import html
+        its styles stay inside), in English; ``tr.view("ko")`` shows it in Korean."""
+        return self.view()._repr_html_()
 
-        page = self.to_html()
-        return (f'<iframe srcdoc="{html.escape(page, quote=True)}" title="attnkit explain" '
-                'style="width:100%;height:720px;border:1px solid #d9dee8;border-radius:8px">'
-                "</iframe>")
+    def view(self, lang: str = "en") -> PageView:
+        """The page in ``lang`` for Jupyter: a cell ending in ``tr.view("ko")`` shows the
+        Korean page, playground included (a bare ``tr`` shows the English one)."""
+        check_lang(lang)
+        return PageView(self, lang)
 
     def plot(self, path: str | Path, *, what: str | tuple[str, ...] = ("weights",),
              lang: str = "en") -> Path:
