@@ -31,3 +31,14 @@ def test_readme_transformers_snippet_runs_as_written():
     exec(HF[0], env)  # noqa: S102
     model = env["model"]
     assert model.config._attn_implementation == "attnkit"
+
+
+def test_the_version_is_the_changelogs_newest():
+    """pyproject.toml, ``attnkit.__version__`` and CHANGELOG.md's newest entry agree."""
+    import attnkit
+
+    root = README.parent
+    newest = re.search(r"^## (\S+)", (root / "CHANGELOG.md").read_text(encoding="utf-8"), re.M)
+    project = re.search(r'^version = "([^"]+)"', (root / "pyproject.toml").read_text(), re.M)
+    assert newest and project
+    assert attnkit.__version__ == project.group(1) == newest.group(1)

@@ -35,7 +35,7 @@ from .layers import (
 
 _sys.modules[__name__ + ".rope"] = rope      # `import attnkit.rope` (it lives in layers/)
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = ["MultiHeadAttention", "MultiHeadLatentAttention", "KVCache", "RMSNorm",
            "TorchStyleMultiheadAttention", "cost", "rope",
