@@ -3,7 +3,7 @@
 The page shows the formula, the flow of the five steps (the diagram draws Score → Scale &
 Mask → Softmax → Weighted sum: steps 2 and 3 share a box) with the shape on every arrow,
 the five-step table, and every step's matrix as a heatmap (the value in the cell when it
-fits, and on hover). Multi-head traces get one tab per head. Words come from
+fits, and on a tap or hover). Multi-head traces get one tab per head. Words come from
 :mod:`.strings`, numbers, labels and budgets from :mod:`.common`.
 
 Shape legend::
@@ -89,6 +89,8 @@ svg.flow{width:100%;height:auto;display:block;margin:6px 0 8px}
 .flow .steps{font-size:11px;fill:var(--mute)}
 .flow .shape{fill:#b4361f;font:12px ui-monospace,monospace}
 .flow .arrow{stroke:#5b6475;stroke-width:1.5;fill:none;marker-end:url(#ah)}
+.flow-v .arrow{marker-end:url(#ahv)}
+.flow-wrap svg.flow-v{display:none;max-width:400px}
 .flow a:hover .box{fill:#dce7ff}
 table.steps{border-collapse:collapse;font-size:14px;margin:4px 0 10px}
 table.steps th,table.steps td{border-bottom:1px solid var(--line);padding:4px 10px;
@@ -112,12 +114,13 @@ table.hm th{font-weight:600;color:var(--mute);padding:1px 5px;white-space:nowrap
 table.hm th.r{text-align:right}
 table.hm td{min-width:44px;height:24px;text-align:center;padding:0 4px;border-radius:3px;
  cursor:default}
+table.hm td[data-v]{cursor:pointer}
 table.hm.small td{min-width:9px;height:12px;padding:0;font-size:0}
 table.hm.small thead th{font-size:10px;padding:0 1px;text-align:left;max-width:9px;overflow:visible}
 table.hm td.sum{background:none;color:var(--mute);border-left:2px solid var(--line)}
 table.hm td.x{background:repeating-linear-gradient(45deg,#e6e8ee 0 4px,#f6f7fa 4px 8px);
  color:#8a93a5}
-table.hm td:hover{outline:2px solid #111}
+table.hm td:hover,table.hm td.on{outline:2px solid #111}
 .notes li{margin:3px 0}
 .colors{color:var(--mute);font-size:13px;margin:0 0 8px}
 .sw{display:inline-block;width:14px;height:14px;border:1px solid var(--line);
@@ -128,9 +131,9 @@ table.hm td:hover{outline:2px solid #111}
 #js-errors{color:#b00020;white-space:pre-wrap}
 footer{color:var(--mute);font-size:12px;margin:20px 0}
 html[lang=ko] body{word-break:keep-all;overflow-wrap:break-word}
+@media (max-width:900px){.flow-wrap svg.flow{display:none}.flow-wrap svg.flow.flow-v{display:block}}
 @media (max-width:600px){main{padding:10px}section.trace{padding:12px 10px}
  header h1{font-size:21px}.formula{font-size:16px;padding:8px 10px}
- .flow-wrap{overflow-x:auto}.flow-wrap svg.flow{min-width:640px}
  table.steps,table.steps tbody,table.steps tr,table.steps td{display:block;width:100%}
  table.steps thead{display:none}
  table.steps tr{border:1px solid var(--line);border-radius:8px;margin:0 0 8px;padding:4px 0}
@@ -142,23 +145,45 @@ html[lang=ko] body{word-break:keep-all;overflow-wrap:break-word}
 
 JS = """
 (function(){
-  var tip=document.getElementById('tip');
+  var tip=document.getElementById('tip'), pinned=null;
+  function place(x,y){                  // the tip's corner near (x, y), kept inside the window
+    var vw=document.documentElement.clientWidth, vh=window.innerHeight;
+    tip.style.left=Math.max(4,Math.min(x,vw-tip.offsetWidth-4))+'px';
+    tip.style.top=(y+tip.offsetHeight>vh-4?Math.max(4,y-tip.offsetHeight-40):y)+'px';
+  }
+  function unpin(){ if(pinned){pinned.classList.remove('on'); pinned=null;} }
+  function hide(){ unpin(); tip.style.display='none'; }
   document.querySelectorAll('table.hm').forEach(function(t){
     var step=t.getAttribute('data-step')||'';
     var cols=[].map.call(t.querySelectorAll('thead th'),function(h){
       return h.getAttribute('data-l')||h.textContent;});
-    t.addEventListener('mouseover',function(ev){
-      var td=ev.target.closest('td[data-v]'); if(!td) return;
+    function show(td){
       var row=td.parentNode.querySelector('th').textContent;
       var col=cols[td.cellIndex]||'';
       tip.textContent=step+'  '+row+' \\u2192 '+col+' = '+td.getAttribute('data-v');
       tip.style.display='block';
+    }
+    t.addEventListener('mouseover',function(ev){
+      var td=ev.target.closest('td[data-v]'); if(!td) return;
+      if(pinned&&pinned!==td) unpin();
+      show(td);
     });
     t.addEventListener('mousemove',function(ev){
-      tip.style.left=(ev.clientX+14)+'px'; tip.style.top=(ev.clientY+12)+'px';
+      if(!pinned) place(ev.clientX+14,ev.clientY+12);
     });
-    t.addEventListener('mouseleave',function(){tip.style.display='none';});
+    t.addEventListener('mouseleave',function(){ if(!pinned) tip.style.display='none'; });
+    // a tap (a touch screen has no hover) or a click shows the value and keeps it until the
+    // next tap elsewhere (or a scroll); tapping the same cell again hides it
+    t.addEventListener('click',function(ev){
+      var td=ev.target.closest('td[data-v]'); if(!td) return;
+      ev.stopPropagation();
+      if(pinned===td){ hide(); return; }
+      unpin(); pinned=td; td.classList.add('on'); show(td);
+      var r=td.getBoundingClientRect(); place(r.left,r.bottom+6);
+    });
   });
+  document.addEventListener('click',function(){ if(pinned) hide(); });
+  window.addEventListener('scroll',function(){ if(pinned) hide(); },{passive:true});
   document.querySelectorAll('.tabs').forEach(function(bar){
     var sec=bar.parentNode;
     bar.querySelectorAll('button').forEach(function(b){
@@ -256,56 +281,88 @@ def heatmap(m: np.ndarray, rows: Sequence[str], cols: Sequence[str], kind: str, 
     return "".join(out)
 
 
-def flow_svg(trace: Trace, lang: str, anchor: str) -> str:
+def flow_svg(trace: Trace, lang: str, anchor: str, narrow: bool = False) -> str:
     """The flow diagram: Q, K → Score → Scale & Mask → Softmax → Weighted sum (← V) → O.
 
-    The five steps in four boxes: Scale (step 2) and Mask (step 3) share one.
+    The five steps in four boxes: Scale (step 2) and Mask (step 3) share one. The wide
+    layout runs left to right (1104 × 190); ``narrow=True`` stacks the same boxes top to
+    bottom (340 wide), which the page shows instead on a narrow screen (see CSS), so that at
+    360 px the whole diagram fits the phone with its text near full size.
     """
     t = STRINGS[lang]
     n_q, n_k = trace.scores.shape[-2:]
     d_k, d_v = trace.q.shape[-1], trace.v.shape[-1]
     h = n_matrices(trace.scores)
-    pre = ""                                       # shapes are per head
-    qk = shape_str((n_q, n_k))
+    qk = shape_str((n_q, n_k))                     # shapes are per head
     stages = [("stage_score", "f_score", 1), ("stage_scale_mask", "f_scale_mask", 2),
               ("stage_softmax", "f_softmax", 4), ("stage_sum", "f_sum", 5)]
-    parts = ['<svg class="flow" viewBox="0 0 1104 190" role="img" '
-             f'aria-label="{E(t["page_flow"])}">',
-             '<defs><marker id="ah" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" '
+    names = [step_name(st, lang) for st in trace.steps]       # the step table's own names
+    nums = {1: "1. " + names[0], 2: f"2. {names[1]} · 3. {names[2]}", 4: "4. " + names[3],
+            5: "5. " + names[4]}
+    mark = "ahv" if narrow else "ah"               # each layout its own arrowhead (one is hidden)
+    width, height = (340, 600 if h > 1 else 566) if narrow else (1104, 190)
+    parts = [f'<svg class="flow{" flow-v" if narrow else ""}" viewBox="0 0 {width} {height}" '
+             f'role="img" aria-label="{E(t["page_flow"])}">',
+             f'<defs><marker id="{mark}" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" '
              'markerHeight="7" orient="auto-start-reverse"><path d="M0,0 L10,5 L0,10 z" '
              'fill="#5b6475"/></marker></defs>']
 
-    def io(x: int, y: int, name: str, shape: str) -> None:
+    def io(x: float, y: float, name: str, shape: str) -> None:
         parts.append(f'<rect class="io" x="{x}" y="{y}" width="96" height="44" rx="6"/>'
                      f'<text class="name" x="{x + 48}" y="{y + 19}" text-anchor="middle">'
                      f'{E(name)}</text><text class="shape" x="{x + 48}" y="{y + 36}" '
                      f'text-anchor="middle">{E(shape)}</text>')
 
-    io(8, 22, "Q", pre + shape_str((n_q, d_k)))
-    io(8, 104, "K", pre + shape_str((n_k, d_k)))
-    xs = [170, 390, 610, 830]
-    names = [step_name(st, lang) for st in trace.steps]       # the step table's own names
-    nums = {1: "1. " + names[0], 2: f"2. {names[1]} · 3. {names[2]}", 4: "4. " + names[3],
-            5: "5. " + names[4]}
-    for (name, formula, step), x in zip(stages, xs, strict=True):
-        parts.append(f'<a href="#{anchor}-s{step}"><rect class="box" x="{x}" y="48" '
-                     f'width="150" height="72" rx="10"/>'
-                     f'<text class="name" x="{x + 75}" y="68" text-anchor="middle">'
-                     f'{E(t["page_" + name])}</text><text class="steps" x="{x + 75}" y="86" '
-                     f'text-anchor="middle">{E(nums[step])}</text><text x="{x + 75}" y="106" '
+    def box(x: float, y: float, w: float, name: str, formula: str, step: int) -> None:
+        c = x + w / 2
+        parts.append(f'<a href="#{anchor}-s{step}"><rect class="box" x="{x}" y="{y}" '
+                     f'width="{w}" height="72" rx="10"/>'
+                     f'<text class="name" x="{c}" y="{y + 20}" text-anchor="middle">'
+                     f'{E(t["page_" + name])}</text><text class="steps" x="{c}" y="{y + 38}" '
+                     f'text-anchor="middle">{E(nums[step])}</text><text x="{c}" y="{y + 58}" '
                      f'text-anchor="middle">{E(t["page_" + formula])}</text></a>')
-    parts.append('<path class="arrow" d="M104,44 C136,44 140,70 166,74"/>'
-                 '<path class="arrow" d="M104,126 C136,126 140,100 166,96"/>')
-    for a, b in zip(xs[:-1], xs[1:], strict=True):
-        parts.append(f'<path class="arrow" d="M{a + 150},84 L{b - 2},84"/>'
-                     f'<text class="shape" x="{(a + 150 + b) / 2}" y="76" '
-                     f'text-anchor="middle">{E(pre + qk)}</text>')
-    io(857, 142, "V", pre + shape_str((n_k, d_v)))
-    parts.append('<path class="arrow" d="M905,142 L905,118"/>')
-    if h > 1:
-        parts.append(f'<text x="170" y="160">{E(t["page_per_head"].format(h=h))}</text>')
-    io(1004, 62, "O", pre + shape_str((n_q, d_v)))
-    parts.append('<path class="arrow" d="M980,84 L1002,84"/>')
+
+    def arrow(d: str) -> None:
+        parts.append(f'<path class="arrow" d="{d}"/>')
+
+    def shape(x: float, y: float, text: str, anchor_at: str = "middle") -> None:
+        parts.append(f'<text class="shape" x="{x}" y="{y}" text-anchor="{anchor_at}">'
+                     f'{E(text)}</text>')
+
+    if narrow:         # Q K side by side, the four boxes stacked, V beside the last, O below
+        bx, bw, ys = 20, 190, [80, 190, 300, 410]
+        io(14, 8, "Q", shape_str((n_q, d_k)))
+        io(134, 8, "K", shape_str((n_k, d_k)))
+        arrow("M62,52 C62,66 96,64 100,78")
+        arrow("M182,52 C182,66 134,64 130,78")
+        for (name, formula, step), y in zip(stages, ys, strict=True):
+            box(bx, y, bw, name, formula, step)
+        for a, b in zip(ys[:-1], ys[1:], strict=True):
+            arrow(f"M115,{a + 72} L115,{b - 2}")
+            shape(125, (a + 72 + b) / 2 + 4, qk, "start")
+        io(236, 424, "V", shape_str((n_k, d_v)))
+        arrow("M236,446 L212,446")
+        io(67, 510, "O", shape_str((n_q, d_v)))
+        arrow("M115,482 L115,508")
+        if h > 1:
+            parts.append(f'<text x="14" y="586">{E(t["page_per_head"].format(h=h))}</text>')
+    else:
+        io(8, 22, "Q", shape_str((n_q, d_k)))
+        io(8, 104, "K", shape_str((n_k, d_k)))
+        xs = [170, 390, 610, 830]
+        for (name, formula, step), x in zip(stages, xs, strict=True):
+            box(x, 48, 150, name, formula, step)
+        arrow("M104,44 C136,44 140,70 166,74")
+        arrow("M104,126 C136,126 140,100 166,96")
+        for a, b in zip(xs[:-1], xs[1:], strict=True):
+            arrow(f"M{a + 150},84 L{b - 2},84")
+            shape((a + 150 + b) / 2, 76, qk)
+        io(857, 142, "V", shape_str((n_k, d_v)))
+        arrow("M905,142 L905,118")
+        if h > 1:
+            parts.append(f'<text x="170" y="160">{E(t["page_per_head"].format(h=h))}</text>')
+        io(1004, 62, "O", shape_str((n_q, d_v)))
+        arrow("M980,84 L1002,84")
     parts.append("</svg>")
     return "".join(parts)
 
@@ -378,7 +435,8 @@ def _section(trace: Trace, lang: str, idx: int, decimals: int) -> str:
     if grid is not None:
         out.append(f'<div class="legend pooled">{E(t["page_pooled"].format(g=grid))}</div>')
     out.append(f"<h3>{E(t['page_flow'])}</h3><div class=\"flow-wrap\">"
-               + flow_svg(trace, lang, anchor) + "</div>")
+               + flow_svg(trace, lang, anchor) + flow_svg(trace, lang, anchor, narrow=True)
+               + "</div>")
     out.append(f"<h3>{E(t['page_table'])}</h3><div class=\"steps-wrap\">"
                + _step_table(trace, lang) + "</div>")
     n_heads = n_matrices(trace.scores)

@@ -88,15 +88,16 @@ STRINGS: dict[str, dict[str, str]] = {
         # ---- the HTML page
         "page_doc_title": "Attention, step by step",
         "page_legend": "Every query scores every key, the scores become weights that sum to 1 "
-                       "over the keys, and the weights mix the values. Hover a cell to see "
-                       "its value.",
+                       "over the keys, and the weights mix the values. Tap or hover a cell to "
+                       "see its value.",
         "page_flow": "The flow", "page_table": "The five steps", "page_stage": "in the flow",
         "page_stage_score": "Score", "page_stage_scale_mask": "Scale & Mask",
         "page_stage_softmax": "Softmax", "page_stage_sum": "Weighted sum",
         "page_f_score": "S = Q Kᵀ", "page_f_scale_mask": "L = S·scale + M",
         "page_f_softmax": "W = softmax(L)", "page_f_sum": "O = W V",
         "page_concat": "Concatenated heads", "page_blocked": "blocked (−∞)",
-        "page_hover": "hover a cell", "page_rows": "rows: queries", "page_cols": "columns: keys",
+        "page_hover": "tap or hover a cell", "page_rows": "rows: queries",
+        "page_cols": "columns: keys",
         "page_options": "Options",
         "page_per_head": "{h} heads: every shape here is per head",
         "page_colors": "Colours", "page_c_weights": "weights", "page_c_other": "other matrices",
@@ -104,7 +105,7 @@ STRINGS: dict[str, dict[str, str]] = {
         "page_generated": "Made by attnkit — a self-contained page: no network needed.",
         "page_pooled": "Too large to show cell by cell: a heatmap with more than {g} rows or "
                        "columns groups them into blocks, one cell per block coloured by the "
-                       "block's mean (hover a cell for its block). The text output prints "
+                       "block's mean (tap or hover a cell for its block). The text output prints "
                        "the exact values of the corners.",
         "page_block": "each cell: the mean of a block of {br} × {bc}",
         "page_more_heads": "… {n} more heads are not shown: the page shows the first {m}",
@@ -232,15 +233,16 @@ STRINGS: dict[str, dict[str, str]] = {
         # ---- the HTML page
         "page_doc_title": "Attention 단계별 풀이",
         "page_legend": "모든 Query가 모든 Key에 Score를 매기고, Score는 Key에 대해 합이 1인 "
-                       "가중치가 되며, 가중치가 Value를 섞습니다. 셀 위에 마우스를 올리면 값이 "
-                       "보입니다.",
+                       "가중치가 되며, 가중치가 Value를 섞습니다. 셀을 누르거나 마우스를 올리면 "
+                       "값이 보입니다.",
         "page_flow": "흐름", "page_table": "다섯 단계", "page_stage": "흐름의 칸",
         "page_stage_score": "Score", "page_stage_scale_mask": "Scale & Mask",
         "page_stage_softmax": "Softmax", "page_stage_sum": "가중합",
         "page_f_score": "S = Q Kᵀ", "page_f_scale_mask": "L = S·scale + M",
         "page_f_softmax": "W = softmax(L)", "page_f_sum": "O = W V",
         "page_concat": "head 이어붙이기", "page_blocked": "가려짐 (−∞)",
-        "page_hover": "셀에 마우스를 올리세요", "page_rows": "행: Query", "page_cols": "열: Key",
+        "page_hover": "셀을 누르거나 마우스를 올리세요", "page_rows": "행: Query",
+        "page_cols": "열: Key",
         "page_options": "옵션",
         "page_per_head": "head {h}개: 여기의 모든 모양은 head 하나 기준",
         "page_colors": "색", "page_c_weights": "가중치", "page_c_other": "다른 행렬",
@@ -248,8 +250,8 @@ STRINGS: dict[str, dict[str, str]] = {
         "page_generated": "attnkit으로 만든 독립 실행형 페이지: 네트워크가 필요 없습니다.",
         "page_pooled": "셀 하나하나 보여 주기에는 너무 큽니다: 행이나 열이 {g}개보다 많은 "
                        "히트맵은 여러 행과 열을 한 블록으로 묶어, 블록마다 셀 하나에 평균값의 "
-                       "색을 칠합니다 (셀 위에 마우스를 올리면 블록이 보입니다). 모서리 부분의 "
-                       "정확한 값은 텍스트 출력에 있습니다.",
+                       "색을 칠합니다 (셀을 누르거나 마우스를 올리면 블록이 보입니다). "
+                       "모서리 부분의 정확한 값은 텍스트 출력에 있습니다.",
         "page_block": "셀 하나 = {br} × {bc} 블록의 평균",
         "page_more_heads": "… head {n}개 더 있음: 이 페이지에는 처음 {m}개만 보여 줍니다",
         # ---- an example under the learner's --scale / --softcap (examples.with_overrides)
