@@ -23,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 CASES = ("sliding", "dense", "causal", "alibi", "decode", "sliding_bwd", "causal_bwd")
 
@@ -93,6 +94,24 @@ def one_process(cases: list[str], reps: int) -> None:
     print(" | ".join(parts), flush=True)
 
 
+def alternating(ap: argparse.ArgumentParser, trees: list[str], rounds: int, script: str,
+                args: list[str]) -> Iterator[tuple[int, str, subprocess.CompletedProcess]]:
+    """Check the trees (at least two, each with src/attnkit: else ``ap.error``), then run
+    ``script args`` once per tree and round, alternating the trees, each importing attnkit
+    from its own ``src``; yields (round, tree, the finished process). bench_hotpath uses it."""
+    if len(trees) < 2:
+        ap.error("give two source trees to compare (e.g. two git worktrees)")
+    for tree in trees:
+        if not os.path.isdir(os.path.join(tree, "src", "attnkit")):
+            ap.error(f"{tree} has no src/attnkit")
+    for r in range(rounds):
+        for tree in trees:
+            env = {**os.environ, "PYTHONPATH": os.path.join(os.path.abspath(tree), "src")}
+            yield r + 1, tree, subprocess.run([sys.executable, os.path.abspath(script), *args],
+                                              env=env, capture_output=True, text=True,
+                                              check=False)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("trees", nargs="*", help="two (or more) source trees, each with src/attnkit")
@@ -109,19 +128,11 @@ def main() -> int:
     if args.child:
         one_process(cases, args.reps)
         return 0
-    if len(args.trees) < 2:
-        ap.error("give two source trees to compare (e.g. two git worktrees)")
-    for tree in args.trees:
-        if not os.path.isdir(os.path.join(tree, "src", "attnkit")):
-            ap.error(f"{tree} has no src/attnkit")
-    for r in range(args.rounds):
-        for tree in args.trees:
-            env = {**os.environ, "PYTHONPATH": os.path.join(os.path.abspath(tree), "src")}
-            out = subprocess.run([sys.executable, __file__, "--child", "--reps", str(args.reps),
-                                  "--cases", ",".join(cases)], env=env, capture_output=True,
-                                 text=True)
-            line = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr
-            print(f"round {r + 1} {tree}: {line}", flush=True)
+    for r, tree, out in alternating(ap, args.trees, args.rounds, __file__,
+                                    ["--child", "--reps", str(args.reps),
+                                     "--cases", ",".join(cases)]):
+        line = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr
+        print(f"round {r} {tree}: {line}", flush=True)
     return 0
 
 

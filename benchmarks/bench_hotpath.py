@@ -171,20 +171,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.trees is None:
         one_process(cases, args.reps)
         return 0
-    if len(args.trees) < 2:
-        ap.error("--trees needs two source trees to compare (e.g. two git worktrees)")
-    for tree in args.trees:
-        if not os.path.isdir(os.path.join(tree, "src", "attnkit")):
-            ap.error(f"{tree} has no src/attnkit")
-    for r in range(args.rounds):
-        for tree in args.trees:
-            env = {**os.environ, "PYTHONPATH": os.path.join(os.path.abspath(tree), "src")}
-            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--only",
-                                  ",".join(cases), "--reps", str(args.reps)], env=env,
-                                 capture_output=True, text=True, check=False)
-            print(f"round {r + 1}, tree {tree}:", flush=True)
-            print(out.stdout.rstrip() if out.returncode == 0 else out.stderr.rstrip(),
-                  flush=True)
+    from ab_trees import alternating  # (this folder is on sys.path when run as a script)
+
+    for r, tree, out in alternating(ap, args.trees, args.rounds, __file__,
+                                    ["--only", ",".join(cases), "--reps", str(args.reps)]):
+        print(f"round {r}, tree {tree}:", flush=True)
+        print(out.stdout.rstrip() if out.returncode == 0 else out.stderr.rstrip(), flush=True)
     return 0
 
 
