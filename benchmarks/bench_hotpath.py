@@ -114,6 +114,11 @@ def one_process(cases: list[str], reps: int) -> None:
         print(f"  {name:<56} {t_ours * 1e6:8.1f}us {t_theirs * 1e6:8.1f}us "
               f"{t_theirs / t_ours:12.2f}x", flush=True)
 
+    def sdpa_pair(name: str, ins: list[torch.Tensor], **kw: object) -> None:
+        """ak.scaled_dot_product_attention against torch's, the same call."""
+        line(name, lambda: ak.scaled_dot_product_attention(*ins, **kw),
+             lambda: F.scaled_dot_product_attention(*ins, **kw))
+
     def qkv(n_q: int, n_k: int, h_kv: int, dtype: torch.dtype) -> list[torch.Tensor]:
         return [torch.randn(1, 8, n_q, 64).to(dtype), torch.randn(1, h_kv, n_k, 64).to(dtype),
                 torch.randn(1, h_kv, n_k, 64).to(dtype)]
@@ -132,19 +137,11 @@ def one_process(cases: list[str], reps: int) -> None:
                     line(f"decode {dn} (1,8,1,64) x 192 keys GQA 8/2, ak.attention",
                          lambda q=q, k=k, v=v: ak.attention(q, k, v), sdpa)
             elif c == "decode4096":
-                q, k, v = qkv(1, 4096, 2, torch.float32)
-                line("decode fp32 (1,8,1,64) x 4096 keys GQA 8/2, ak.sdpa",
-                     lambda q=q, k=k, v=v: ak.scaled_dot_product_attention(
-                         q, k, v, enable_gqa=True),
-                     lambda q=q, k=k, v=v: F.scaled_dot_product_attention(
-                         q, k, v, enable_gqa=True))
+                sdpa_pair("decode fp32 (1,8,1,64) x 4096 keys GQA 8/2, ak.sdpa",
+                          qkv(1, 4096, 2, torch.float32), enable_gqa=True)
             elif c == "prefill":
-                q, k, v = qkv(128, 128, 8, torch.float32)
-                line("prefill fp32 (1,8,128,64) causal, ak.sdpa",
-                     lambda q=q, k=k, v=v: ak.scaled_dot_product_attention(
-                         q, k, v, is_causal=True),
-                     lambda q=q, k=k, v=v: F.scaled_dot_product_attention(
-                         q, k, v, is_causal=True))
+                sdpa_pair("prefill fp32 (1,8,128,64) causal, ak.sdpa",
+                          qkv(128, 128, 8, torch.float32), is_causal=True)
             elif c == "hf":
                 got = _hf_case()
                 if isinstance(got, str):

@@ -662,9 +662,9 @@ def scaled_dot_product_attention(
         _check_sdpa_tensors(query, key, value)
     if not isinstance(enable_gqa, (bool, np.bool_)):
         raise TypeError(f"enable_gqa must be True or False, got {enable_gqa!r}")
-    if (type(dropout_p) is not float or not 0.0 <= dropout_p <= 1.0) and (
-            isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, numbers.Real)
-            or not 0.0 <= dropout_p <= 1.0):
+    if type(dropout_p) is not float and (isinstance(dropout_p, (bool, np.bool_))
+                                         or not isinstance(dropout_p, numbers.Real)) \
+            or not 0.0 <= dropout_p <= 1.0:
         raise ValueError(f"dropout_p must be a number in [0, 1], got {dropout_p!r}")
     if attn_mask is not None:
         _check_sdpa_mask(attn_mask, query)
