@@ -173,17 +173,26 @@ JS = """
     });
     t.addEventListener('mouseleave',function(){ if(!pinned) tip.style.display='none'; });
     // a tap (a touch screen has no hover) or a click shows the value and keeps it until the
-    // next tap elsewhere (or a scroll); tapping the same cell again hides it
+    // next tap elsewhere; tapping the same cell again hides it
     t.addEventListener('click',function(ev){
       var td=ev.target.closest('td[data-v]'); if(!td) return;
       ev.stopPropagation();
       if(pinned===td){ hide(); return; }
       unpin(); pinned=td; td.classList.add('on'); show(td);
-      var r=td.getBoundingClientRect(); place(r.left,r.bottom+6);
+      follow();
     });
   });
+  // the pinned tip stays under its cell while the page (or a heatmap's own box) scrolls, and
+  // hides once the cell has left the window: a scroll that was still on its way when the tap
+  // came (after scrollIntoView, say) must not hide the value the tap just showed
+  function follow(){
+    var r=pinned.getBoundingClientRect();
+    if(r.bottom<0||r.top>window.innerHeight){ hide(); return; }
+    place(r.left,r.bottom+6);
+  }
   document.addEventListener('click',function(){ if(pinned) hide(); });
-  window.addEventListener('scroll',function(){ if(pinned) hide(); },{passive:true});
+  document.addEventListener('scroll',function(){ if(pinned) follow(); },
+                            {capture:true,passive:true});
   document.querySelectorAll('.tabs').forEach(function(bar){
     var sec=bar.parentNode;
     bar.querySelectorAll('button').forEach(function(b){
