@@ -8,19 +8,32 @@
 - ``<!-- cli-help: explain -->`` (or ``examples``, ``bench``, ``cost``, or nothing for the
   top level) becomes the ``--help`` text of that command, from its argument parser.
 
-Both are plain functions (:func:`run_blocks`, :func:`cli_help`) that the tests call too.
+- ``<!-- notebook: course_en.ipynb -->`` becomes that notebook of ``notebooks/`` as Markdown
+  (:func:`notebook_markdown`): its text cells, its code, and the outputs saved in it — text
+  as text blocks, a Trace's interactive page (``text/html``) as itself, images inline. The
+  saved outputs are a real run's (``python notebooks/execute.py`` writes them, and
+  ``tests/explain/test_notebooks.py`` fails when they are stale), so the site needs no
+  Jupyter kernel and no plugin: nbformat's JSON is read directly.
+
+All are plain functions (:func:`run_blocks`, :func:`cli_help`, :func:`notebook_markdown`)
+that the tests call too.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import re
+from pathlib import Path
 
 PRELUDE = "import torch\nimport attnkit as ak\n"
 BLOCK = re.compile(r"^```python( show)?[ \t]*\n(.*?)^```[ \t]*$", re.S | re.M)
 CLI = re.compile(r"^<!-- cli-help:\s*([a-z]*)\s*-->[ \t]*$", re.M)
+NOTEBOOK = re.compile(r"^<!-- notebook:\s*(\S+\.ipynb)\s*-->[ \t]*$", re.M)
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def python_blocks(markdown: str) -> list[tuple[bool, str]]:
@@ -76,6 +89,54 @@ def _show_outputs(markdown: str, name: str) -> str:
     return "".join(parts)
 
 
+def _text(x: str | list[str]) -> str:
+    return "".join(x) if isinstance(x, list) else x
+
+
+def _fence(text: str, lang: str = "text") -> str:
+    """A fenced block that no line of ``text`` can close (a longer fence when needed)."""
+    ticks = max([3] + [len(m) + 1 for m in re.findall(r"^`{3,}", text, re.M)])
+    return f"{'`' * ticks}{lang}\n{text.rstrip()}\n{'`' * ticks}"
+
+
+def _output_markdown(out: dict) -> str | None:
+    kind = out.get("output_type")
+    if kind == "stream":
+        return _fence(ANSI.sub("", _text(out.get("text", "")))) if out.get("name") != "stderr" \
+            else None
+    if kind == "error":
+        return _fence(ANSI.sub("", "\n".join(out.get("traceback", []))))
+    data = out.get("data", {})
+    if "text/html" in data:                          # a Trace's page: its iframe, as is
+        return f'<div class="nb-output">\n{_text(data["text/html"]).strip()}\n</div>'
+    for mime in ("image/png", "image/jpeg"):
+        if mime in data:
+            b64 = "".join(_text(data[mime]).split())
+            return f'<div class="nb-output"><img alt="output" src="data:{mime};base64,{b64}"></div>'
+    if "text/plain" in data:
+        return _fence(_text(data["text/plain"]))
+    return None
+
+
+def notebook_markdown(name: str) -> str:
+    """``notebooks/<name>`` as Markdown, with the outputs saved in it (see the module doc).
+
+    The notebook's headings move one level down: the page that includes it has its own title.
+    """
+    nb = json.loads((NOTEBOOKS / name).read_text(encoding="utf-8"))
+    parts = []
+    for cell in nb["cells"]:
+        src = _text(cell.get("source", "")).strip()
+        if cell["cell_type"] == "markdown":
+            parts.append(re.sub(r"^(#{1,5}) ", r"#\1 ", src, flags=re.M))
+        elif cell["cell_type"] == "code":
+            parts.append(_fence(src, "python"))
+            outs = [o for o in map(_output_markdown, cell.get("outputs", [])) if o]
+            parts += outs
+    return "\n\n".join(parts) + "\n"
+
+
 def on_page_markdown(markdown: str, page, config, files) -> str:  # noqa: ANN001
     markdown = _show_outputs(markdown, page.file.src_path)
-    return CLI.sub(lambda m: "```text\n" + cli_help(m.group(1)) + "\n```", markdown)
+    markdown = CLI.sub(lambda m: "```text\n" + cli_help(m.group(1)) + "\n```", markdown)
+    return NOTEBOOK.sub(lambda m: notebook_markdown(m.group(1)), markdown)

@@ -62,19 +62,20 @@ def test_mask_page_draws_from_code_not_by_hand():
 
 def test_cli_reference_comes_from_the_parsers():
     text = (DOCS / "cli.md").read_text("utf-8")
-    for cmd in ("", "explain", "examples", "bench", "cost"):
+    for cmd in ("", "explain", "examples", "lesson", "bench", "cost"):
         assert f"<!-- cli-help: {cmd} -->".replace(":  ", ": ") in text
     assert "--html" in hooks.cli_help("explain") and "--plot-steps" in hooks.cli_help("explain")
     bench_help = hooks.cli_help("bench")
     assert "usage: attnkit bench" in bench_help
     assert "--json" in bench_help and "--list" in bench_help
     assert "explain" in hooks.cli_help("") and "--d-model" in hooks.cli_help("cost")
+    assert "sqrt-dk" in hooks.cli_help("lesson") and "--plot" in hooks.cli_help("lesson")
 
 
 def test_included_files_and_screenshots():
     assert '--8<-- "BENCHMARKS.md"' in (DOCS / "performance.md").read_text("utf-8")
     assert (DOCS / "changelog.md").read_text("utf-8").strip() == '--8<-- "CHANGELOG.md"'
-    for png in ("explain-page.png", "explain-page-ko.png"):
+    for png in ("explain-page.png", "explain-page-ko.png", "explain-playground-wide.png"):
         assert (DOCS / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"]({png})" in (DOCS / "explain.md").read_text("utf-8")
 
@@ -92,16 +93,76 @@ def test_offline_build_settings():
     assert re.search(r"^strict: true\s*$", cfg, re.M)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("mkdocs") is None, reason="MkDocs not installed")
-@pytest.mark.skipif(os.environ.get("ATTNKIT_DOCS_BUILT") == "1",
-                    reason="`make test` built the site strictly just before")
-def test_site_builds_strict(tmp_path):
+NOTEBOOKS = sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb"))
+
+
+def test_lessons_and_notebooks_can_be_found():
+    """Issue 22, defect 3: docs/ never said `attnkit lesson`, README and docs never named
+    notebooks/, and nothing installed Jupyter. Every notebook has a docs page (rendered with
+    its outputs), linked from README and both getting-started pages; the extra that
+    installs Jupyter is named where a reader looks."""
+    readme = (ROOT / "README.md").read_text("utf-8")
+    docs = {p: (DOCS / p).read_text("utf-8") for p in PAGES}
+    assert len(NOTEBOOKS) >= 2
+    for where, text in [("README.md", readme)] + [(p, docs[p]) for p in (
+            "explain.md", "cli.md", "getting-started.md", "getting-started-ko.md")]:
+        assert "attnkit lesson" in text, where
+    pages = {}
+    for nb in NOTEBOOKS:
+        page = [p for p, text in docs.items() if f"<!-- notebook: {nb} -->" in text]
+        assert len(page) == 1, (nb, page)
+        pages[nb] = page[0]
+        assert f"notebooks/{nb}" in readme, nb
+    for where in ("getting-started.md", "getting-started-ko.md", "explain.md", "index.md"):
+        linked = [nb for nb, page in pages.items() if f"]({page})" in docs[where]]
+        assert linked, f"{where} links no notebook page"
+    for nb, page in pages.items():             # each language links its own page
+        lang_page = "getting-started-ko.md" if nb.endswith("_ko.ipynb") else "getting-started.md"
+        assert f"]({page})" in docs[lang_page], (nb, lang_page)
+    extra = re.search(r"^notebooks = \[(.*)\]", (ROOT / "pyproject.toml").read_text(), re.M)
+    assert extra and "jupyterlab" in extra.group(1)
+    for where, text in (("README.md", readme), ("getting-started.md", docs["getting-started.md"]),
+                        ("getting-started-ko.md", docs["getting-started-ko.md"])):
+        assert ".[notebooks]" in text or "attnkit[notebooks]" in text, where
+
+
+def test_a_notebook_page_is_the_notebook_with_its_saved_outputs():
+    md = hooks.notebook_markdown("course_ko.ipynb")
+    assert not re.search(r"^# ", md, re.M)                  # the page has its own title
+    assert "```python\nmain, sharp = EXAMPLES['worked'].traces()" in md
+    assert "0.506" in md and "가중치" in md                   # printed output, as text blocks
+    assert '<div class="nb-output">\n<iframe srcdoc="' in md   # the Trace's page, interactive
+    assert "array([[0.9933" in md                            # an expression's value
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    """The built site: `make test` has just built it into build/site (strict); else build it
+    here, strict, once for this module."""
+    if os.environ.get("ATTNKIT_DOCS_BUILT") == "1":
+        return ROOT / "build" / "site"
+    if importlib.util.find_spec("mkdocs") is None:
+        pytest.skip("MkDocs not installed")
+    out = tmp_path_factory.mktemp("site")
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
     r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet",
-                        "--site-dir", str(tmp_path / "site")], cwd=ROOT, capture_output=True,
+                        "--site-dir", str(out)], cwd=ROOT, capture_output=True,
                        text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert (tmp_path / "site" / "masks" / "index.html").exists()
+    return out
+
+
+def test_site_builds_strict(site):
+    assert (site / "masks" / "index.html").exists()
+
+
+def test_built_site_has_the_notebook_pages_with_their_outputs(site):
+    ko = (site / "notebook-ko" / "index.html").read_text("utf-8")
+    en = (site / "notebook" / "index.html").read_text("utf-8")
+    for page in (ko, en):
+        assert "0.506" in page and "<iframe srcdoc=" in page and 'class="nb-output"' in page
+    assert '<div lang="ko">' in ko and "강의 노트북" in ko
+    assert "attnkit lesson" in (site / "cli" / "index.html").read_text("utf-8")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("mkdocs") is None, reason="MkDocs not installed")

@@ -8,7 +8,8 @@
     attnkit explain --model minilm [--text "..."] [--layer L --head H --token T]
           [--pad-to N] [--lang] [--html] [--plot] [--force]
                                           a real model's attention (every layer × head)
-    attnkit examples [--lang ko]          the built-in examples, one per line
+    attnkit examples [--lang ko]          the built-in examples, one per line (then where
+                                          the lessons and the course notebooks are)
     attnkit lesson [NAME] [--lang] [--plot OUT.png] [--force]
                                           a lesson: sqrt-dk, bounds, attn-vs-ffn, heads
     attnkit --version                     the installed version
@@ -112,7 +113,8 @@ def _build_parser() -> _Parser:
     les.add_argument("--plot", metavar="OUT.png", help="also draw the lesson's figure")
     les.add_argument("--force", action="store_true",
                      help="replace an existing --plot file that attnkit did not write")
-    exs = sub.add_parser("examples", help="list the built-in examples")
+    exs = sub.add_parser("examples", help="list the built-in examples (and where the lessons "
+                         "and notebooks are)")
     exs.add_argument("--lang", choices=LANGS, default="en", help="language (default en)")
     for name, text in DELEGATED.items():
         sub.add_parser(name, help=text, add_help=False)
@@ -133,7 +135,7 @@ def _version() -> str:
 
 def _model(args: argparse.Namespace) -> int:
     """``attnkit explain --model``: a real model's attention, as text (and --html, --plot)."""
-    from .explain.model import ModelError, explain_model
+    from .explain.model import ModelError, ModelWarning, explain_model
 
     given = [f"--{n}" for n in ("example", "q", "k", "v", "mask", "heads", "scale", "softcap")
              if getattr(args, n) is not None] + (["--causal"] if args.causal else [])
@@ -147,8 +149,10 @@ def _model(args: argparse.Namespace) -> int:
     except ImportError:
         pass
     try:
-        mt = explain_model(args.model, args.text, layer=args.layer, head=args.head,
-                           token=args.token, pad_to=args.pad_to)
+        with warnings.catch_warnings():     # the text below says it, in --lang, once
+            warnings.simplefilter("ignore", ModelWarning)
+            mt = explain_model(args.model, args.text, layer=args.layer, head=args.head,
+                               token=args.token, pad_to=args.pad_to)
         sys.stdout.write(mt.to_text(args.lang, decimals=args.decimals))
         sys.stdout.flush()
         if args.html:
@@ -176,9 +180,15 @@ def _delegate(name: str, rest: list[str]) -> int:
 
 
 def _examples(args: argparse.Namespace) -> int:
+    """The examples, one a line; then, after a blank line, where the lessons and the
+    notebooks are."""
+    from .explain.lessons import LESSONS
+    from .explain.strings import STRINGS
+
     width = max(len(n) for n in EXAMPLES)
     for name, ex in EXAMPLES.items():
         print(f"{name.ljust(width)}  {ex.describe(args.lang)}")
+    print("\n" + STRINGS[args.lang]["ex_more"].format(lessons=", ".join(LESSONS)))
     return 0
 
 

@@ -181,14 +181,20 @@ def test_korean_prints_the_same_numbers(capsys, name):
 
 def test_examples_command_lists_every_example_with_a_description(capsys):
     assert main(["examples"]) == 0
-    lines = capsys.readouterr().out.strip().splitlines()
+    listing, more = capsys.readouterr().out.strip().split("\n\n")
+    lines = listing.splitlines()
     assert [ln.split()[0] for ln in lines] == list(EXAMPLES)
+    # then where the rest of the course is (issue 22, defect 3): the lessons, the notebooks
+    assert "attnkit lesson" in more and "sqrt-dk" in more
+    assert "notebooks/course_en.ipynb" in more and 'pip install "attnkit[notebooks]"' in more
     for ln in lines:
         name, description = ln.split(None, 1)
         assert description == EXAMPLES[name].describe("en") and len(description) > 20
     assert main(["examples", "--lang", "ko"]) == 0
-    ko = capsys.readouterr().out.strip().splitlines()
+    ko_listing, ko_more = capsys.readouterr().out.strip().split("\n\n")
+    ko = ko_listing.splitlines()
     assert [ln.split()[0] for ln in ko] == list(EXAMPLES)
+    assert "레슨" in ko_more and "notebooks/course_ko.ipynb" in ko_more
     assert all(re.search("[가-힣]", ln) for ln in ko)
 
 

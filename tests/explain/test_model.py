@@ -134,4 +134,62 @@ def test_model_page_in_chromium(pronoun, tmp_path):
     browser.find_element(By.CSS_SELECTOR, 'button.mini[data-head="1-1"]').click()
     shown = [p for p in panels if p.is_displayed()]
     assert [p.get_attribute("data-head") for p in shown] == ["1-1"]
+    # the walked-through head has a live playground: d_h = 32, so Q, K, V and O are strips
+    play = browser.find_element(By.CSS_SELECTOR, "section.play")
+    assert play.get_attribute("data-ready") == "1"
+    assert len(play.find_elements(By.CSS_SELECTOR, "canvas.pl-vec")) == 4 * len(pronoun.tokens)
+    sums = browser.execute_script("return [...arguments[0].querySelectorAll("
+                                  "'table[data-pl=weights] td.sum')].map(td => td.textContent)",
+                                  play)
+    assert sums == ["1.000"] * len(pronoun.tokens)
     assert browser.execute_script("return window.__errors") == []
+
+
+KOREAN = "동물은 너무 피곤해서 길을 건너지 않았다"
+
+
+def test_korean_text_in_the_english_only_model_warns_once_in_the_outputs_language(capsys):
+    """Issue 22, defect 5: MiniLM cuts Korean into jamo and [UNK] (it is English-only); the
+    default query was 'ᄃ', and nothing said why the heads looked meaningless."""
+    import warnings
+
+    from attnkit.explain.model import ModelWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mt = explain_model("minilm", KOREAN)
+    said = [w for w in caught if issubclass(w.category, ModelWarning)]
+    assert len(said) == 1 and "English-only" in str(said[0].message)
+    assert any(t.startswith("##ᅩ") for t in mt.tokens)          # the pieces the warning names
+    query = mt.tokens[mt.focus[2] - 1]
+    assert query == "[CLS]", query                               # a whole token, never a jamo
+    en, ko = mt.to_text("en"), mt.to_text("ko")
+    assert en.count("English-only") == 1 and "--example cross --lang ko" in en
+    assert ko.count("영어만 학습한 모델") == 1 and "--example cross --lang ko" in ko
+    assert "English" not in ko and "Warning" not in ko
+    assert "[UNK] 1개" in ko and "자모 조각" in ko
+    assert ko.index("주의:") < ko.index("토큰 (")                  # said first, before the grid
+    assert 'class="mwarn"' in mt.to_html(lang="ko") and "영어만" in mt.to_html(lang="ko")
+    # the command line: once, in --lang, and not again on stderr in English
+    assert main(["explain", "--model", "minilm", "--text", KOREAN, "--lang", "ko"]) == 0
+    out, err = capsys.readouterr()
+    assert out.count("영어만 학습한 모델") == 1 and "English-only" not in out + err
+    assert "영어만" not in err
+
+
+def test_english_text_has_no_warning_and_the_default_query_is_a_whole_word(pronoun):
+    import warnings
+
+    from attnkit.explain.model import ModelWarning, default_token
+
+    assert pronoun.notes == {} and "Warning" not in pronoun.to_text()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ModelWarning)          # English text: no warning
+        explain_model("minilm", "Tokenization is hard")
+    with pytest.warns(ModelWarning, match="English-only"):
+        mt = explain_model("minilm", "Tokenization of 동물 is hard")
+    assert mt.tokens[mt.focus[2] - 1] == "of"            # 'token ##ization' is a cut word
+    assert default_token(["[CLS]", "token", "##ization", "of", "[SEP]"]) == 4
+    assert default_token(["[CLS]", "the", "cat", "[SEP]"]) == 2
+    assert default_token(["[CLS]", "ᄃ", "##ᅩ", "[UNK]", "[SEP]"]) == 1
+    assert default_token(["<s>", "▁the", "</s>"]) == 2

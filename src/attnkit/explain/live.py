@@ -14,6 +14,9 @@ Controls (all keyboard-usable: Tab to reach, arrows on the slider, Enter/Space o
     the mask                  none / causal (query i sees keys 1..i) / padding (first L keys)
     a cell of M               click (or Enter) to block / unblock that one key for that query
     Q, K, V cells             text fields; a value that is not a number is marked, not used
+    wide rows (> INLINE)      one strip per row, a colour per feature: tap / click a feature
+                              (or ←/→/Home/End on a focused strip) to pick it, then edit it
+                              in the one field under the inputs; a wide O is strips too
 
 Shape legend::
 
@@ -22,9 +25,13 @@ Shape legend::
 Caution
 -------
 - Offered only where the page can recompute the trace itself: at most
-  :data:`MAX_SIDE` queries, keys and features, finite inputs, no ``score_mod`` and no float
-  bias; other traces get a one-line note instead. The playground starts from the trace's
-  inputs and mask (a causal trace starts in "causal" mode; any other mask as blocked cells).
+  :data:`MAX_SIDE` queries and keys, at most :data:`MAX_FEATURES` features (d_k, d_v),
+  finite inputs, no ``score_mod`` and no float bias; other traces get a one-line note
+  instead. Up to :data:`INLINE` features a row is a row of text fields; a wider row is one
+  ``<canvas>`` strip, so the page's size does not grow with d (16 queries × 512 features
+  are the same few hundred elements as 16 × 17), and the one edit field serves every strip.
+  The playground starts from the trace's inputs and mask (a causal trace starts in
+  "causal" mode; any other mask as blocked cells).
 - Ties in the last digit (an exact binary x.xxx5) may round the other way in JavaScript
   than in Python; every other value prints the same.
 """
@@ -43,9 +50,11 @@ from .strings import check_lang, step_name
 if TYPE_CHECKING:
     from .trace import Trace
 
-__all__ = ["playground", "playable", "MAX_SIDE", "CSS", "JS"]
+__all__ = ["playground", "playable", "MAX_SIDE", "MAX_FEATURES", "INLINE", "CSS", "JS"]
 
-MAX_SIDE = 16
+MAX_SIDE = 16          # queries, keys: the step tables are n_q × n_k cells
+MAX_FEATURES = 512     # d_k, d_v: each row is one canvas strip above INLINE
+INLINE = 16            # up to this many features a row is a row of text fields
 E = html.escape
 
 
@@ -70,6 +79,22 @@ table.pl button.pl-cell{min-width:40px;font:12px ui-monospace,monospace;border:1
 table.pl button.pl-cell.off{background:repeating-linear-gradient(45deg,#e6e8ee 0 4px,
  #f6f7fa 4px 8px);color:#8a93a5}
 table.pl button.pl-cell:focus-visible,table.pl input:focus-visible{outline:2px solid var(--acc)}
+.pl-scroll{max-width:100%;overflow-x:auto}
+.pl-vecs{display:flex;flex-direction:column;gap:3px;margin-top:6px;min-width:0}
+.pl-vrow{display:flex;align-items:center;gap:6px;min-width:0}
+.pl-lab{flex:0 0 5em;width:5em;overflow:hidden;text-overflow:ellipsis;
+ white-space:nowrap;font:600 12px ui-monospace,monospace;color:var(--mute);text-align:right}
+canvas.pl-vec{flex:0 1 auto;min-width:24px;height:18px;border:1px solid var(--line);
+ border-radius:3px;image-rendering:pixelated;cursor:crosshair}
+canvas.pl-vec:focus-visible{outline:2px solid var(--acc)}
+.card.pl-wide{flex:1 1 300px;min-width:0}
+.pl-edit{display:flex;flex-wrap:wrap;gap:6px 12px;align-items:center;margin:8px 0 4px;
+ font:13px ui-monospace,monospace}
+.pl-edit input{width:140px;font:13px ui-monospace,monospace;padding:2px 4px;
+ border:1px solid var(--line);border-radius:3px}
+.pl-edit input.bad{border-color:#b00020;background:#fde8eb}
+.pl-edit .what{flex:1 1 100%;font:13px/1.5 system-ui,sans-serif}
+.pl-peek{color:var(--mute)}
 """
 
 JS = r"""
@@ -105,6 +130,22 @@ JS = r"""
       return [hex(mix(WHITE,WT,t)),t>0.5];}
     var u=vmax>0?Math.min(Math.abs(v)/vmax,1):0;
     return [hex(mix(WHITE,v>=0?POS:NEG,u*0.9)),u>0.55];
+  }
+  function rgb(v,vmax){var u=vmax>0?Math.min(Math.abs(v)/vmax,1):0;
+    return mix(WHITE,v>=0?POS:NEG,u*0.9).map(function(x){
+      return Math.round(255*Math.min(Math.max(x,0),1));});}
+  function absmax(m){var a=0; m.forEach(function(r){r.forEach(function(v){
+    if(isFinite(v)&&Math.abs(v)>a) a=Math.abs(v);});}); return a;}
+  // one row as a strip: a column of pixels per feature (4 high); the picked feature gets a
+  // dark tick at the top and the bottom
+  function strip(cv,row,vmax,pick){
+    var d=row.length, ctx=cv.getContext('2d'), img=ctx.createImageData(d,4), p=img.data;
+    for(var t=0;t<d;t++){var c=rgb(row[t],vmax);
+      for(var y=0;y<4;y++){var o=(y*d+t)*4; p[o]=c[0];p[o+1]=c[1];p[o+2]=c[2];p[o+3]=255;}}
+    if(pick>=0){var w=Math.max(1,Math.round(d/96));
+      for(t=Math.max(0,pick-(w>>1));t<Math.min(d,pick-(w>>1)+w);t++){
+        [0,3].forEach(function(y){var o=(y*d+t)*4; p[o]=17;p[o+1]=17;p[o+2]=17;});}}
+    ctx.putImageData(img,0,0);
   }
   function zeros(n,m){var a=[];for(var i=0;i<n;i++){a.push(new Array(m).fill(0));}return a;}
   function compute(st){
@@ -158,13 +199,38 @@ JS = r"""
     var fac=sec.querySelector('.pl-factor'), facv=sec.querySelector('.pl-factor-v'),
         mode=sec.querySelector('.pl-mode'), pad=sec.querySelector('.pl-pad'),
         scl=sec.querySelector('.pl-scale');
+    var edIn=sec.querySelector('.pl-edit-in'), edAt=sec.querySelector('.pl-edit-at'),
+        peek=sec.querySelector('.pl-peek');
+    function where(m,i,j){var w={m:m.toUpperCase(),r:D.rows[m][i],c:'d'+(j+1)};
+      return D.at.replace(/\{([mrc])\}/g,function(_,x){return w[x];});}
+    function strips(){          // the wide inputs, each row one strip (the pick ticked)
+      var vm={};
+      sec.querySelectorAll('canvas.pl-vec[data-m]').forEach(function(cv){
+        var m=cv.getAttribute('data-m'), i=+cv.getAttribute('data-i');
+        if(!(m in vm)) vm[m]=absmax(st[m]);
+        strip(cv,st[m][i],vm[m],st.pick&&st.pick.m===m&&st.pick.i===i?st.pick.j:-1);});
+    }
+    function pick(m,i,j){
+      var d=st[m][i].length; j=Math.max(0,Math.min(j,d-1));
+      st.pick={m:m,i:i,j:j}; edAt.textContent=where(m,i,j);
+      edIn.value=String(st[m][i][j]); edIn.classList.remove('bad');
+      edIn.setAttribute('aria-label',where(m,i,j)); strips();
+    }
+    function wideOut(r){        // a wide O: strips, the printed values in each row's data-v
+      var box=sec.querySelector('[data-pl-vec="output"]'); if(!box) return;
+      var f=formatter(r.output,D.dec), vm=absmax(r.output);
+      box.querySelectorAll('.pl-vrow').forEach(function(row,i){
+        row.setAttribute('data-v',r.output[i].map(f).join(' '));
+        strip(row.querySelector('canvas'),r.output[i],vm,-1);});
+    }
     function render(){
       var r=compute(st); sec.__result=r;
       facv.textContent='\u00d7'+st.factor.toFixed(1);
       scl.textContent='scale = '+fmt(r.scale,D.dec); scl.setAttribute('data-v',fmt(r.scale,D.dec));
       ['scores','scaled','logits','weights','output'].forEach(function(key){
-        fill(sec.querySelector('table[data-pl="'+key+'"]'),r[key],
-             key==='weights'?'weights':'value',D.dec,key==='weights'?r.sums:null);});
+        var t=sec.querySelector('table[data-pl="'+key+'"]'); if(!t) return;
+        fill(t,r[key],key==='weights'?'weights':'value',D.dec,key==='weights'?r.sums:null);});
+      wideOut(r); if(edIn) strips();
       sec.querySelectorAll('button.pl-cell').forEach(function(b){
         var i=+b.getAttribute('data-i'), j=+b.getAttribute('data-j'), ok=r.allowed[i][j];
         b.textContent=ok?'0':'\u2212\u221e'; b.classList.toggle('off',!ok);
@@ -179,6 +245,7 @@ JS = r"""
             j=+inp.getAttribute('data-j');
         inp.value=String(st[m][i][j]); inp.classList.remove('bad');});
       fac.value='1'; mode.value=st.mode; pad.value=String(st.pad);
+      if(edIn){var p0=st.pick||D.pick; pick(p0.m,p0.i,p0.j);}
     }
     fac.addEventListener('input',function(){st.factor=parseFloat(fac.value); render();});
     mode.addEventListener('change',function(){st.mode=mode.value; render();});
@@ -197,9 +264,36 @@ JS = r"""
         var i=+b.getAttribute('data-i'), j=+b.getAttribute('data-j');
         st.blocked[i][j]=!st.blocked[i][j]; render();});
     });
+    if(edIn){
+      sec.querySelectorAll('canvas.pl-vec[data-m]').forEach(function(cv){
+        var m=cv.getAttribute('data-m'), i=+cv.getAttribute('data-i');
+        function at(ev){var b=cv.getBoundingClientRect();
+          return Math.floor((ev.clientX-b.left)/b.width*st[m][i].length);}
+        cv.addEventListener('click',function(ev){pick(m,i,at(ev));});
+        cv.addEventListener('mousemove',function(ev){
+          var j=Math.max(0,Math.min(at(ev),st[m][i].length-1));
+          peek.textContent=where(m,i,j)+' = '+fmt(st[m][i][j],D.dec);});
+        cv.addEventListener('mouseleave',function(){peek.textContent='';});
+        cv.addEventListener('focus',function(){
+          if(!st.pick||st.pick.m!==m||st.pick.i!==i) pick(m,i,st.pick?st.pick.j:0);});
+        cv.addEventListener('keydown',function(ev){
+          var j=st.pick.j, d=st[m][i].length, k=ev.key;
+          if(k==='ArrowRight') j++; else if(k==='ArrowLeft') j--;
+          else if(k==='Home') j=0; else if(k==='End') j=d-1;
+          else if(k==='Enter'){ev.preventDefault(); edIn.focus(); edIn.select(); return;}
+          else return;
+          ev.preventDefault(); pick(m,i,j);});
+      });
+      edIn.addEventListener('input',function(){
+        var s=edIn.value.trim().replace('\u2212','-'), x=Number(s), p=st.pick;
+        if(s===''||!isFinite(x)){edIn.classList.add('bad');return;}
+        edIn.classList.remove('bad'); st[p.m][p.i][p.j]=x; render();});
+      pick(D.pick.m,D.pick.i,D.pick.j);
+    }
     sec.querySelector('.pl-reset').addEventListener('click',function(){
       st=fresh(); syncInputs(); render();});
     render();
+    sec.setAttribute('data-ready','1');
   });
 })();
 """
@@ -210,8 +304,9 @@ def playable(trace: Trace) -> bool:
     if trace.has_score_mod or trace.has_bias:
         return False
     n_q, n_k = trace.scores.shape[-2:]
-    sides = (n_q, n_k, trace.q.shape[-1], trace.v.shape[-1])
-    return (max(sides) <= MAX_SIDE and min(sides) > 0 and trace.scores.size > 0
+    d_k, d_v = trace.q.shape[-1], trace.v.shape[-1]
+    return (max(n_q, n_k) <= MAX_SIDE and max(d_k, d_v) <= MAX_FEATURES
+            and min(n_q, n_k, d_k, d_v) > 0 and trace.scores.size > 0
             and all(bool(np.isfinite(a).all()) for a in (trace.q, trace.k, trace.v)))
 
 
@@ -228,9 +323,31 @@ def _table(key: str, rows: list[str], cols: list[str], sums: bool) -> str:
             f"<tbody>{body}</tbody></table>")
 
 
+def _strips(key: str, rows: list[str], d: int, title: str, help_text: str | None,
+            editable: bool, lang: str) -> str:
+    """A wide matrix, one ``<canvas>`` strip per row (the script draws them): a constant
+    number of elements per row whatever d is. Editable strips carry ``data-m``."""
+    t = check_lang(lang)
+    width = min(max(4 * d, 160), 420)                         # CSS px; pixelated
+    body = []
+    for i, r in enumerate(rows):
+        attrs = (f' data-m="{key}" data-i="{i}" tabindex="0" aria-label="'
+                 f'{E(t["play_strip"].format(m=key.upper(), r=r, d=d))}"' if editable
+                 else ' aria-hidden="true"')
+        body.append(f'<div class="pl-vrow" data-i="{i}"><span class="pl-lab">{E(r)}</span>'
+                    f'<canvas class="pl-vec" width="{d}" height="4" '
+                    f'style="width:{width}px"{attrs}></canvas></div>')
+    return (f'<div class="card pl-wide" data-pl-vec="{key}"><h4>{title} '
+            f'<span class="shp">({len(rows)} × {d})</span></h4>'
+            + (f'<div class="f">{E(help_text)}</div>' if help_text else "")
+            + f'<div class="pl-vecs">{"".join(body)}</div></div>')
+
+
 def _inputs(name: str, m: np.ndarray, rows: list[str], cols: list[str], lang: str) -> str:
     t = check_lang(lang)
     key = name.lower()
+    if m.shape[1] > INLINE:                                    # wide: strips, one edit field
+        return _strips(key, rows, m.shape[1], name, None, True, lang)
     head = "".join(f"<th>{E(c)}</th>" for c in cols)
     body = []
     for i, r in enumerate(rows):
@@ -261,7 +378,8 @@ def playground(trace: Trace, lang: str, idx: int, decimals: int = 3) -> str:
     """The playground section of trace ``idx`` (or a one-line note when it cannot have one)."""
     t = check_lang(lang)
     if not playable(trace):
-        return f'<p class="legend">{E(t["play_none"].format(n=MAX_SIDE))}</p>'
+        return (f'<p class="legend">{E(t["play_none"].format(n=MAX_SIDE, f=MAX_FEATURES))}'
+                "</p>")
     q = _first(trace.q)                                        # (n_q, d_k)
     kh = kv_head_index(trace, 0) if trace.k.ndim > 2 else 0
     k, v = _first(trace.k, kh), _first(trace.v, kh)            # (n_k, d_k), (n_k, d_v)
@@ -278,6 +396,10 @@ def playground(trace: Trace, lang: str, idx: int, decimals: int = 3) -> str:
     kl = axis_labels(trace.k_labels, n_k, "k")
     dk = axis_labels("d", q.shape[-1], "d")
     dv = axis_labels("d", v.shape[-1], "d")
+    wide = [m for m, a in (("q", q), ("k", k), ("v", v)) if a.shape[-1] > INLINE]
+    if wide:                   # the edit field's label, and what it starts on
+        data.update(rows={"q": ql, "k": kl, "v": kl}, at=t["play_edit_at"],
+                    pick={"m": wide[0], "i": 0, "j": 0})
     blob = json.dumps(data, allow_nan=False).replace("</", "<\\/")
     many = trace.scores.ndim > 2 and int(np.prod(trace.scores.shape[:-2])) > 1
     head_note = f' <span class="what">{E(t["play_first_head"])}</span>' if many else ""
@@ -288,11 +410,21 @@ def playground(trace: Trace, lang: str, idx: int, decimals: int = 3) -> str:
                                      ("logits", "logits"), ("weights", "weights"),
                                      ("output", "output"))):
         s = trace.step(step)
+        if key == "output" and v.shape[-1] > INLINE:          # a wide O: strips too
+            cards.append(_strips("output", ql, v.shape[-1], f"{i + 1}. "
+                                 f"{E(step_name(s, lang))}", t["play_f_output"], False, lang)
+                         .replace('class="card pl-wide"',
+                                  'class="card pl-wide" data-pl-card="output"', 1))
+            continue
         cards.append(f'<div class="card" data-pl-card="{key}"><h4>{i + 1}. '
                      f"{E(step_name(s, lang))}</h4>"
                      f'<div class="f">{E(t["play_f_" + key])}</div>'
                      + _table(key, ql, dv if key == "output" else kl, key == "weights")
                      + "</div>")
+    edit = (f'<div class="pl-edit"><div class="what">{E(t["play_wide"])}</div>'
+            '<label><span class="pl-edit-at"></span> = '
+            '<input class="pl-edit-in" inputmode="decimal"></label>'
+            '<span class="pl-peek" aria-live="polite"></span></div>' if wide else "")
     return (
         f'<section class="play" id="play{idx}"><h3>{E(t["play_title"])}{head_note}</h3>'
         f'<p class="what">{E(t["play_help"])}</p>'
@@ -307,9 +439,9 @@ def playground(trace: Trace, lang: str, idx: int, decimals: int = 3) -> str:
         f'<button type="button" class="pl-reset">{E(t["play_reset"])}</button></div>'
         f'<h3>{E(t["inputs"])}</h3><div class="grid">'
         + _inputs("Q", q, ql, dk, lang) + _inputs("K", k, kl, dk, lang)
-        + _inputs("V", v, kl, dv, lang) + "</div>"
-        f'<h3>{E(t["play_mask"])}</h3><div class="what">{E(t["play_mask_help"])}</div>'
-        + _mask_cells(ql, kl, lang)
+        + _inputs("V", v, kl, dv, lang) + "</div>" + edit
+        + f'<h3>{E(t["play_mask"])}</h3><div class="what">{E(t["play_mask_help"])}</div>'
+        + '<div class="pl-scroll">' + _mask_cells(ql, kl, lang) + "</div>"
         + f'<h3>{E(t["rows_cols"])}</h3><div class="grid">' + "".join(cards) + "</div>"
         f'<script type="application/json" class="pl-data">{blob}</script></section>'
     )

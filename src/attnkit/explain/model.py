@@ -29,12 +29,18 @@ Caution
   cannot be captured (nothing is recorded: the error says so). Layers, heads and tokens are
   numbered from 1 in every argument and label ([CLS] is token 1).
 - One text at a time, at most :data:`MAX_TOKENS` tokens (explain keeps float64 copies).
+- all-MiniLM-L6-v2 is English-only: its vocabulary has no Hangul syllables, so Korean text
+  becomes jamo pieces (``ᄃ ##ᅩ ##ᆼ``) and ``[UNK]``. Any model whose tokenizer does this
+  gets a :class:`ModelWarning` and a note in the text and on the page, in their language
+  (:func:`unread_korean`), and the default query is a whole word (:func:`default_token`).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import re
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,7 +50,7 @@ import numpy as np
 from .trace import Trace, explain
 
 __all__ = ["explain_model", "ModelTrace", "load", "resolve", "PRONOUN", "IMPLEMENTATION",
-           "MAX_TOKENS", "ModelError"]
+           "MAX_TOKENS", "ModelError", "ModelWarning", "unread_korean", "default_token"]
 
 IMPLEMENTATION = "attnkit-explain"
 PRONOUN = "The animal didn't cross the street because it was too tired"
@@ -57,6 +63,68 @@ class ModelError(ValueError):
 
     def message(self, lang: str = "en") -> str:
         return str(self)
+
+
+class ModelWarning(UserWarning):
+    """The model cannot read the text it was given (e.g. Korean for an English-only model)."""
+
+
+def _jamo_or_hangul(c: str) -> bool:
+    o = ord(c)
+    return (0x1100 <= o <= 0x11FF or 0x3130 <= o <= 0x318F or 0xA960 <= o <= 0xA97F
+            or 0xAC00 <= o <= 0xD7A3 or 0xD7B0 <= o <= 0xD7FF)
+
+
+def _is_jamo_piece(token: str) -> bool:
+    """A token that is only conjoining / compatibility jamo (a syllable cut into letters)."""
+    t = token[2:] if token.startswith("##") else token
+    return bool(t) and all(_jamo_or_hangul(c) and not 0xAC00 <= ord(c) <= 0xD7A3 for c in t)
+
+
+def unread_korean(text: str, tokens: list[str], unk: str | None = "[UNK]",
+                  ) -> tuple[int, int] | None:
+    """(jamo pieces, unknown tokens) when Korean ``text`` became pieces the model cannot read
+    as words — its tokenizer has no Hangul syllables; None when the text has no Hangul or
+    the tokenizer kept it (a Korean or multilingual model)."""
+    if not any(_jamo_or_hangul(c) for c in text):
+        return None
+    pieces = sum(_is_jamo_piece(t) for t in tokens)
+    unknown = sum(t == unk for t in tokens) if unk else 0
+    return (pieces, unknown) if pieces or unknown else None
+
+
+SPECIAL = re.compile(r"\[[A-Z_]+\]|<[^<>\s]+>")        # [CLS], [SEP], <s>, <pad>, …
+
+
+def default_token(tokens: list[str], special: set[str] | frozenset[str] = frozenset()) -> int:
+    """The default query (1-based): the first token that is a whole word — not a special
+    token, not a word piece (``##…``) or a word cut into pieces, not a jamo — else the first
+    token (``[CLS]``): a text with no whole word (Korean in an English model) has nothing
+    better to ask from."""
+    for i, t in enumerate(tokens):
+        nxt = tokens[i + 1] if i + 1 < len(tokens) else ""
+        if (t in special or SPECIAL.fullmatch(t) or t.startswith("##") or nxt.startswith("##")
+                or _is_jamo_piece(t) or not any(c.isalnum() for c in t)):
+            continue
+        return i + 1
+    return 1
+
+
+def _korean_note(model: str, builtin: bool, tokens: list[str], counts: tuple[int, int],
+                 ) -> dict[str, str]:
+    """The warning for Korean the model cannot read, in every language of the output."""
+    from .strings import STRINGS
+
+    pieces, unknown = counts
+    seen = list(dict.fromkeys(x for x in tokens if _is_jamo_piece(x)))[:3]
+    ex = ", ".join(f"'{x}'" for x in seen)
+    out = {}
+    for lang, t in STRINGS.items():
+        parts = ([t["m_kr_pieces"].format(n=pieces, ex=ex)] if pieces else []) + (
+            [t["m_kr_unk"].format(n=unknown)] if unknown else [])
+        key = "m_kr_builtin" if builtin else "m_kr_other"
+        out[lang] = t[key].format(model=model, parts=t["m_kr_and"].join(parts))
+    return out
 
 
 _RECORD: list[dict[str, Any]] | None = None
@@ -153,7 +221,7 @@ class ModelTrace:
     n_real: int                          # tokens that are not padding
     d_model: int = 0
     focus: tuple[int, int, int] | None = None     # (layer, head, token), 1-based
-    notes: dict[str, str] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)   # lang → a warning the output shows
 
     @property
     def n_layers(self) -> int:
@@ -189,7 +257,7 @@ class ModelTrace:
     def token_index(self, token: int | str | None) -> int:
         """A 1-based token position from a position or a word (its first occurrence)."""
         if token is None:
-            return min(2, len(self.tokens))
+            return default_token(self.tokens)
         if isinstance(token, int) or (isinstance(token, str) and token.isdigit()):
             return int(token)
         low = [t.lower() for t in self.tokens]
@@ -254,7 +322,7 @@ class ModelTrace:
 
     def _focus(self, layer: int | None, head: int | None, token: int | str | None,
                ) -> tuple[int, int, int]:
-        fl, fh, ft = self.focus or (1, 1, min(2, len(self.tokens)))
+        fl, fh, ft = self.focus or (1, 1, default_token(self.tokens))
         tok = ft if token is None else self.token_index(token)
         out = (fl if layer is None else layer, fh if head is None else head, tok)
         self.check(*out)
@@ -314,10 +382,17 @@ def explain_model(model: str = "minilm", text: str | None = None, *,
         layers.append(explain(q, k, v, mask=mask, is_causal=r["causal"], scale=float(scale)))
     mt = ModelTrace(model=shown, text=text, tokens=tokens, layers=layers, n_real=n_real,
                     d_model=int(getattr(net.config, "hidden_size", 0) or 0))
+    counts = unread_korean(text, tokens, getattr(tok, "unk_token", None))
+    if counts is not None:
+        mt.notes = _korean_note(shown, model.lower() in BUILTIN, tokens, counts)
+        warnings.warn(mt.notes["en"], ModelWarning, stacklevel=2)
     if builtin_text and token is None:
         it, animal = mt.token_index("it"), mt.token_index("animal")
         sl, sh, _ = mt.strongest(it, animal)
         mt.focus = (layer or sl, head or sh, it)
+    elif token is None:
+        special = set(getattr(tok, "all_special_tokens", []) or [])
+        mt.focus = (layer or 1, head or 1, default_token(tokens, special))
     else:
         mt.focus = (layer or 1, head or 1, mt.token_index(token))
     mt.check(*mt.focus)

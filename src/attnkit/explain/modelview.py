@@ -9,6 +9,9 @@ Shape legend::
 
     weights (L, H, n, n)   one head (n, n)   one query's row (n,)   its output o (d_v,)
 
+The page ends with the chosen head's full matrices and, for a text of at most 16 tokens, the
+playground of :mod:`.live` on that head's real Q, K, V (d_h wide rows drawn as strips).
+
 Caution
 -------
 - The page draws every head as a small SVG (L·H·n² rectangles): at 6 × 12 heads and 14
@@ -62,6 +65,11 @@ def _strongest_line(mt: ModelTrace, lang: str) -> str | None:
                                                w=fmt(w))
 
 
+def _note(mt: ModelTrace, lang: str) -> str | None:
+    """The model's warning about its text (Korean in an English-only model), in ``lang``."""
+    return mt.notes.get(lang) or mt.notes.get("en")
+
+
 def _top(weights: np.ndarray, labels: list[str], k: int = 3) -> str:
     order = np.argsort(-weights, kind="stable")[:k]
     return ", ".join(f"{labels[j]} {fmt(float(weights[j]))}" for j in order)
@@ -78,6 +86,9 @@ def model_text(mt: ModelTrace, lang: str, layer: int, head: int, token: int,
            f"{t['m_text']}: {mt.text}",
            f"{t['m_tokens'].format(n=len(mt.tokens))}: "
            + "  ".join(f"{i + 1}:{tok}" for i, tok in enumerate(mt.tokens))]
+    note = _note(mt, lang)
+    if note:                          # the model cannot read this text: said first, once
+        out[2:2] = [note, ""]
     if mt.n_real < len(mt.tokens):
         out.append(t["m_padding"].format(p=len(mt.tokens) - mt.n_real))
     line = _strongest_line(mt, lang)
@@ -172,6 +183,8 @@ table.mstep{border-collapse:collapse;font:13px ui-monospace,monospace}
 table.mstep td,table.mstep th{padding:2px 8px;border-bottom:1px solid var(--line);
  text-align:right}
 table.mstep td:first-child,table.mstep th:first-child{text-align:left}
+.mwarn{background:#fff4e5;border:1px solid #f0b35a;border-radius:8px;padding:8px 12px;
+ color:#5c3a00}
 .bar{display:inline-block;height:10px;background:#08306b;vertical-align:middle}
 """
 
@@ -220,6 +233,8 @@ def _focus_html(mt: ModelTrace, lang: str, layer: int, head: int, token: int,
 def model_html(mt: ModelTrace, lang: str, layer: int, head: int, token: int) -> str:
     """One self-contained page: the grid of heads (click one) and the five steps of one."""
     from .html import CSS, ERROR_HOOK, section_html
+    from .live import CSS as PLAY_CSS
+    from .live import JS as PLAY_JS
 
     t = check_lang(lang)
     w = mt.weights
@@ -245,8 +260,10 @@ def model_html(mt: ModelTrace, lang: str, layer: int, head: int, token: int) -> 
     one = mt.head(layer, head)
     about = t["m_about"].format(layers=mt.n_layers, heads=mt.n_heads, d=mt.d_model,
                                 dh=mt.d_head)
+    note = _note(mt, lang)
+    warn = f'<p class="mwarn" role="note">{E(note)}</p>' if note else ""
     body = (f'<section class="trace"><h2>{E(t["m_title"].format(model=mt.model))}</h2>'
-            f'<p>{E(about)}</p>'
+            f'{warn}<p>{E(about)}</p>'
             f'<p><b>{E(t["m_text"])}</b>: {E(mt.text)}</p>'
             f'<p><b>{E(t["m_tokens"].format(n=len(mt.tokens)))}</b>: '
             + " ".join(f"<code>{i + 1}:{E(x)}</code>" for i, x in enumerate(mt.tokens))
@@ -258,10 +275,11 @@ def model_html(mt: ModelTrace, lang: str, layer: int, head: int, token: int) -> 
     return (f'<!doctype html><html lang="{lang}"><head><meta charset="utf-8">{GENERATOR_META}'
             '<meta name="viewport" content="width=device-width, initial-scale=1">'
             f"<title>{E(t['m_title'].format(model=mt.model))}</title>"
-            f"<style>{CSS}{MODEL_CSS}</style><script>{ERROR_HOOK}</script></head>"
+            f"<style>{CSS}{PLAY_CSS}{MODEL_CSS}</style><script>{ERROR_HOOK}</script></head>"
             f"<body><main>{body}<pre id=\"js-errors\" hidden></pre>"
             f"<footer>{E(t['page_generated'])}</footer></main><div id=\"tip\"></div>"
-            f"<script>{MODEL_JS}</script>{_page_script()}</body></html>\n")
+            f"<script>{MODEL_JS}</script><script>{PLAY_JS}</script>{_page_script()}"
+            "</body></html>\n")
 
 
 def _page_script() -> str:

@@ -135,8 +135,29 @@ STRINGS: dict[str, dict[str, str]] = {
         "m_top": "largest weights: {items}",
         "m_strongest": "In this model, query {a} gives key {b} the most weight in layer {l}, "
                        "head {h} ({w}); other heads look elsewhere.",
-        "m_head_note": "The full matrices of this head (d_h = {dh} is too wide for the "
-                       "page's playground; try the playground with a small example):",
+        "m_head_note": "The full matrices of this head (d_h = {dh}):",
+        "m_kr_builtin": "Warning: {model} is an English-only model. Its vocabulary has no "
+                        "Korean, so this text became {parts} instead of words, and its "
+                        "attention over them says little about Korean. Give it English text "
+                        "(--text \"...\"), or see the five steps on Korean words in a built-in "
+                        "example: attnkit explain --example cross --lang ko",
+        "m_kr_other": "Warning: the vocabulary of {model} has no Korean, so this text became "
+                      "{parts} instead of words, and its attention over them says little about "
+                      "Korean. Give it text in a language the model was trained on, or a model "
+                      "that knows Korean (--model FOLDER), or see the five steps on Korean "
+                      "words in a built-in example: attnkit explain --example cross --lang ko",
+        # ---- `attnkit examples`: where the rest of the course is (cli.py)
+        "ex_more": "More of the course:\n"
+                   "  attnkit lesson             the lessons: {lessons}\n"
+                   "                             (e.g. attnkit lesson sqrt-dk --plot sqrt.png)\n"
+                   "  notebooks/course_en.ipynb  the course notebook (Korean: course_ko.ipynb), "
+                   "in the source\n"
+                   "                             tree and, with its outputs, on the docs site; "
+                   "to run it:\n"
+                   "                             pip install \"attnkit[notebooks]\" && "
+                   "jupyter lab notebooks/",
+        "m_kr_pieces": "{n} jamo pieces (such as {ex})", "m_kr_unk": "the unknown token [UNK] ×{n}",
+        "m_kr_and": " and ",
         # ---- the page's playground (live.py)
         "play_title": "Try it: change the inputs and watch every step",
         "play_help": "Edit any cell of Q, K or V, move the slider, or change the mask: the "
@@ -157,8 +178,13 @@ STRINGS: dict[str, dict[str, str]] = {
         "play_f_logits": "L = X + M", "play_f_weights": "W = softmax_keys(L)",
         "play_f_output": "O = W V",
         "play_none": "No playground for this trace: the page recomputes only traces of at most "
-                     "{n} queries, keys and features with finite inputs and without score_mod or a "
-                     "float bias.",
+                     "{n} queries and keys and at most {f} features, with finite inputs and "
+                     "without score_mod or a float bias.",
+        "play_wide": "Wide rows are strips: one colour per feature (red +, blue −). Tap or "
+                     "click a feature to edit it here; on a strip, ← → move along the row and "
+                     "Enter edits.",
+        "play_strip": "{m} row {r}: {d} features (← → pick one, Enter edits it)",
+        "play_edit_at": "{m} row {r}, feature {c}",
         # ---- the heatmaps (PNG)
         "plot_weights": "weights W = softmax(L)", "plot_scores": "raw scores S = Q Kᵀ",
         "plot_scaled": "scaled X = S · scale", "plot_logits": "logits L = X + M",
@@ -280,8 +306,29 @@ STRINGS: dict[str, dict[str, str]] = {
         "m_top": "가중치가 큰 Key: {items}",
         "m_strongest": "이 모델에서 Query {a}의 가중치가 Key {b}에 가장 많이 가는 곳은 "
                        "레이어 {l}, head {h}입니다 ({w}). 다른 head는 다른 곳을 봅니다.",
-        "m_head_note": "이 head의 전체 행렬 (폭 d_h = {dh}: 페이지의 직접 해 보기에 넣기에는 "
-                       "너무 넓으니, 직접 해 보기는 작은 예제로 해 보세요):",
+        "m_head_note": "이 head의 전체 행렬 (d_h = {dh}):",
+        "m_kr_builtin": "주의: {model}는 영어만 학습한 모델입니다. 어휘에 한국어가 없어서 이 "
+                        "문장은 단어가 아니라 {parts}로 쪼개졌고, 이 조각들 위의 Attention으로는 "
+                        "한국어에 대해 알 수 있는 것이 거의 없습니다. 영어 문장을 주거나"
+                        "(--text \"...\"), 한국어 단어로 다섯 단계를 보려면 내장 예제를 쓰세요: "
+                        "attnkit explain --example cross --lang ko",
+        "m_kr_other": "주의: 이 모델({model})의 어휘에는 한국어가 없어서 이 문장은 단어가 아니라 "
+                      "{parts}로 쪼개졌고, 이 조각들 위의 Attention으로는 한국어에 대해 알 수 "
+                      "있는 것이 거의 없습니다. 모델이 배운 언어로 된 문장이나 한국어를 아는 "
+                      "모델(--model 폴더)을 쓰거나, 한국어 단어로 다섯 단계를 보려면 내장 예제를 "
+                      "쓰세요: attnkit explain --example cross --lang ko",
+        # ---- `attnkit examples`: where the rest of the course is (cli.py)
+        "ex_more": "강의의 나머지:\n"
+                   "  attnkit lesson             레슨: {lessons}\n"
+                   "                             (예: attnkit lesson sqrt-dk --lang ko)\n"
+                   "  notebooks/course_ko.ipynb  강의 노트북 (영어판: course_en.ipynb). "
+                   "소스 트리에 있고,\n"
+                   "                             문서 사이트에서 출력과 함께 볼 수 있습니다. 직접 "
+                   "실행하려면:\n"
+                   "                             pip install \"attnkit[notebooks]\" && "
+                   "jupyter lab notebooks/",
+        "m_kr_pieces": "자모 조각 {n}개(예: {ex})", "m_kr_unk": "모르는 토큰 [UNK] {n}개",
+        "m_kr_and": "와 ",
         # ---- the page's playground (live.py)
         "play_title": "직접 해 보기: 입력을 바꾸고 모든 단계를 지켜보세요",
         "play_help": "Q, K, V의 셀을 고치거나, 슬라이더를 움직이거나, Mask를 바꿔 보세요. "
@@ -303,8 +350,13 @@ STRINGS: dict[str, dict[str, str]] = {
         "play_f_logits": "L = X + M", "play_f_weights": "W = softmax_keys(L)",
         "play_f_output": "O = W V",
         "play_none": "이 풀이에는 직접 해 보기가 없습니다: 페이지가 스스로 다시 계산하는 것은 "
-                     "Query, Key, 특징이 각각 {n}개 이하이고, 입력이 모두 유한하며, score_mod나 "
-                     "float bias가 없는 풀이뿐입니다.",
+                     "Query와 Key가 각각 {n}개 이하, 특징이 {f}개 이하이고, 입력이 모두 "
+                     "유한하며, score_mod나 float bias가 없는 풀이뿐입니다.",
+        "play_wide": "넓은 행은 띠 하나로 보여 줍니다: 특징 하나에 색 하나 (빨강 +, 파랑 −). "
+                     "띠에서 특징을 누르면 여기서 그 값을 고칠 수 있고, 띠를 고른 뒤 "
+                     "화살표 키(← →)로 옆 특징으로 옮기고 Enter로 고칩니다.",
+        "play_strip": "{m}의 {r} 행: 특징 {d}개 (화살표 키로 고르고 Enter로 고치기)",
+        "play_edit_at": "{m}의 {r} 행, 특징 {c}",
         # ---- the heatmaps (PNG)
         "plot_weights": "가중치 W = softmax(L)", "plot_scores": "Score S = Q Kᵀ",
         "plot_scaled": "scale을 곱한 Score X = S · scale", "plot_logits": "logit L = X + M",
