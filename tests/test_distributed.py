@@ -75,7 +75,9 @@ def _compare(*, rank: int, world: int, seed: int = 0, lead: tuple[int, ...] = (2
              softcap: float | None = None, dtype: torch.dtype = torch.float64,
              with_lse_grad: bool = False, backend: str = "auto", group: object = None,
              two_d: bool = False, non_contiguous: bool = False,
-             ranks: list[int] | None = None, atol: float = 1e-10) -> None:
+             ranks: list[int] | None = None, atol: float = 1e-10,
+             layout: str = "contiguous", strategy: str = "ring", mask: object = None,
+             score_mod: object = None, extra_leaves: tuple[torch.Tensor, ...] = ()) -> None:
     """Ring attention on this rank's shard vs the float64 reference on the whole sequence.
 
     float64: every result within ``atol``. Lower precision (the testing rule of DESIGN.md):
@@ -91,13 +93,24 @@ def _compare(*, rank: int, world: int, seed: int = 0, lead: tuple[int, ...] = (2
     if two_d:   # plain (N, D) inputs: one head, no batch
         q, k, v, d_out, d_lse = q[0], k[0], v[0], d_out[0], d_lse[0]
     seq = -2
+
+    def _shard(t: torch.Tensor, rank: int, world: int, dim: int) -> torch.Tensor:
+        return akd.shard_sequence(t, rank, world, layout=layout, dim=dim)
+
     qs, ks, vs = (_shard(t, r, w, seq).to(dtype) for t in (q, k, v))
     if non_contiguous:
         qs, ks, vs = (_non_contiguous(t) for t in (qs, ks, vs))
         assert not qs.is_contiguous()
     qs, ks, vs = (t.requires_grad_() for t in (qs, ks, vs))
+    extra = {"layout": layout} if layout != "contiguous" else {}
+    if strategy != "ring":
+        extra["strategy"] = strategy
+    if mask is not None:
+        extra["mask"] = mask
+    if score_mod is not None:
+        extra["score_mod"] = score_mod
     out, lse = akd.ring_attention(qs, ks, vs, group=group, is_causal=is_causal, scale=scale,
-                                  softcap=softcap, backend=backend, return_lse=True)
+                                  softcap=softcap, backend=backend, return_lse=True, **extra)
     assert out.dtype == dtype and lse.dtype == (torch.float64 if dtype == torch.float64
                                                 else torch.float32)
     loss = (out.double() * _shard(d_out, r, w, seq)).sum()
@@ -105,8 +118,12 @@ def _compare(*, rank: int, world: int, seed: int = 0, lead: tuple[int, ...] = (2
         loss = loss + (lse.double() * _shard(d_lse, r, w, -1)).sum()
     loss.backward()
     got = [out, lse, qs.grad, ks.grad, vs.grad]
+    got_extra = [t.grad.clone() for t in extra_leaves]     # e.g. a relative-bias table
+    for t in extra_leaves:
+        t.grad = None
 
-    opts = {"is_causal": is_causal, "scale": scale, "softcap": softcap}
+    opts = {"is_causal": is_causal, "scale": scale, "softcap": softcap, "mask": mask,
+            "score_mod": score_mod}
     d_l = d_lse if with_lse_grad else None
     dims = [seq, -1, seq, seq, seq]
     want = [_shard(t, r, w, dim) for t, dim in
@@ -124,6 +141,14 @@ def _compare(*, rank: int, world: int, seed: int = 0, lead: tuple[int, ...] = (2
         assert not g.isnan().any(), f"{name} has NaN"
         err = _max_err(g, ref)
         assert err <= tol, f"rank {rank}: {name} differs by {err:.3g} (allowed {tol:.3g})"
+    if extra_leaves:    # parameters shared by every rank: their gradients summed over ranks
+        sums = [g.clone() for g in got_extra]
+        for g in sums:
+            dist.all_reduce(g, group=group)
+        want_extra = [t.grad for t in extra_leaves]      # from _single's backward
+        for g, ref in zip(sums, want_extra, strict=True):
+            err = _max_err(g, ref)
+            assert err <= atol, f"rank {rank}: a parameter's gradient differs by {err:.3g}"
 
 
 def _max_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -190,6 +215,10 @@ def _case_subgroup(rank: int, world: int) -> None:
     group = dist.new_group(members)     # every rank must create the group
     if rank in members:
         _compare(rank=rank, world=world, is_causal=True, n_q=6, group=group, ranks=members)
+        _compare(rank=rank, world=world, is_causal=True, n_q=6, group=group, ranks=members,
+                 layout="zigzag", h_q=4, h_kv=2)
+        _compare(rank=rank, world=world, is_causal=True, n_q=6, group=group, ranks=members,
+                 layout="zigzag", strategy="ulysses", h_q=4, h_kv=1, with_lse_grad=True)
     else:
         _expect_error(lambda: akd.ring_attention(*(torch.randn(1, 4, 4) for _ in range(3)),
                                                  group=group),
@@ -352,6 +381,189 @@ def _case_timeout_is_checked(rank: int, world: int) -> None:
     assert akd.ring_attention(q, q, q, timeout=7.5).shape == q.shape
 
 
+def _case_kernel_backward(rank: int, world: int) -> None:
+    """backend 'auto' on the native kernel: each backward block is ONE call of the kernel's
+    own backward with the saved global LSE (no recompute under autograd), equal to the
+    reference in float64; a forced 'reference' keeps the autograd path."""
+    from attnkit.backends import native
+
+    if not native.available():
+        return
+    used = [0]
+    real = akd._kernel_block_grads
+
+    def counting(*a: object, **kw: object) -> object:
+        used[0] += 1
+        return real(*a, **kw)   # type: ignore[arg-type]
+
+    akd._kernel_block_grads = counting
+    try:
+        for layout in akd.LAYOUTS:
+            used[0] = 0
+            _compare(rank=rank, world=world, is_causal=True, layout=layout, h_q=4, h_kv=2,
+                     n_q=6, softcap=2.0, with_lse_grad=True)
+            assert used[0] == (world if layout == "zigzag" else rank + 1), (layout, used)
+        used[0] = 0
+        _compare(rank=rank, world=world, is_causal=True, n_q=4, backend="reference")
+        assert used[0] == 0, used
+    finally:
+        akd._kernel_block_grads = real
+
+
+# ------------------------------------------------------- zig-zag layout and the Ulysses strategy
+def _case_zigzag_balanced(rank: int, world: int) -> None:
+    """Causal zig-zag: on every hop every rank computes two chunk-pairs of work — the local
+    causal (2c × 2c, half of it) or 2c × c full — forward and backward alike."""
+    calls: list[tuple[int, int, bool]] = []
+    real = akd.attention
+
+    def counting(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: object) -> object:
+        calls.append((q.shape[-2], k.shape[-2], bool(kw["is_causal"])))
+        return real(q, k, v, **kw)
+
+    akd.attention = counting
+    try:
+        c = 3
+        q, k, v = (torch.randn(1, 2, 2 * c, 8, dtype=torch.float64, requires_grad=True)
+                   for _ in range(3))
+        out = akd.ring_attention(q, k, v, is_causal=True, layout="zigzag", backend="reference")
+        n_fwd = len(calls)
+        out.sum().backward()
+    finally:
+        akd.attention = real
+    assert n_fwd == world and len(calls) == 2 * world, (n_fwd, calls)
+    for n_q, n_k, causal in calls:
+        assert (n_q, n_k, causal) in ((2 * c, 2 * c, True), (2 * c, c, False),
+                                      (c, 2 * c, False)), calls
+    assert sum(causal for *_, causal in calls) == 2, calls      # the diagonal, once each way
+
+
+def _case_zigzag_helpers(rank: int, world: int) -> None:
+    """shard / unshard / positions agree with each other and with the ring's layout."""
+    n = 4 * world
+    x = torch.arange(2 * 3 * n).reshape(2, 3, n, 1)
+    for layout in akd.LAYOUTS:
+        shards = [akd.shard_sequence(x, r, world, layout=layout) for r in range(world)]
+        assert torch.equal(akd.unshard_sequence(shards, layout=layout), x)
+        pos = akd.sequence_positions(n, layout=layout)       # this process's rank
+        assert torch.equal(shards[rank][0, 0, :, 0], pos), (layout, pos)
+        assert torch.equal(akd.shard_sequence(x, layout=layout), shards[rank])
+    if world == 2:
+        assert akd.sequence_positions(8, 0, 2, layout="zigzag").tolist() == [0, 1, 6, 7]
+        assert akd.sequence_positions(8, 1, 2, layout="zigzag").tolist() == [2, 3, 4, 5]
+    _expect_error(lambda: akd.shard_sequence(torch.zeros(1, 2 * world + 1, 4), layout="zigzag"),
+                  ValueError, f"must be a multiple of {2 * world}")
+    _expect_error(lambda: akd.sequence_positions(8, layout="spiral"), ValueError,
+                  "layout must be one of")
+    q = torch.randn(1, 2, 5, 4)     # odd shard: not two equal chunks
+    _same_error_everywhere(lambda: akd.ring_attention(q, q, q, is_causal=True,
+                                                      layout="zigzag"),
+                           ValueError, "shard lengths must be even", "N_q=5")
+    qe = torch.randn(1, 2, 4, 4)
+    _same_error_everywhere(
+        lambda: akd.ring_attention(qe, qe, qe, layout="zigzag" if rank == 0 else "contiguous"),
+        ValueError, "layout: rank 0: layout='zigzag'; rank 1: layout='contiguous'")
+
+
+def _case_rope_positions(rank: int, world: int) -> None:
+    """RoPE with the shard's global positions, zig-zag causal ring = single-process RoPE."""
+    n = 4 * world
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 2, n, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    rope = ak.rope.RoPE()
+    pos = akd.sequence_positions(n, layout="zigzag")
+    qs, ks, vs = (akd.shard_sequence(t, layout="zigzag") for t in (q, k, v))
+    out = akd.ring_attention(rope(qs, positions=pos), rope(ks, positions=pos), vs,
+                             is_causal=True, layout="zigzag")
+    want = ak.attention(rope(q), rope(k), v, is_causal=True, backend="reference")
+    _assert_close(out, akd.shard_sequence(want, layout="zigzag"), 1e-12)
+
+
+def _case_ulysses_refusals(rank: int, world: int) -> None:
+    q = torch.randn(1, 2 * world + 1, 4, 4)
+    _same_error_everywhere(lambda: akd.ring_attention(q, q, q, strategy="ulysses"),
+                           ValueError, "H_q must be a multiple of", "strategy='ring'")
+    qh = torch.randn(1, world, 4, 4)
+    heads = ak.masks.from_fn(lambda b, h, qi, ki: h == 0)
+    _same_error_everywhere(lambda: akd.ring_attention(qh, qh, qh, strategy="ulysses",
+                                                      mask=heads),
+                           ValueError, "depends on the head index")
+    _same_error_everywhere(lambda: akd.ring_attention(qh, qh, qh, mask=ak.masks.causal()),
+                           ValueError, "strategy='ulysses'")
+    _same_error_everywhere(lambda: akd.ring_attention(qh, qh, qh, strategy="all"), ValueError,
+                           "strategy must be one of")
+    _same_error_everywhere(lambda: akd.ring_attention(qh, qh, qh, strategy="ulysses",
+                                                      score_mod=ak.scores.alibi(world + 1)),
+                           ValueError, f"built for {world + 1} heads")
+    _same_error_everywhere(   # the local call's own checks, before anything moves
+        lambda: akd.ring_attention(qh, qh, qh, strategy="ulysses", is_causal=True,
+                                   mask=ak.masks.causal()),
+        ValueError, "is_causal")
+    _same_error_everywhere(
+        lambda: akd.ring_attention(qh, qh, qh, strategy="ulysses" if rank else "ring"),
+        ValueError, "strategy: rank 0: strategy='ring'; rank 1: strategy='ulysses'")
+
+
+def _case_ulysses_relative_bias(rank: int, world: int) -> None:
+    """A learned relative-bias table: each rank's slice of it gets its heads' gradient."""
+    h = 2 * world
+    table = torch.randn(h, 2 * 3 + 1, generator=torch.Generator().manual_seed(5),
+                        dtype=torch.float64, requires_grad=True)   # the same on every rank
+    _compare(rank=rank, world=world, strategy="ulysses", is_causal=True, h_q=h, h_kv=h,
+             n_q=5, score_mod=ak.scores.relative_bias(table, 3), extra_leaves=(table,))
+
+
+def _head_bias(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor,
+               kv_idx: torch.Tensor) -> torch.Tensor:
+    return score + 0.1 * h - 0.01 * (q_idx - kv_idx)
+
+
+ZIGZAG_ULYSSES_CASES: dict[str, Callable[[int, int], None]] = {
+    "zigzag_causal_gqa_softcap": lambda r, w: _compare(
+        rank=r, world=w, layout="zigzag", is_causal=True, h_q=4, h_kv=2, n_q=6, d_v=5,
+        softcap=2.5, with_lse_grad=True),
+    "zigzag_mqa_scale": lambda r, w: _compare(
+        rank=r, world=w, layout="zigzag", is_causal=True, h_q=3, h_kv=1, n_q=2, scale=0.6),
+    "zigzag_not_causal_cross": lambda r, w: _compare(
+        rank=r, world=w, layout="zigzag", n_q=4, n_k=6, d_v=3),
+    "zigzag_float32": lambda r, w: _compare(
+        rank=r, world=w, layout="zigzag", is_causal=True, n_q=18, dtype=torch.float32),
+    "zigzag_empty": lambda r, w: _compare(rank=r, world=w, layout="zigzag", n_q=0,
+                                          is_causal=True),
+    "zigzag_bfloat16": lambda r, w: _compare(
+        rank=r, world=w, layout="zigzag", is_causal=True, n_q=18, h_q=4, h_kv=2,
+        dtype=torch.bfloat16, with_lse_grad=True),
+    "zigzag_balanced": _case_zigzag_balanced,
+    "kernel_backward": _case_kernel_backward,
+    "zigzag_helpers": _case_zigzag_helpers,
+    "rope_positions": _case_rope_positions,
+    "ulysses_plain": lambda r, w: _compare(rank=r, world=w, strategy="ulysses", h_q=6,
+                                           h_kv=6, n_q=5),
+    "ulysses_causal_gqa_lse": lambda r, w: _compare(
+        rank=r, world=w, strategy="ulysses", is_causal=True, h_q=6, h_kv=3, n_q=7, d_v=5,
+        with_lse_grad=True),
+    "ulysses_mqa_softcap_zigzag": lambda r, w: _compare(
+        rank=r, world=w, strategy="ulysses", layout="zigzag", is_causal=True, h_q=6, h_kv=1,
+        n_q=4, softcap=2.0, scale=0.5, with_lse_grad=True),
+    "ulysses_alibi": lambda r, w: _compare(
+        rank=r, world=w, strategy="ulysses", layout="zigzag", is_causal=True, h_q=6, h_kv=2,
+        n_q=6, score_mod=ak.scores.alibi(6)),
+    "ulysses_window_cross_lead": lambda r, w: _compare(
+        rank=r, world=w, strategy="ulysses", lead=(2, 1), h_q=6, h_kv=3, n_q=3, n_k=5,
+        mask=ak.masks.sliding_window(4)),
+    "ulysses_head_score_mod": lambda r, w: _compare(
+        rank=r, world=w, strategy="ulysses", is_causal=True, h_q=6, h_kv=6, n_q=3,
+        score_mod=_head_bias),
+    "ulysses_bfloat16": lambda r, w: _compare(
+        rank=r, world=w, strategy="ulysses", is_causal=True, h_q=6, h_kv=3, n_q=9,
+        dtype=torch.bfloat16, with_lse_grad=True),
+    "ulysses_relative_bias": _case_ulysses_relative_bias,
+    "ulysses_refusals": _case_ulysses_refusals,
+    "ulysses_empty": lambda r, w: _compare(rank=r, world=w, strategy="ulysses", h_q=6,
+                                           n_q=0, is_causal=True),
+}
+
+
 CASES: dict[str, Callable[[int, int], None]] = {
     "plain": lambda r, w: _compare(rank=r, world=w),
     "causal": lambda r, w: _compare(rank=r, world=w, is_causal=True),
@@ -386,6 +598,7 @@ CASES: dict[str, Callable[[int, int], None]] = {
     "options_differ": _case_options_differ,
     "forward_only_backend_refused": _case_forward_only_backend_refused,
     "timeout_is_checked": _case_timeout_is_checked,
+    **ZIGZAG_ULYSSES_CASES,
 }
 WORLD_ONLY = {"subgroup": 3}     # cases that need a particular world size
 ALL_CASES = {**CASES, "subgroup": _case_subgroup}

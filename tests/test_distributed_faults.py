@@ -208,6 +208,40 @@ def _local_check_crashes_on_one_rank(rank: int, world: int) -> None:
     assert took < SHORT_S, took
 
 
+def _ulysses_raises_in_forward_on_one_rank(rank: int, world: int) -> None:
+    """strategy='ulysses': rank 1's local attention call fails; every rank raises before the
+    second all-to-all (rank 1 its own error), and the group stays usable."""
+    name = _use(_FailOn(1, lambda p: True))
+    q, k, v = _shards()
+    where = "the local attention call of strategy='ulysses'"
+    if rank == 1:
+        took = _raises(lambda: akd.ring_attention(q, k, v, strategy="ulysses", backend=name,
+                                                  timeout=30),
+                       RuntimeError, "injected failure", f"raised on rank 1 in {where}")
+    else:
+        took = _raises(lambda: akd.ring_attention(q, k, v, strategy="ulysses", backend=name,
+                                                  timeout=30),
+                       akd.RingAttentionError, f"rank 1 in {where} failed")
+    assert took < 10, took
+    q, k, v = _shards()
+    akd.ring_attention(q, k, v, strategy="ulysses", is_causal=True,
+                       timeout=30).sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def _ulysses_no_backward_on_one_rank(rank: int, world: int) -> None:
+    """strategy='ulysses', rank 1 never calls backward: rank 0's all-to-all in the backward
+    stops after the timeout, naming itself and the step."""
+    q, k, v = _shards()
+    out = akd.ring_attention(q, k, v, strategy="ulysses", timeout=SHORT_S)
+    if rank == 1:
+        time.sleep(SHORT_S + 3)
+        return
+    took = _raises(lambda: out.sum().backward(), akd.RingAttentionError,
+                   "rank 0 (of 2), ulysses backward", "all-to-all", "timeout=2 s")
+    assert SHORT_S - 0.5 < took < SHORT_S + 8, took
+
+
 # name: (world size, scenario, ranks expected to exit without a report, with their exit code)
 SCENARIOS: dict[str, tuple[int, Callable[[int, int], None], dict[int, int]]] = {
     "no_backward_on_one_rank": (2, _no_backward_on_one_rank, {}),
@@ -217,6 +251,8 @@ SCENARIOS: dict[str, tuple[int, Callable[[int, int], None], dict[int, int]]] = {
     "rank_never_calls": (2, _rank_never_calls, {}),
     "local_check_crashes_on_one_rank": (2, _local_check_crashes_on_one_rank, {}),
     "no_ring_timeout": (2, _no_ring_timeout, {}),
+    "ulysses_raises_in_forward_on_one_rank": (2, _ulysses_raises_in_forward_on_one_rank, {}),
+    "ulysses_no_backward_on_one_rank": (2, _ulysses_no_backward_on_one_rank, {}),
 }
 GROUP_TIMEOUT_OF = {"no_ring_timeout": SHORT_S}     # worlds with a short group timeout
 
