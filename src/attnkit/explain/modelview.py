@@ -9,6 +9,14 @@ Shape legend::
 
     weights (L, H, n, n)   one head (n, n)   one query's row (n,)   its output o (d_v,)
 
+After the chosen head's five steps the page has BertViz's two other views, drawn by its own
+script from one JSON blob (:func:`head_view_data`): the *head view* (queries on the left,
+keys on the right, a line per pair whose opacity is the weight, one colour per head, a chip
+per head, a layer selector; a tapped or hovered query keeps only its lines; at first only the
+chosen head is on, since 12 heads at once blur together) and the *neuron view* (the chosen
+query and a tapped key: the d_h products q_d·k_d as bars, their sum — the cell 1. q·k — and
+the sum × scale — the cell 2. × scale).
+
 The page ends with the chosen head's full matrices and, for a text of at most 16 tokens, the
 playground of :mod:`.live` on that head's real Q, K, V (d_h wide rows drawn as strips).
 
@@ -17,11 +25,17 @@ Caution
 - The page draws every head as a small SVG (L·H·n² rectangles): at 6 × 12 heads and 14
   tokens about 14,000, some 1 MB. Above :data:`GRID_TOKENS` tokens the grid cells are the
   block means of :func:`~attnkit.explain.common.pool` (the page says so).
+- The head view stores the weights in thousandths (a line under 0.001 is not drawn) and the
+  neuron view q and k as float32 (base64): about 0.2 MB for MiniLM's 15 tokens. Above
+  :data:`HEAD_VIEW_TOKENS` tokens both views are left out (the page says so).
+- The page's scripts find their elements by class and id, so two model pages in one
+  document (two notebook outputs) share the first one's controls.
 """
 
 from __future__ import annotations
 
 import html
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -35,7 +49,8 @@ from .text import display_width
 if TYPE_CHECKING:
     from .model import ModelTrace
 
-__all__ = ["model_text", "model_html", "model_plot", "GRID_TOKENS"]
+__all__ = ["model_text", "model_html", "model_plot", "GRID_TOKENS", "HEAD_VIEW_TOKENS",
+           "head_view_data", "head_color"]
 
 GRID_TOKENS = 48
 MIX_SHOWN = 8
@@ -269,16 +284,16 @@ def model_html(mt: ModelTrace, lang: str, layer: int, head: int, token: int) -> 
             + " ".join(f"<code>{i + 1}:{E(x)}</code>" for i, x in enumerate(mt.tokens))
             + f"</p>{pad}" + (f"<p>{E(line)}</p>" if line else "")
             + f"<h3>{E(t['m_grid_page'])}</h3>" + "".join(grid) + "".join(focus)
-            + "</section>"
+            + _head_view_html(mt, lang, layer, head, token) + "</section>"
             + f'<p class="legend">{E(t["m_head_note"].format(dh=mt.d_head))}</p>'
             + section_html(one, lang))
     return (f'<!doctype html><html lang="{lang}"><head><meta charset="utf-8">{GENERATOR_META}'
             '<meta name="viewport" content="width=device-width, initial-scale=1">'
             f"<title>{E(t['m_title'].format(model=mt.model))}</title>"
-            f"<style>{CSS}{PLAY_CSS}{MODEL_CSS}</style><script>{ERROR_HOOK}</script></head>"
+            f"<style>{CSS}{PLAY_CSS}{MODEL_CSS}{HEAD_VIEW_CSS}</style><script>{ERROR_HOOK}</script></head>"
             f"<body><main>{body}<pre id=\"js-errors\" hidden></pre>"
             f"<footer>{E(t['page_generated'])}</footer></main><div id=\"tip\"></div>"
-            f"<script>{MODEL_JS}</script><script>{PLAY_JS}</script>{_page_script()}"
+            f"<script>{MODEL_JS}</script><script>{HEAD_VIEW_JS}</script><script>{PLAY_JS}</script>{_page_script()}"
             "</body></html>\n")
 
 
@@ -335,3 +350,249 @@ def model_plot(mt: ModelTrace, path: str | Path, lang: str, layer: int, head: in
     out = Path(path)
     fig.savefig(out, **savefig_kwargs(out))
     return out
+
+
+# ------------------------------------------------- the head view and the neuron view
+
+HEAD_VIEW_TOKENS = GRID_TOKENS     # above this many tokens neither view is drawn
+# One colour per head (Tableau 10 and two more); more heads go round the wheel.
+HEAD_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
+               "#7f7f7f", "#bcbd22", "#17becf", "#393b79", "#b5651d")
+
+
+def head_color(h: int) -> str:
+    """The colour of head ``h`` (0-based) in the head view."""
+    if h < len(HEAD_COLORS):
+        return HEAD_COLORS[h]
+    return f"hsl({(h * 137.5) % 360:.0f},60%,42%)"
+
+
+def _b64(a: np.ndarray) -> str:
+    import base64
+
+    return base64.b64encode(np.ascontiguousarray(a, dtype="<f4").tobytes()).decode("ascii")
+
+
+def head_view_data(mt: ModelTrace, layer: int, head: int, token: int) -> dict:
+    """What the head view and the neuron view draw, compactly (the page's JSON).
+
+    ``w``: every layer × head's weights in thousandths, one flat list of ints in the order
+    (layer, head, query, key) — opacity = w / 1000; ``q``: the focus query's q of every
+    layer × head, ``k``: every key's k (base64 little-endian float32, (L, H, d_h) and
+    (L, H, n, d_h)); ``scale``: each layer's scale; ``focus``: (layer, head, token), 1-based.
+    """
+    w = mt.weights                                                  # (L, H, n, n)
+    q = np.stack([tr.q[:, token - 1] for tr in mt.layers])          # (L, H, d_h)
+    k = np.stack([tr.k for tr in mt.layers])                        # (L, H, n, d_h)
+    return {"L": mt.n_layers, "H": mt.n_heads, "n": w.shape[-1], "dh": mt.d_head,
+            "tokens": mt.labels(), "focus": [layer, head, token],
+            "scale": [float(tr.scale) for tr in mt.layers],
+            "w": np.rint(np.nan_to_num(w) * 1000).astype(int).ravel().tolist(),
+            "q": _b64(q), "k": _b64(k),
+            "colors": [head_color(h) for h in range(mt.n_heads)]}
+
+
+def _head_view_html(mt: ModelTrace, lang: str, layer: int, head: int, token: int) -> str:
+    import json
+
+    t = STRINGS[lang]
+    n = len(mt.tokens)
+    if n > HEAD_VIEW_TOKENS:
+        return f'<p class="legend">{E(t["m_hv_too_many"].format(n=HEAD_VIEW_TOKENS, m=n))}</p>'
+    data = head_view_data(mt, layer, head, token)
+    words = {k: t[k] for k in ("m_nv_focus", "m_nv_sum", "m_nv_scaled", "m_nv_scaled_other",
+                               "m_nv_bar", "m_hv_q", "m_hv_k")}
+    words["scale_ok"] = [abs(s * math.sqrt(mt.d_head) - 1) < 1e-6 for s in data["scale"]]
+    opts = "".join(f'<option value="{li}"{" selected" if li == layer else ""}>'
+                   f'{E(t["m_layer"])} {li}</option>' for li in range(1, mt.n_layers + 1))
+    chips = "".join(
+        f'<button type="button" class="hv-chip{" on" if h + 1 == head else ""}" '
+        f'data-h="{h + 1}" aria-pressed="{"true" if h + 1 == head else "false"}" '
+        f'style="--c:{head_color(h)}">{h + 1}</button>' for h in range(mt.n_heads))
+    keys = "".join(f'<button type="button" class="nv-key" data-k="{j + 1}">{E(x)}</button>'
+                   for j, x in enumerate(mt.labels()))
+    blob = json.dumps({"data": data, "words": words}, separators=(",", ":"))
+    blob = blob.replace("</", "<\\/")
+    return (f'<div class="hvnv"><div class="hvcol"><h3>{E(t["m_hv_title"])}</h3>'
+            f'<p class="legend">{E(t["m_hv_help"].format(h=mt.n_heads))}</p>'
+            f'<div class="hview"><div class="hv-bar"><label>{E(t["m_layer"])} '
+            f'<select class="hv-layer" aria-label="{E(t["m_layer"])}">{opts}</select></label>'
+            f'<span class="hv-chips" role="group" aria-label="{E(t["head"])}">'
+            f'<span class="hv-lab">{E(t["head"])}</span>{chips}</span>'
+            f'<button type="button" class="hv-all">{E(t["m_hv_all"])}</button>'
+            f'<button type="button" class="hv-none">{E(t["m_hv_none"])}</button></div>'
+            f'<svg class="hv-svg" role="img" aria-label="{E(t["m_hv_title"])}"></svg></div></div>'
+            f'<div class="nvcol"><h3>{E(t["m_nv_title"])}</h3>'
+            f'<p class="legend">{E(t["m_nv_help"].format(dh=mt.d_head))}</p>'
+            f'<div class="nview"><p class="nv-focus"></p>'
+            f'<div class="nv-keys"><span class="hv-lab">{E(t["m_nv_key"])}</span>{keys}</div>'
+            f'<svg class="nv-svg" viewBox="0 0 320 142" role="img" '
+            f'aria-label="{E(t["m_nv_title"])}"></svg>'
+            f'<p class="nv-sum"></p><p class="nv-scaled"></p></div></div></div>'
+            f'<script type="application/json" id="hv-data">{blob}</script>')
+
+
+HEAD_VIEW_CSS = """
+.hvnv{display:flex;flex-wrap:wrap;gap:0 28px;align-items:flex-start}
+.hvcol{flex:1 1 300px;min-width:0;max-width:460px}.nvcol{flex:1 1 300px;min-width:0}
+.hv-bar{display:flex;flex-wrap:wrap;gap:6px 10px;align-items:center;margin:4px 0 8px;
+ font:13px system-ui,sans-serif}
+.hv-chips{display:flex;flex-wrap:wrap;gap:4px;align-items:center}
+.hv-lab{color:var(--mute);margin-right:2px}
+button.hv-chip{min-width:30px;height:28px;border-radius:14px;border:2px solid var(--c);
+ background:#fff;color:var(--ink);font:12px system-ui,sans-serif;cursor:pointer;padding:0 6px}
+button.hv-chip.on{background:var(--c);color:#fff}
+button.hv-all,button.hv-none,button.nv-key{border:1px solid var(--line);background:#f7f8fb;
+ border-radius:14px;padding:3px 10px;font:12px system-ui,sans-serif;cursor:pointer}
+button.nv-key{padding:2px 7px;margin:0 3px 3px 0;max-width:10em;overflow:hidden;
+ text-overflow:ellipsis;white-space:nowrap}
+button.nv-key.on{background:var(--acc);color:#fff;border-color:var(--acc)}
+svg.hv-svg{display:block;width:100%;max-width:440px;height:auto;touch-action:manipulation}
+svg.hv-svg text{font:12px system-ui,sans-serif;fill:var(--ink);cursor:pointer}
+svg.hv-svg text.dim{fill:#b8bfcc}
+svg.hv-svg rect.hit{fill:transparent;cursor:pointer}
+svg.hv-svg rect.sel{fill:#e8efff}
+svg.nv-svg{display:block;width:100%;max-width:640px;height:auto}
+.nv-keys{display:flex;flex-wrap:wrap;align-items:center;margin:4px 0}
+.nv-sum,.nv-scaled{font:14px ui-monospace,monospace;margin:4px 0;overflow-wrap:anywhere}
+svg.nv-svg text.nv-ax{font:9px system-ui,sans-serif;fill:var(--mute)}
+"""
+
+HEAD_VIEW_JS = """
+(function(){
+  var el=document.getElementById('hv-data'); if(!el) return;
+  var all=JSON.parse(el.textContent), D=all.data, T=all.words;
+  var L=D.L, H=D.H, n=D.n, dh=D.dh, tok=D.tokens, W=D.w;
+  function f32(s){var b=atob(s), u=new Uint8Array(b.length);
+    for(var i=0;i<b.length;i++) u[i]=b.charCodeAt(i); return new Float32Array(u.buffer);}
+  var Q=f32(D.q), K=f32(D.k);
+  var NS=document.querySelector('svg.hv-svg').namespaceURI;   // inline SVG's own
+  function mk(tag,attrs,parent){var e=document.createElementNS(NS,tag);
+    for(var a in attrs) e.setAttribute(a,attrs[a]); if(parent) parent.appendChild(e); return e;}
+  function fill(s,o){return s.replace(/\\{(\\w+)\\}/g,function(m,k){return k in o?o[k]:m;});}
+  function fmt(x){ if(x===0) return '0'; return x.toFixed(3); }
+  function w(l,h,i,j){return W[(((l-1)*H+(h-1))*n+i)*n+j];}   // thousandths
+  // ---- the head view
+  var st={layer:D.focus[0], heads:{}, q:null, pin:null};
+  st.heads[D.focus[1]]=true;
+  var svg=document.querySelector('svg.hv-svg'), sel=document.querySelector('select.hv-layer');
+  function clip(s){return s.length>14?s.slice(0,13)+'\\u2026':s;}
+  var longest=Math.max.apply(null,tok.map(function(s){return clip(s).length;}).concat([6]));
+  var LAB=longest*7+12, ROW=22, TOP=30, X1=LAB, X2=LAB+110, WIDE=2*LAB+110;
+  svg.setAttribute('viewBox','0 0 '+WIDE+' '+(TOP+n*ROW+4));
+  svg.style.maxWidth=Math.round(WIDE*1.15)+'px';
+  var lines=mk('g',{'class':'hv-lines'},svg), labs=mk('g',{},svg);
+  var qlab=[], klab=[], qsel=[];
+  mk('text',{x:X1-6,y:12,'text-anchor':'end','class':'dim'},labs).textContent=T.m_hv_q;
+  mk('text',{x:X2+6,y:12,'class':'dim'},labs).textContent=T.m_hv_k;
+  for(var i=0;i<n;i++){
+    var y=TOP+i*ROW;
+    qsel.push(mk('rect',{x:0,y:y-ROW/2+2,width:X1-2,height:ROW-4,rx:4,'class':'hit'},labs));
+    var a=mk('text',{x:X1-6,y:y+4,'text-anchor':'end','class':'hv-q','data-q':i+1},labs);
+    a.textContent=clip(tok[i]); qlab.push(a);
+    var b=mk('text',{x:X2+6,y:y+4,'class':'hv-k','data-k':i+1},labs);
+    b.textContent=clip(tok[i]); klab.push(b);
+    mk('title',{},a).textContent=tok[i]; mk('title',{},b).textContent=tok[i];
+  }
+  function draw(){
+    while(lines.firstChild) lines.removeChild(lines.firstChild);
+    var only=st.pin!==null?st.pin:st.q;
+    for(var h=1;h<=H;h++){ if(!st.heads[h]) continue;
+      for(var i=0;i<n;i++){ if(only!==null&&only!==i) continue;
+        for(var j=0;j<n;j++){ var v=w(st.layer,h,i,j); if(v<1) continue;
+          mk('line',{x1:X1,y1:TOP+i*ROW,x2:X2,y2:TOP+j*ROW,stroke:D.colors[h-1],
+                     'stroke-width':2,'stroke-opacity':(v/1000).toFixed(3),
+                     'data-h':h,'data-q':i+1,'data-k':j+1},lines);
+        }}}
+    for(var i=0;i<n;i++){
+      qlab[i].setAttribute('class','hv-q'+(only!==null&&only!==i?' dim':''));
+      qsel[i].setAttribute('class',st.pin===i?'sel':'hit');
+    }
+    svg.setAttribute('data-layer',st.layer);
+    svg.setAttribute('data-heads',Object.keys(st.heads).filter(function(h){
+      return st.heads[h];}).join(','));
+    svg.setAttribute('data-query',only===null?'':only+1);
+  }
+  function chips(){
+    document.querySelectorAll('button.hv-chip').forEach(function(c){
+      var on=!!st.heads[c.getAttribute('data-h')];
+      c.classList.toggle('on',on); c.setAttribute('aria-pressed',on?'true':'false');});
+    draw();
+  }
+  document.querySelectorAll('button.hv-chip').forEach(function(c){
+    c.addEventListener('click',function(){
+      var h=c.getAttribute('data-h'); st.heads[h]=!st.heads[h]; chips();});
+  });
+  document.querySelector('button.hv-all').addEventListener('click',function(){
+    for(var h=1;h<=H;h++) st.heads[h]=true; chips();});
+  document.querySelector('button.hv-none').addEventListener('click',function(){
+    st.heads={}; chips();});
+  sel.addEventListener('change',function(){ st.layer=+sel.value; draw(); });
+  function onq(i){
+    function enter(){ st.q=i; draw(); }
+    function leave(){ st.q=null; draw(); }
+    function tap(ev){ ev.stopPropagation(); st.pin=st.pin===i?null:i; st.q=null; draw(); }
+    [qlab[i],qsel[i]].forEach(function(e){
+      e.addEventListener('mouseenter',enter); e.addEventListener('mouseleave',leave);
+      e.addEventListener('click',tap);});
+  }
+  for(var i=0;i<n;i++){ onq(i);
+    (function(j){ klab[j].addEventListener('click',function(){ setKey(j+1,true); }); })(i); }
+  // ---- the neuron view: the focus query and one key, dimension by dimension
+  var nv={layer:D.focus[0], head:D.focus[1], key:null, chosen:false};
+  var nsvg=document.querySelector('svg.nv-svg');
+  function best(){ var b=0, bv=-1;
+    for(var j=0;j<n;j++){ var v=w(nv.layer,nv.head,D.focus[2]-1,j); if(v>bv){bv=v;b=j;} }
+    return b+1; }
+  function setKey(k,chosen){ nv.key=k; nv.chosen=nv.chosen||chosen; neuron(); }
+  function neuron(){
+    var l=nv.layer, h=nv.head, j=nv.key-1, qi=D.focus[2]-1;
+    var qo=((l-1)*H+(h-1))*dh, ko=(((l-1)*H+(h-1))*n+j)*dh;
+    var p=[], s=0;
+    for(var d=0;d<dh;d++){ var x=Q[qo+d]*K[ko+d]; p.push(x); s+=x; }
+    var x=s*D.scale[l-1];
+    while(nsvg.firstChild) nsvg.removeChild(nsvg.firstChild);
+    var top=0, bot=0;
+    for(var d=0;d<dh;d++){ top=Math.max(top,p[d]); bot=Math.min(bot,p[d]); }
+    var span=Math.max(top-bot,1e-9), amp=110/span, bw=320/dh, mid=8+top*amp;
+    mk('line',{x1:0,y1:mid,x2:320,y2:mid,stroke:'#9aa3b5','stroke-width':0.6},nsvg);
+    [[1,0,'start'],[dh,320,'end']].forEach(function(a){
+      mk('text',{x:a[1],y:138,'text-anchor':a[2],'class':'nv-ax'},nsvg).textContent='d = '+a[0];
+    });
+    mk('text',{x:160,y:138,'text-anchor':'middle','class':'nv-ax'},nsvg).textContent=
+      'max '+fmt(top)+(bot<0?' \\u00b7 min '+fmt(bot):'');
+    for(var d=0;d<dh;d++){
+      var hgt=Math.abs(p[d])*amp;
+      var r=mk('rect',{x:(d*bw+bw*0.1).toFixed(2),y:(p[d]>=0?mid-hgt:mid).toFixed(2),
+        width:(bw*0.8).toFixed(2),height:Math.max(hgt,0.5).toFixed(2),
+        fill:p[d]>=0?'#2463eb':'#c62828','class':'nv-bar','data-d':d+1,
+        'data-p':p[d]},nsvg);
+      mk('title',{},r).textContent=fill(T.m_nv_bar,{d:d+1,q:fmt(Q[qo+d]),k:fmt(K[ko+d]),
+                                                      p:fmt(p[d])});
+    }
+    document.querySelector('.nv-focus').textContent=fill(T.m_nv_focus,{l:l,h:h,
+      q:"'"+tok[qi]+"'",k:"'"+tok[j]+"'"});
+    var c1=document.querySelector('.nv-sum'), c2=document.querySelector('.nv-scaled');
+    c1.textContent=fill(T.m_nv_sum,{s:fmt(s)});
+    c2.textContent=T.scale_ok[l-1]?fill(T.m_nv_scaled,{s:fmt(s),dh:dh,x:fmt(x)})
+      :fill(T.m_nv_scaled_other,{s:fmt(s),scale:fmt(D.scale[l-1]),x:fmt(x)});
+    c1.setAttribute('data-v',s); c2.setAttribute('data-v',x);
+    nsvg.setAttribute('data-layer',l); nsvg.setAttribute('data-head',h);
+    nsvg.setAttribute('data-query',qi+1); nsvg.setAttribute('data-key',j+1);
+    document.querySelectorAll('button.nv-key').forEach(function(b){
+      b.classList.toggle('on',+b.getAttribute('data-k')===j+1);});
+  }
+  document.querySelectorAll('button.nv-key').forEach(function(b){
+    b.addEventListener('click',function(){ setKey(+b.getAttribute('data-k'),true); });});
+  // a head chosen in the grid above: the neuron view follows it, the head view shows it
+  document.querySelectorAll('button.mini').forEach(function(b){
+    b.addEventListener('click',function(){
+      var lh=b.getAttribute('data-head').split('-');
+      nv.layer=+lh[0]; nv.head=+lh[1]; if(!nv.chosen) nv.key=best(); neuron();
+      st.layer=nv.layer; sel.value=String(st.layer); st.heads={}; st.heads[nv.head]=true;
+      chips();
+    });
+  });
+  nv.key=best(); neuron(); chips();
+})();
+"""

@@ -158,6 +158,29 @@ STRINGS: dict[str, dict[str, str]] = {
                    "jupyter lab notebooks/",
         "m_kr_pieces": "{n} jamo pieces (such as {ex})", "m_kr_unk": "the unknown token [UNK] ×{n}",
         "m_kr_and": " and ",
+        # ---- the real-model page: head view and neuron view (modelview.py)
+        "m_hv_title": "Head view: a line from each query to every key",
+        "m_hv_help": "Left: the queries; right: the keys. The darker a line, the larger its "
+                     "weight (opacity = the weight); one colour per head. Tap or hover over a "
+                     "query to see only its lines (tap it again to see them all); tap a "
+                     "colour to show or hide its head; tap a key to look at it in the neuron "
+                     "view. At first only the head walked through above is drawn: all "
+                     "{h} heads at once blur into one grey web. Weights are kept to 3 "
+                     "decimals; a line under 0.001 is not drawn.",
+        "m_hv_all": "all heads", "m_hv_none": "none", "m_hv_q": "queries", "m_hv_k": "keys",
+        "m_hv_too_many": "The head view and the neuron view are left out above {n} tokens "
+                         "(this text has {m}).",
+        "m_nv_title": "Neuron view: q·k one dimension at a time",
+        "m_nv_focus": "Layer {l}, head {h}, query {q} → key {k}",
+        "m_nv_help": "Each bar is one of the d_h = {dh} products q_d·k_d of this query and "
+                     "this key (blue: positive, red: negative). Their sum is the Score, the "
+                     "cell 1. q·k of the five steps; × scale (1/√d_h) gives the cell "
+                     "2. × scale. Tap a key to choose it; tap a head above to change the head.",
+        "m_nv_key": "key:",
+        "m_nv_sum": "Σ_d q_d·k_d = {s} (the Score: cell 1. q·k)",
+        "m_nv_scaled": "{s} / √{dh} = {x} (cell 2. × scale)",
+        "m_nv_scaled_other": "{s} × {scale} = {x} (cell 2. × scale)",
+        "m_nv_bar": "d = {d}: q {q} × k {k} = {p}",
         # ---- the page's playground (live.py)
         "play_title": "Try it: change the inputs and watch every step",
         "play_help": "Edit any cell of Q, K or V, move the slider, or change the mask: the "
@@ -329,6 +352,30 @@ STRINGS: dict[str, dict[str, str]] = {
                    "jupyter lab notebooks/",
         "m_kr_pieces": "자모 조각 {n}개(예: {ex})", "m_kr_unk": "모르는 토큰 [UNK] {n}개",
         "m_kr_and": "와 ",
+        # ---- the real-model page: head view and neuron view (modelview.py)
+        "m_hv_title": "Head view: Query에서 각 Key로 가는 선",
+        "m_hv_help": "왼쪽은 Query, 오른쪽은 Key입니다. 선이 진할수록 가중치가 큽니다(불투명도 "
+                     "= 가중치). head마다 색이 다릅니다. Query를 누르거나 마우스를 올리면 그 "
+                     "Query의 선만 보이고, 한 번 더 누르면 다시 모두 보입니다. 색 칩을 누르면 "
+                     "그 head를 켜거나 끄고, Key를 누르면 neuron view에서 그 Key를 "
+                     "살펴봅니다. 처음에는 위에서 단계별로 살펴본 head만 그립니다. head {h}개를 "
+                     "한꺼번에 그리면 선이 뒤엉켜 회색 그물처럼 보이기 때문입니다. 가중치는 "
+                     "소수 셋째 자리까지 담았고, 0.001보다 작은 선은 그리지 않습니다.",
+        "m_hv_all": "모든 head", "m_hv_none": "모두 끄기", "m_hv_q": "Query", "m_hv_k": "Key",
+        "m_hv_too_many": "토큰이 {n}개를 넘으면 head view와 neuron view는 그리지 않습니다 "
+                         "(이 문장의 토큰: {m}개).",
+        "m_nv_title": "Neuron view: 차원 하나씩 나눠 본 q·k",
+        "m_nv_focus": "레이어 {l}, head {h}, Query {q} → Key {k}",
+        "m_nv_help": "막대 하나하나가 이 Query와 Key의 곱 q_d·k_d입니다(모두 d_h = {dh}개, "
+                     "파란색은 양수, 빨간색은 음수). 이 곱을 모두 더하면 Score, 곧 다섯 단계 "
+                     "표의 1. q·k 칸이 되고, 여기에 scale(1/√d_h)을 곱하면 2. × scale 칸이 "
+                     "됩니다. Key를 누르면 다른 Key를 고를 수 있고, 위에서 head를 누르면 "
+                     "head가 바뀝니다.",
+        "m_nv_key": "Key:",
+        "m_nv_sum": "Σ_d q_d·k_d = {s} (Score: 1. q·k 칸)",
+        "m_nv_scaled": "{s} / √{dh} = {x} (2. × scale 칸)",
+        "m_nv_scaled_other": "{s} × {scale} = {x} (2. × scale 칸)",
+        "m_nv_bar": "d = {d}: q {q} × k {k} = {p}",
         # ---- the page's playground (live.py)
         "play_title": "직접 해 보기: 입력을 바꾸고 모든 단계를 지켜보세요",
         "play_help": "Q, K, V의 셀을 고치거나, 슬라이더를 움직이거나, Mask를 바꿔 보세요. "
