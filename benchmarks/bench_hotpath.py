@@ -14,7 +14,10 @@ medians and the ratio ``SDPA time / attnkit time`` (> 1 = attnkit faster). One t
 
 Cases (B=1, H_q=8, D=64; GQA with H_kv=2 for decode):
 ``decode`` (1 query × 192 keys, fp32 and bf16, through ``ak.scaled_dot_product_attention``
-and through ``ak.attention``), ``decode4096`` (1 query × 4096 keys, fp32), ``prefill``
+and through ``ak.attention``), ``decode_mask`` (what a transformers decoder step passes with
+a left-padded batch: q (4,4,1,16) over 40 keys of 2 K/V heads with a (4,1,1,40) bool padding
+mask, fp32, the same mask tensor twice in a row as a model's layers pass it),
+``decode4096`` (1 query × 4096 keys, fp32), ``prefill``
 ((1,8,128,64) causal, fp32), ``hf`` (a tiny transformers Llama — hidden 64, 3 layers, 4/2
 heads — one forward of an 8-token prompt, ``attn_implementation="attnkit"`` vs ``"sdpa"``;
 skipped without transformers).
@@ -35,7 +38,7 @@ import sys
 import time
 from collections.abc import Callable
 
-CASES = ("decode", "decode4096", "prefill", "hf")
+CASES = ("decode", "decode_mask", "decode4096", "prefill", "hf")
 
 
 def cpu_name() -> str:
@@ -136,6 +139,14 @@ def one_process(cases: list[str], reps: int) -> None:
                              q, k, v, enable_gqa=True), sdpa)
                     line(f"decode {dn} (1,8,1,64) x 192 keys GQA 8/2, ak.attention",
                          lambda q=q, k=k, v=v: ak.attention(q, k, v), sdpa)
+            elif c == "decode_mask":
+                q, k, v = (torch.randn(4, 4, 1, 16), torch.randn(4, 2, 40, 16),
+                           torch.randn(4, 2, 40, 16))
+                m = torch.ones(4, 1, 1, 40, dtype=torch.bool)
+                for b, pad in enumerate((9, 7, 4, 0)):
+                    m[b, :, :, :pad] = False             # left padding
+                sdpa_pair("decode fp32 (4,4,1,16) x 40 keys GQA 4/2, bool padding mask",
+                          [q, k, v], attn_mask=m, enable_gqa=True)
             elif c == "decode4096":
                 sdpa_pair("decode fp32 (1,8,1,64) x 4096 keys GQA 8/2, ak.sdpa",
                           qkv(1, 4096, 2, torch.float32), enable_gqa=True)

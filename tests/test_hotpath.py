@@ -344,3 +344,170 @@ def test_restore_keeps_the_users_leading_dims():
         assert ak.attention(q, k, v).shape == (*lead, 2, 5, 4)
     q, k, v = (torch.randn(5, 4) for _ in range(3))
     assert ak.attention(q, k, v).shape == (5, 4)
+
+
+# ============================================================ validated once per signature
+def test_validation_runs_once_per_signature_and_values_every_call(monkeypatch):
+    """A repeat of a call signature skips prepare()'s checks (counted on _check_qkv), and a
+    bool mask tensor of the same shape but other values gives its own answer every call."""
+    calls: list[int] = []
+    real = api._check_qkv
+    monkeypatch.setattr(api, "_check_qkv", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(api, "_FRAMES", {})
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 4, 1, 8), torch.randn(3, 2, 11, 8), torch.randn(3, 2, 11, 8)
+    masks_ = [torch.rand(3, 1, 1, 11) > p for p in (0.2, 0.5, 0.8)]
+    for m in masks_:
+        m[:, :, :, 0] = True                                 # every query keeps a key
+    with torch.no_grad():
+        for _ in range(2):
+            for m in masks_:
+                got = ak.attention(q, k, v, mask=m)
+                want = ak.attention(q.double(), k.double(), v.double(), mask=m,
+                                    backend="reference")
+                torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+            ak.attention(q, k, v)
+            ak.attention(q, k, v, is_causal=True)
+    # four signatures (mask / none / causal, and the float64 reference's), each checked once
+    assert len(calls) == 4
+    ak.attention(q[:2], k[:2], v[:2])                        # a new signature: checked
+    assert len(calls) == 5
+
+
+@pytest.mark.parametrize("shapes", [
+    ((5, 8), (7, 8), (7, 4)),                                # 2-D: one head
+    ((4, 5, 8), (2, 7, 8), (2, 7, 8)),                       # 3-D: no batch
+    ((2, 3, 4, 5, 8), (1, 1, 2, 7, 8), (1, 1, 2, 7, 8)),      # K/V broadcast over the batch
+    ((2, 3, 4, 5, 8), (2, 1, 2, 7, 8), (2, 1, 2, 7, 8)),      # ... in one leading dim only
+])
+def test_a_repeated_signature_gives_the_first_calls_answer_and_layout(shapes):
+    torch.manual_seed(0)
+    for _ in range(2):
+        q, k, v = (torch.randn(*s) for s in shapes)
+        m = torch.rand(shapes[0][-2], shapes[1][-2]) > 0.3
+        m[:, 0] = True
+        for kw in ({}, {"is_causal": True}, {"mask": m}):
+            got = [ak.attention(q, k, v, **kw) for _ in range(3)]
+            want = ak.attention(q, k, v, backend="reference", **kw)
+            for g in got:
+                assert g.shape == want.shape
+                torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_frames_are_bounded(monkeypatch):
+    monkeypatch.setattr(api, "_FRAMES", {})
+    for n in range(api._FRAMES_MAX + 10):
+        ak.attention(torch.randn(1, 1, 1, 4), torch.randn(1, 1, n + 1, 4),
+                     torch.randn(1, 1, n + 1, 4))
+    assert 0 < len(api._FRAMES) <= api._FRAMES_MAX
+
+
+def test_a_bool_mask_is_read_as_given_with_the_evaluated_masks_result():
+    """Problem.mask_tensor (the call's bool tensor, read without evaluating the Mask) gives
+    bit for bit what evaluating the Mask gives, on the native kernel and the Python engine."""
+    import dataclasses
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(4, 8, 3, 16), torch.randn(4, 2, 40, 16), torch.randn(4, 2, 40, 16)
+    for shape in ((4, 1, 3, 40), (4, 1, 1, 40), (1, 8, 3, 40), (3, 40)):
+        m = torch.rand(*shape) > 0.4
+        p = api.prepare(q, k, v, mask=m).problem
+        assert p.mask_tensor is not None
+        slow = dataclasses.replace(p, mask_tensor=None)
+        with torch.no_grad():
+            for name in ("decode", "tiled"):
+                b = REGISTRY[name]
+                out, lse = b.forward(p)
+                out2, lse2 = b.forward(slow)
+                assert torch.equal(out, out2) and torch.equal(lse, lse2), (name, shape)
+
+
+def test_native_switch_values_are_read_as_before(monkeypatch):
+    from attnkit.backends.native import loader
+
+    if not native.available():
+        pytest.skip("native kernel unavailable")
+    for off in ("0", "false", " OFF ", "no"):
+        monkeypatch.setenv("ATTNKIT_NATIVE", off)
+        assert loader.load() is None and "ATTNKIT_NATIVE=0" in loader.reason()
+    for on in ("1", "yes", ""):
+        monkeypatch.setenv("ATTNKIT_NATIVE", on)
+        assert loader.load() is not None
+    monkeypatch.delenv("ATTNKIT_NATIVE")
+    assert loader.load() is not None
+
+
+def test_native_dense_mask_that_does_not_broadcast_is_refused():
+    if not native.available():
+        pytest.skip("native kernel unavailable")
+    q, k, v = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    for bad in (torch.ones(2, 2, 3, 5, dtype=torch.bool), torch.ones(3, 4, dtype=torch.bool)):
+        with pytest.raises(ValueError, match="does not broadcast to"):
+            native.forward(q, k, v, dense_mask=bad)
+
+
+def test_capability_fits_agrees_with_the_reasons():
+    from attnkit.backends.base import Capabilities
+
+    with torch.enable_grad():
+        problems = _problems()
+        for caps in (Capabilities(), Capabilities(devices=("cuda",)),
+                     Capabilities(dtypes=(torch.float64,)), Capabilities(max_head_dim=8),
+                     Capabilities(max_head_dim=7), Capabilities(max_queries=1),
+                     Capabilities(grad=False), Capabilities(dropout=False),
+                     Capabilities(score_mod=False), Capabilities(devices=None, dtypes=None)):
+            for p in problems:
+                assert caps.fits(p) == (not caps.reasons(p)), (caps, p.describe())
+
+
+def test_a_backend_with_reasons_of_its_own_is_asked_them():
+    from attnkit.backends.base import Backend
+
+    class Picky(Backend):
+        name = "picky"
+
+        def not_supported_reasons(self, p):  # noqa: ANN001, ANN202
+            return ["never"]
+
+    p = api.prepare(*(torch.randn(1, 2, 3, 4) for _ in range(3))).problem
+    assert not Picky().can_run(p)
+    b = Backend()
+    assert b.can_run(p)
+    b.not_supported_reasons = lambda p: ["patched"]  # type: ignore[method-assign]
+    assert not b.can_run(p)
+
+
+def test_one_mask_tensor_changed_in_place_between_calls_gives_its_new_values():
+    """A model passes one mask tensor to every layer; the same tensor object, written in
+    place between calls (or viewed with other strides), is read as it is now."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 1, 8), torch.randn(2, 2, 12, 8), torch.randn(2, 2, 12, 8)
+    m = torch.ones(2, 1, 1, 12, dtype=torch.bool)
+    sq = torch.ones(12, 12, dtype=torch.bool).tril()
+    qs = torch.randn(2, 4, 12, 8)
+    with torch.no_grad():
+        for step in range(4):
+            m[:, :, :, step] = False
+            for _ in range(2):
+                got = ak.attention(q, k, v, mask=m)
+                want = ak.attention(q, k, v, mask=m.clone(), backend="reference")
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        for _ in range(2):
+            want = ak.attention(qs, k, v, mask=sq.clone(), backend="reference")
+            torch.testing.assert_close(ak.attention(qs, k, v, mask=sq), want,
+                                       rtol=1e-5, atol=1e-6)
+            sq.t_()                                   # same object, same memory, new strides
+
+
+def test_bench_hf_generate_arguments(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_hf_generate.py"
+    for args, said in ((["--rounds", "0"], "at least 1"), (["--new-tokens", "0"], "at least 1"),
+                       (["--trees", str(tmp_path)], "two source trees"),
+                       (["--trees", str(tmp_path), str(tmp_path)], "has no src/attnkit")):
+        got = subprocess.run([sys.executable, str(script), *args], capture_output=True,
+                             text=True)
+        assert got.returncode == 2 and said in got.stderr, (args, got.stderr)

@@ -21,6 +21,12 @@ gradients); a zero-width head (D_k or D_v = 0) is widened by one zero column. ``
 (:func:`attnkit.scores.checked_score_mod`: FlexAttention's per-score semantics, result cast
 back to the score dtype, one error for a bad result) — every backend calls that wrapper.
 
+A call with no mask, ``is_causal`` or a bool mask tensor, and no score_mod (what a decoder
+makes once per layer and token) is validated once per *signature* — shapes, dtypes, devices,
+the mask's shape and the options: a repeat rebuilds only the Problem around its new
+tensors (``_FRAMES``, at most 256 signatures). Nothing about values is remembered: the
+NaN/inf screens read each call's own tensors.
+
 :func:`scaled_dot_product_attention` is torch's ``F.scaled_dot_product_attention`` call
 on top of :func:`attention`. While ``torch.compile`` / ``torch.export`` trace
 (``torch.compiler.is_compiling()``), :func:`attention` becomes one ``attnkit::attention``
@@ -244,15 +250,17 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 def _normalise_mask(
     mask: Any, is_causal: bool, full_shape: tuple[int, ...], lead: tuple[int, ...],
     device: torch.device, two_d: bool = False, dtype: torch.dtype = torch.float32,
-) -> tuple[_masks.Mask | None, torch.Tensor | None]:
-    """→ (structured mask or None, finite additive bias or None) in the (B, H, N_q, N_k) frame."""
+) -> tuple[_masks.Mask | None, torch.Tensor | None, torch.Tensor | None]:
+    """→ (structured mask or None, finite additive bias or None, the structured mask's bool
+    tensor when it came as one — ``Problem.mask_tensor`` — or None) in the (B, H, N_q, N_k)
+    frame."""
     _check_causal_flag(mask, is_causal)
     if is_causal:
-        return _masks.causal(), None
+        return _masks.causal(), None, None
     if mask is None:
-        return None, None
+        return None, None, None
     if isinstance(mask, _masks.Mask):
-        return mask, None
+        return mask, None, None
     if isinstance(mask, np.ndarray):
         mask, _ = _to_tensor(mask, "mask")
     if not isinstance(mask, torch.Tensor):
@@ -271,17 +279,9 @@ def _normalise_mask(
             f"{shown}: give a mask whose dims are those sizes or 1 "
             "(e.g. (N_q, N_k) or (B, 1, N_q, N_k))"
         )
-    # (…lead, H, N_q, N_k) → (B|1, H|1, N_q|1, N_k|1)
-    m = mask.reshape((1,) * (len(full_shape) - mask.dim()) + tuple(mask.shape))
-    n_lead = len(lead)
-    if n_lead == 0:
-        m = m.unsqueeze(0)
-    elif all(s == 1 for s in m.shape[:n_lead]):
-        m = m.reshape(1, *m.shape[n_lead:])
-    else:
-        m = m.expand(*lead, *m.shape[n_lead:]).reshape(math.prod(lead), *m.shape[n_lead:])
+    m = _mask_in_frame(mask, len(full_shape), lead)
     if mask.dtype == torch.bool:
-        return _masks.from_tensor(m, name=f"bool mask {_shape(mask)}"), None
+        return _masks.from_tensor(m, name=f"bool mask {_shape(mask)}"), None, m
     if not mask.dtype.is_floating_point:
         raise TypeError(
             f"mask must be bool (True = may attend) or floating point (added to the logits), "
@@ -303,13 +303,30 @@ def _normalise_mask(
             )
         m = torch.where(m < -big, torch.full_like(m, -torch.inf), m)
     blocked = m == -torch.inf
-    structured = None
+    structured = allowed = None
     if blocked.any():
-        structured = _masks.from_tensor(~blocked, name=f"float mask {_shape(mask)} (-inf)")
+        allowed = ~blocked
+        structured = _masks.from_tensor(allowed, name=f"float mask {_shape(mask)} (-inf)")
         m = torch.where(blocked, torch.zeros_like(m), m)
     # an all-zero bias adds nothing — unless it is being learnt (its gradient is needed)
     bias = m if m.requires_grad or bool((m != 0).any()) else None
-    return structured, bias
+    return structured, bias, allowed
+
+
+def _mask_in_frame(mask: torch.Tensor, rank: int, lead: tuple[int, ...]) -> torch.Tensor:
+    """A mask tensor that broadcasts to the logits ``(…lead, H, N_q, N_k)`` (rank ``rank``)
+    as ``(B|1, H|1, N_q|1, N_k|1)`` — views, but for leading dims broadcast in part."""
+    m = mask if mask.dim() == rank else \
+        mask.reshape((1,) * (rank - mask.dim()) + tuple(mask.shape))
+    n_lead = len(lead)
+    if n_lead == 1:
+        return m                                 # (B|1, …) already: the frame's dim 0
+    if n_lead == 0:
+        return m.unsqueeze(0)
+    ms = m.shape
+    if all(s == 1 for s in ms[:n_lead]):
+        return m.reshape(1, *ms[n_lead:])
+    return m.expand(*lead, *ms[n_lead:]).reshape(math.prod(lead), *ms[n_lead:])
 
 
 def _broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
@@ -346,10 +363,10 @@ def prepare(
         q4, k4, v4 = _flatten_batch(q, lead), _flatten_batch(k, lead), _flatten_batch(v, lead)
     full_shape = (*lead, q4.shape[1], q4.shape[2], k4.shape[2])
     if mask is None and is_causal is False:
-        structured = bias = None
+        structured = bias = dense = None
     else:
-        structured, bias = _normalise_mask(mask, is_causal, full_shape, lead, q.device, two_d,
-                                           q.dtype)
+        structured, bias, dense = _normalise_mask(mask, is_causal, full_shape, lead, q.device,
+                                                  two_d, q.dtype)
     d_k = q.shape[-1]
     if scale is None:
         scale_f = 1.0 / math.sqrt(d_k) if d_k > 0 else 1.0
@@ -372,7 +389,7 @@ def prepare(
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     p = Problem(q4, k4, v4, mask=structured, bias=bias, scale=scale_f, softcap=softcap,
-                score_mod=score_mod, dropout_p=dropout_p)
+                score_mod=score_mod, dropout_p=dropout_p, mask_tensor=dense)
     if score_mod is not None and not _is_empty(p):
         # FlexAttention's per-score semantics, result cast back to the score dtype and
         # checked: every backend calls this wrapper unchanged (see attnkit.scores)
@@ -438,18 +455,19 @@ def _bad_kv_rows(p: Problem) -> torch.Tensor:
 def _may_score_minus_inf(p: Problem) -> bool:
     """Whether the score_mod may score a key −∞: Python code, or an ALiBi / relative-bias
     term whose slopes or table (a few hundred numbers) hold a non-finite value."""
-    fn = getattr(p.score_mod, "__wrapped__", p.score_mod)     # checked_score_mod's wrapper
-    if fn is None:
+    if p.score_mod is None:
         return False
+    fn = getattr(p.score_mod, "__wrapped__", p.score_mod)     # checked_score_mod's wrapper
     spec = getattr(fn, "spec", None)
     data = getattr(spec, "slopes", getattr(spec, "table", None))
     return data is None or not bool(torch.isfinite(data.detach()).all())
 
 
 def _run(p: Problem, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    if _is_empty(p):
+    qs, ks, vs = p.q.shape, p.k.shape, p.v.shape
+    if qs[0] == 0 or qs[1] == 0 or qs[2] == 0 or ks[2] == 0:      # _is_empty, inlined
         return _empty_result(p)
-    if p.d_k == 0 or p.d_v == 0:
+    if qs[3] == 0 or vs[3] == 0:
         # a zero-width head: widen it by one zero column (the scores and the mix stay the
         # same), so that no kernel sees a zero-size dim, and cut the output back
         def widen(t: torch.Tensor, d: int) -> torch.Tensor:
@@ -470,8 +488,12 @@ def _run(p: Problem, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
         out, lse = chosen.forward(p)
         # one-pass screen: NaN/inf anywhere make the sum non-finite (an overflowing sum of
         # finite values only sends us to the exact check below); math.isfinite on the sum's
-        # value: torch.isfinite is several tensor ops, a cost on every small call
-        if bad is not None or math.isfinite(out.sum(dtype=_compute_dtype(p.dtype)).item()):
+        # value: torch.isfinite is several tensor ops, a cost on every small call. The sum
+        # is taken in the output's dtype (float32 accumulation inside; bfloat16 has float32's
+        # range) but for float16, whose range a sum of finite outputs can leave; float() of
+        # the 0-dim sum costs less than .item()
+        if bad is not None or math.isfinite(float(
+                out.sum(dtype=torch.float32) if out.dtype is torch.float16 else out.sum())):
             return out, lse
         bad = _bad_kv_rows(p)
         if not bad.any():
@@ -500,6 +522,96 @@ def _attends_to(p: Problem, bad: torch.Tensor) -> torch.Tensor:
                                       heads=p.heads_q, device=p.device)
         rows.append((allowed & bad_q).any(-1).expand(p.batch, p.heads_q, q1 - q0))
     return torch.cat(rows, dim=-1)
+
+
+# ------------------------------------------------------------------ validated once
+# A call's validation and normalisation depend on its signature only — shapes, dtypes,
+# devices, the options and a bool mask tensor's shape — when it has no float mask, Mask
+# object or score_mod (whose values prepare() reads): then what prepare() found is
+# remembered per signature, and a repeat (a decoder's per-token call) only rebuilds the
+# Problem around its new tensors. Nothing about the tensors' *values* is remembered: the
+# NaN/inf screens in _run read every call's own, and a bool mask is read as it is now.
+_FRAMES: dict[tuple[Any, ...], _Frame] = {}
+_FRAMES_MAX = 256                   # distinct signatures kept (then the dict starts afresh)
+_PLAIN = (float, int, type(None))
+
+
+class _Frame:
+    """What prepare() made of one call signature (see above)."""
+
+    __slots__ = ("lead", "two_d", "mask", "scale", "softcap", "dropout_p", "as_is", "rank",
+                 "mask_name", "last_mask")
+
+    def __init__(self, prep: Prepared, as_is: tuple[bool, bool, bool],
+                 mask_name: str | None) -> None:
+        p = prep.problem
+        self.lead, self.two_d = prep.lead, prep.two_d
+        self.mask, self.scale, self.softcap, self.dropout_p = (p.mask, p.scale, p.softcap,
+                                                               p.dropout_p)
+        self.as_is = as_is          # q, k, v reach the Problem unchanged (no view needed)
+        self.rank = len(prep.lead) + 3 if not prep.two_d else 3   # the logits' rank
+        self.mask_name = mask_name  # a bool mask tensor's Mask name (None: no mask tensor)
+        # (the user's mask tensor, its memory (pointer, strides), its Mask, its view) of the last
+        # call: a model's layers pass one mask tensor to every layer of a step. The Mask
+        # reads the tensor's memory (a view, never a copy), so the same tensor object over
+        # the same memory is the same mask whatever its values are now.
+        self.last_mask: tuple[Any, ...] = (None, None, None, None)
+
+    def prepared(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 mask: torch.Tensor | None) -> Prepared:
+        lead, two_d = self.lead, self.two_d
+        qi, ki, vi = self.as_is
+        if two_d:
+            q4, k4, v4 = q[None, None], k[None, None], v[None, None]
+        else:
+            q4 = q if qi else _flatten_batch(q, lead)
+            k4 = k if ki else _flatten_batch(k, lead)
+            v4 = v if vi else _flatten_batch(v, lead)
+        structured, dense = self.mask, None
+        if self.mask_name is not None:           # a bool mask tensor: this call's values
+            last = self.last_mask
+            ptr = (mask.data_ptr(), mask.stride())  # type: ignore[union-attr]
+            if last[0] is mask and last[1] == ptr:
+                structured, dense = last[2], last[3]
+            else:
+                dense = _mask_in_frame(mask, self.rank, lead)  # type: ignore[arg-type]
+                structured = _masks.from_tensor(dense, name=self.mask_name)
+                self.last_mask = (mask, ptr, structured, dense)
+        p = Problem(q4, k4, v4, mask=structured, scale=self.scale, softcap=self.softcap,
+                    dropout_p=self.dropout_p, mask_tensor=dense)
+        return Prepared(p, lead, two_d, False)
+
+
+def _frame_key(q: Any, k: Any, v: Any, mask: Any, is_causal: Any, scale: Any, softcap: Any,
+               score_mod: Any, dropout_p: Any) -> tuple[Any, ...] | None:
+    """The signature of a call whose preparation depends on nothing else, or None. A bool
+    mask tensor (transformers' padding masks) takes part by its shape and device: its values
+    are read by the kernels, never by the preparation."""
+    if score_mod is not None or type(q) is not torch.Tensor \
+            or type(k) is not torch.Tensor or type(v) is not torch.Tensor \
+            or type(scale) not in _PLAIN or type(softcap) not in _PLAIN \
+            or type(dropout_p) not in _PLAIN or (is_causal is not True and is_causal is not False):
+        return None
+    if mask is None:
+        m_sig: tuple[Any, ...] | None = None
+    elif type(mask) is torch.Tensor and mask.dtype is torch.bool:
+        m_sig = (mask.shape, mask.device)
+    else:
+        return None
+    return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device,
+            v.device, is_causal, scale, softcap, dropout_p, m_sig)
+
+
+def _remember(key: tuple[Any, ...], prep: Prepared, q: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> None:
+    p = prep.problem
+    tensor_mask = key[-1] is not None
+    if p.score_mod is not None or p.bias is not None or (p.mask_tensor is not None) != tensor_mask:
+        return                                   # (not the calls _frame_key admits)
+    if len(_FRAMES) >= _FRAMES_MAX:
+        _FRAMES.clear()
+    _FRAMES[key] = _Frame(prep, (p.q is q, p.k is k, p.v is v),
+                          p.mask.name if tensor_mask else None)  # type: ignore[union-attr]
 
 
 @overload
@@ -560,7 +672,9 @@ def attention(
             functions work unchanged). Its result is cast back to the score dtype.
         dropout_p: dropout on the weights (seeded by torch's generator), in [0, 1).
         backend: ``"auto"`` (the first backend in ``attnkit.backends.PRIORITY``, fastest
-            first, that supports the call), or a name from ``attnkit.backends.names()``.
+            first, that supports the call — or, inside an ``attnkit.backends.use(...)``
+            scope, the scope's choice), or a name from ``attnkit.backends.names()``, which
+            wins over any scope.
         return_lse: also return the natural-log log-sum-exp of the masked logits
             (−inf for a query with no allowed key).
 
@@ -573,8 +687,15 @@ def attention(
         return _traced(q, k, v, mask=mask, is_causal=is_causal, scale=scale, softcap=softcap,
                        score_mod=score_mod, dropout_p=dropout_p, backend=backend,
                        return_lse=return_lse)
-    prep = prepare(q, k, v, mask=mask, is_causal=is_causal, scale=scale, softcap=softcap,
-                   score_mod=score_mod, dropout_p=dropout_p)
+    key = _frame_key(q, k, v, mask, is_causal, scale, softcap, score_mod, dropout_p)
+    frame = None if key is None else _FRAMES.get(key)
+    if frame is not None:
+        prep = frame.prepared(q, k, v, mask)
+    else:
+        prep = prepare(q, k, v, mask=mask, is_causal=is_causal, scale=scale, softcap=softcap,
+                       score_mod=score_mod, dropout_p=dropout_p)
+        if key is not None:
+            _remember(key, prep, q, k, v)
     out, lse = _run(prep.problem, backend)
     if return_lse:
         return prep.restore(out), prep.restore(lse)
@@ -715,6 +836,12 @@ def _sdpa_broadcast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gq
     """torch's broadcasting of SDPA's inputs: ranks padded on the left to one rank ≥ 3,
     leading dims broadcast; q is expanded where K/V have the larger size, K/V stay as they
     are (attention() broadcasts K/V of batch 1 without a copy)."""
+    qs, ks, vs = q.shape, k.shape, v.shape
+    r = len(qs)
+    if r == len(ks) == len(vs) and (
+            qs[0] == ks[0] == vs[0] if r == 4 else qs[:-3] == ks[:-3] == vs[:-3]) and (
+            qs[-3] == ks[-3] or (enable_gqa and ks[-3] and qs[-3] % ks[-3] == 0)):
+        return q, k, v                  # the common case: nothing to broadcast
     r = max(q.dim(), k.dim(), v.dim())
     if not q.dim() == k.dim() == v.dim() == r:
         q, k, v = (t if t.dim() == r else t.reshape((1,) * (r - t.dim()) + tuple(t.shape))

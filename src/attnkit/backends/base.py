@@ -140,6 +140,11 @@ class Problem:
     softcap: float | None = None
     score_mod: ScoreMod | None = None
     dropout_p: float = 0.0
+    #: The bool tensor the call gave as its mask, in this layout's frame
+    #: ``(B|1, H_q|1, N_q|1, N_k|1)`` (True = may attend), when ``mask`` is exactly that
+    #: tensor's Mask (``attention()`` sets both): an engine that needs the mask densely may
+    #: read it instead of evaluating ``mask`` — the same values, without a copy. None otherwise.
+    mask_tensor: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         # where a mask first meets the call's sizes: refused here for every backend alike
@@ -190,8 +195,11 @@ class Problem:
 
     @property
     def requires_grad(self) -> bool:
-        return torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (self.q, self.k, self.v, self.bias))
+        if not torch.is_grad_enabled():
+            return False
+        b = self.bias
+        return (self.q.requires_grad or self.k.requires_grad or self.v.requires_grad
+                or (b is not None and b.requires_grad))
 
     def describe(self) -> str:
         """The call in one line, for errors: shapes, dtype, device, mask and options."""
@@ -249,6 +257,24 @@ class Capabilities:
     mask_kinds: str | tuple[str, ...] = "any"
     hints: tuple[tuple[str, str], ...] = ()
 
+    def fits(self, p: Problem) -> bool:
+        """``not self.reasons(p)``, without building the reasons' text (what
+        ``backend="auto"`` asks of every backend on every call)."""
+        q = p.q
+        if self.devices is not None and q.device.type not in self.devices:
+            return False
+        if self.dtypes is not None and q.dtype not in self.dtypes:
+            return False
+        if self.max_head_dim is not None and max(q.shape[3], p.v.shape[3]) > self.max_head_dim:
+            return False
+        if self.max_queries is not None and q.shape[2] > self.max_queries:
+            return False
+        if not self.grad and p.requires_grad:
+            return False
+        if not self.dropout and p.dropout_p > 0.0:
+            return False
+        return self.score_mod or p.score_mod is None
+
     def reasons(self, p: Problem) -> list[str]:
         """One reason per unmet field (empty = every declared capability fits ``p``)."""
         def say(field_: str, text: str) -> str:
@@ -298,7 +324,12 @@ class Backend:
         """``not self.not_supported_reasons(p)``: what ``backend="auto"`` asks of every
         backend in priority order. A backend may answer it faster (without building the
         reasons' text) where the answer is plain — it must always agree with the reasons."""
-        return not self.not_supported_reasons(p)
+        caps = self.capabilities
+        if ("not_supported_reasons" in getattr(self, "__dict__", ())
+                or type(self).not_supported_reasons is not Backend.not_supported_reasons
+                or type(caps).reasons is not Capabilities.reasons):
+            return not self.not_supported_reasons(p)     # reasons of its own: ask them
+        return caps.fits(p) and not self.extra_reasons(p)
 
     def extra_reasons(self, p: Problem) -> list[str]:
         """Backend-specific reasons beyond :attr:`capabilities` (default: none)."""

@@ -61,6 +61,11 @@ Caution
 - With huge logits (|score| near 1e7·(its spread) in float32, 1e15 in float64) the saved
   LSE rounds at the row maximum's magnitude; the backward caps P = e^(x − lse) at 1, so the
   gradients stay finite, but they are only as accurate as that LSE.
+- bfloat16 / float16: the forward's QKᵀ and P·V run in that dtype where torch's brgemm has a
+  kernel for it (AMX, AVX512-BF16 / -FP16; fp32 accumulation, P rounded to the dtype before
+  P·V), else widened to float32; :func:`low_precision_paths` says which and why, and
+  ``ATTNKIT_NATIVE_LOWP_GEMM=0`` forces the widening. Score terms, softmax, LSE and the
+  backward compute in float32.
 - float32, bfloat16 and float16 on CPU compute in float32; float64 computes in float64 (the
   score terms, the softmax, the LSE and the gradients too) with the C library's exp / tanh
   per lane and plain-loop GEMMs: exact to float64 rounding, but several times slower than
@@ -82,6 +87,7 @@ from __future__ import annotations
 
 import math
 import operator
+import weakref
 from functools import reduce
 
 import torch
@@ -93,7 +99,7 @@ from . import loader
 from .score_mod import CompiledScoreMod, compile_score_mod, for_problem
 
 __all__ = ["available", "why_unavailable", "forward", "decode", "supports", "forward_problem",
-           "compile_score_mod", "CompiledScoreMod",
+           "compile_score_mod", "CompiledScoreMod", "low_precision_paths",
            "DTYPES", "DECODE_MAX_QUERIES", "DENSE_MASK_LIMIT"]
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -112,6 +118,19 @@ def why_unavailable() -> str | None:
     return None if available() else loader.reason()
 
 
+def low_precision_paths() -> dict[str, str]:
+    """Which GEMMs the forward runs for ``bfloat16`` / ``float16`` inputs now, and why:
+    their own dtype through torch's brgemm (oneDNN: AMX tiles, else AVX512-BF16 / -FP16 dot
+    products; fp32 accumulation, P rounded to the input dtype before P·V), or widened to
+    float32 (no such kernel on this CPU, or ``ATTNKIT_NATIVE_LOWP_GEMM=0``, read at every
+    call). The backward widens to float32 either way."""
+    ops = loader.load()
+    if ops is None:
+        return dict.fromkeys(("bfloat16", "float16"), f"native kernel unavailable: "
+                                                      f"{loader.reason()}")
+    return {dt: ops.lowp_gemm_path(dt) for dt in ("bfloat16", "float16")}
+
+
 def _ops() -> object:
     ops = loader.load()
     if ops is None:
@@ -124,18 +143,20 @@ def _as4d(t: torch.Tensor, shape: tuple[int, int, int, int], what: str,
           dtype: torch.dtype) -> torch.Tensor:
     """``t`` broadcast to ``shape`` as a strided view (stride 0 on broadcast dims), in
     ``dtype``, converting only the un-broadcast data."""
-    if t.dim() > 4:
-        raise ValueError(f"{what} must have at most 4 dims, got shape {tuple(t.shape)}")
-    t = t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))
-    try:
-        torch.broadcast_shapes(tuple(t.shape), shape)
-    except RuntimeError:
-        raise ValueError(f"{what} of shape {tuple(t.shape)} does not broadcast to "
-                         f"(B, H_q, N_q, N_k) = {shape}") from None
+    ts = t.shape
+    if len(ts) > 4:
+        raise ValueError(f"{what} must have at most 4 dims, got shape {tuple(ts)}")
+    if len(ts) < 4:
+        t = t.reshape((1,) * (4 - len(ts)) + tuple(ts))
+        ts = t.shape
+    # (tuple arithmetic: torch.broadcast_shapes costs ~100 µs, on every masked small call)
+    if any(n != m and n != 1 for n, m in zip(ts, shape, strict=True)):
+        raise ValueError(f"{what} of shape {tuple(ts)} does not broadcast to "
+                         f"(B, H_q, N_q, N_k) = {shape}")
     if t.dtype != dtype:
         small = t[tuple(slice(0, 1) if st == 0 else slice(None) for st in t.stride())]
         t = small.to(dtype)
-    return t.expand(shape)
+    return t if ts == shape else t.expand(shape)
 
 
 def _per_batch(x: object, B: int, what: str) -> torch.Tensor:
@@ -163,7 +184,7 @@ def _auto_splits(items: int, n_k: int) -> int:
     threads = max(1, torch.get_num_threads())
     if items >= 2 * threads or items == 0:
         return 1
-    return max(1, min(math.ceil(4 * threads / items), n_k // 256))
+    return max(1, min(-(-4 * threads // items), n_k // 256))     # (integer ceil)
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
@@ -189,8 +210,24 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float |
     ops = _ops()
     if not _layout_fits(q, k, v):
         _check_layout(q, k, v)
+    return _forward(ops, q, k, v, scale, softcap, alibi_slopes, alibi_offset, rel_table,
+                    rel_max_distance, bias, band, kv_lengths, q_lengths, doc_ids, kv_doc_ids,
+                    dense_mask, block_q, splits, score_mod)
+
+
+def _forward(ops: object, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             scale: float | None, softcap: float | None, alibi_slopes: torch.Tensor | None,
+             alibi_offset: int, rel_table: torch.Tensor | None, rel_max_distance: int | None,
+             bias: torch.Tensor | None, band: tuple[float, float] | None,
+             kv_lengths: object | None, q_lengths: object | None, doc_ids: object | None,
+             kv_doc_ids: object | None, dense_mask: torch.Tensor | None, block_q: int | None,
+             splits: int | None, score_mod: CompiledScoreMod | None,
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`forward` on inputs whose layout is known to fit (checked by :func:`forward`,
+    or a :class:`Problem` that :func:`supports` accepted): the per-call work of a small call
+    is this function's few lines and the operator call."""
     B, Hq, Nq, Dk = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
+    _, Hkv, Nk, _ = k.shape
     rel = None if rel_table is None and rel_max_distance is None else \
         _rel_table(rel_table, rel_max_distance, Hq)
     cdt = torch.float64 if q.dtype is torch.float64 else torch.float32   # score terms, LSE
@@ -201,15 +238,53 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float |
     if Nq == 0 or Nk == 0:                                   # no query, or nothing to see
         return (q.new_zeros(B, Hq, Nq, v.shape[3]),
                 torch.full((B, Hq, Nq), -math.inf, dtype=cdt))
-    if q.stride(-1) != 1:
+    if q.stride()[3] != 1:          # (stride() and one index: stride(-1) costs 5× as much)
         q = q.contiguous()
-    if k.stride(-1) != 1:
+    if k.stride()[3] != 1:
         k = k.contiguous()
-    if v.stride(-1) != 1:
+    if v.stride()[3] != 1:
         v = v.contiguous()
-    shape4 = (B, Hq, Nq, Nk)
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be > 0, got {softcap}")
+    rows = block_q or max(1, _ROWS_PER_ITEM // (Hq // Hkv))
+    n_split = splits or _auto_splits(B * Hkv * -(-Nq // rows), Nk)
+    plain = (alibi_slopes is None and rel is None and bias is None and band is None
+             and kv_lengths is None and q_lengths is None and doc_ids is None
+             and kv_doc_ids is None and dense_mask is None and score_mod is None)
+    if plain:                                # no tensor options: the common tuple as is
+        common: tuple[object, ...] = (
+            float(Dk ** -0.5 if scale is None else scale), float(softcap or 0.0), None,
+            float(alibi_offset), None, 0, None, -math.inf, math.inf, None, None, None, None,
+            None, 0, 0)
+        call = None
+    else:
+        common, call = _common(q, k, v, B, Hq, Nq, Nk, Dk, cdt, scale, softcap, alibi_slopes,
+                               alibi_offset, rel, rel_max_distance, bias, band, kv_lengths,
+                               q_lengths, doc_ids, kv_doc_ids, dense_mask, score_mod)
+    ali = alibi_slopes if isinstance(alibi_slopes, torch.Tensor) else None
+    if torch.is_grad_enabled() and (
+            q.requires_grad or k.requires_grad or v.requires_grad
+            or any(t is not None and t.requires_grad for t in (rel, ali, bias))):
+        out = _NativeAttention.apply(q, k, v, rel, ali, bias, common,
+                                     (int(n_split), int(rows)), call)
+    else:
+        out = ops.attend(q, k, v, *common, int(n_split), int(rows))  # type: ignore[attr-defined]
+    if call is not None:
+        call.check()                                         # an index out of range: raise
+    return out
+
+
+def _common(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, B: int, Hq: int, Nq: int,
+            Nk: int, Dk: int, cdt: torch.dtype, scale: float | None, softcap: float | None,
+            alibi_slopes: torch.Tensor | None, alibi_offset: int, rel: torch.Tensor | None,
+            rel_max_distance: int | None, bias: torch.Tensor | None,
+            band: tuple[float, float] | None, kv_lengths: object | None,
+            q_lengths: object | None, doc_ids: object | None, kv_doc_ids: object | None,
+            dense_mask: torch.Tensor | None, score_mod: CompiledScoreMod | None,
+            ) -> tuple[tuple[object, ...], object | None]:
+    """The operator's score-term and mask arguments (everything between v and the launch),
+    checked, and the score_mod's bound call (or None)."""
+    shape4 = (B, Hq, Nq, Nk)
     slopes = None
     if alibi_slopes is not None:
         slopes = torch.as_tensor(alibi_slopes).detach().to(cdt).reshape(-1)
@@ -225,11 +300,9 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float |
         doc_ids = kv_doc_ids
     if dense_mask is not None and dense_mask.dtype != torch.bool:
         raise TypeError(f"dense_mask must be bool (True = may attend), got {dense_mask.dtype}")
-    rows = block_q or max(1, _ROWS_PER_ITEM // (Hq // Hkv))
     cut = 0                                # table columns on each side that no |k - q| reaches
     if rel is not None:
         cut = max(0, int(rel_max_distance) - (max(Nq, Nk) - 1))  # type: ignore[arg-type]
-    n_split = splits or _auto_splits(B * Hkv * math.ceil(Nq / rows), Nk)
     call = None if score_mod is None else score_mod.bind()  # this call's caps and error flag
     common = (
         float(Dk ** -0.5 if scale is None else scale), float(softcap or 0.0),
@@ -246,17 +319,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float |
         None if dense_mask is None else _as4d(dense_mask, shape4, "dense_mask", torch.bool),
         0 if call is None else call.address,
         0 if call is None else call.caps_address)
-    ali = alibi_slopes if isinstance(alibi_slopes, torch.Tensor) else None
-    if torch.is_grad_enabled() and (
-            q.requires_grad or k.requires_grad or v.requires_grad
-            or any(t is not None and t.requires_grad for t in (rel, ali, bias))):
-        out = _NativeAttention.apply(q, k, v, rel, ali, bias, common,
-                                     (int(n_split), int(rows)), call)
-    else:
-        out = ops.attend(q, k, v, *common, int(n_split), int(rows))
-    if call is not None:
-        call.check()                                         # an index out of range: raise
-    return out
+    return common, call
 
 
 def _layout_fits(q: object, k: object, v: object) -> bool:
@@ -407,12 +470,34 @@ def _relbias_of(p: Problem) -> tuple[torch.Tensor, int] | None:
     return None
 
 
+# The last Problem whose mask was decomposed, with the result: supports() and
+# forward_problem() of one call ask for the same Problem (a weak reference to it and its
+# mask object itself, so ``is`` is a sound test; forward_problem() empties the entry, so it
+# keeps no mask alive past its call). One immutable tuple, replaced whole: thread-safe
+# (another thread's call only replaces it).
+_NO_OPTIONS: tuple[object, ...] = (lambda: None, None, None)
+_LAST_OPTIONS = _NO_OPTIONS
+
+
 def _mask_options(p: Problem) -> tuple[dict[str, object], Mask | None]:
-    """Closed-form options from ``p.mask``'s conjuncts, and the rest (a Mask, or None)."""
+    """Closed-form options from ``p.mask``'s conjuncts, and the rest (a Mask, or None).
+    The result is shared with the next caller for the same Problem: read it only."""
+    global _LAST_OPTIONS
+    mask = p.mask
+    if mask is None:
+        return {}, None
+    last = _LAST_OPTIONS
+    if last[1] is mask and last[0]() is p:  # type: ignore[operator]
+        return last[2]  # type: ignore[return-value]
+    got = _decompose(p)
+    _LAST_OPTIONS = (weakref.ref(p), mask, got)
+    return got
+
+
+def _decompose(p: Problem) -> tuple[dict[str, object], Mask | None]:
     opts: dict[str, object] = {}
     rest: list[Mask] = []
-    if p.mask is None:
-        return opts, None
+    assert p.mask is not None
     lo, hi = -math.inf, math.inf
     for m in p.mask.conjuncts():
         spec = m.spec
@@ -437,25 +522,27 @@ def _mask_options(p: Problem) -> tuple[dict[str, object], Mask | None]:
 
 def supports(p: Problem) -> list[str]:
     """Why the native kernel cannot run ``p`` (empty = it can)."""
-    if not available():
+    if loader.load() is None:
         return [f"native kernel unavailable: {why_unavailable()}"]
     out = []
-    if p.device.type != "cpu":
+    q = p.q
+    if not q.is_cpu:
         out.append(f"runs on CPU only (inputs are on {p.device})")
-    if p.dtype not in DTYPES:
+    if q.dtype not in DTYPES:
         out.append(f"dtype {p.dtype} is not supported (float32, float64, bfloat16, float16)")
     if p.dropout_p > 0.0:
         out.append(f"no dropout, got dropout_p={p.dropout_p}")
-    _, rest = _mask_options(p)
-    if rest is not None:
-        b = p.batch if rest.depends_on_batch else 1
-        h = p.heads_q if rest.depends_on_heads else 1
-        size = b * h * p.n_q * p.n_k
-        if size > DENSE_MASK_LIMIT:
-            out.append(f"mask {rest.name!r} has no closed form and its dense form would take "
-                       f"{size / 2**20:.0f} MB (limit {DENSE_MASK_LIMIT / 2**20:.0f} MB)")
-    if not out and _user_mod(p) is not None:                 # compiled only when it would run
-        got = for_problem(p.score_mod, _compute_dtype(p.dtype))
+    if p.mask is not None:
+        _, rest = _mask_options(p)
+        if rest is not None:
+            b = p.batch if rest.depends_on_batch else 1
+            h = p.heads_q if rest.depends_on_heads else 1
+            size = b * h * p.n_q * p.n_k
+            if size > DENSE_MASK_LIMIT:
+                out.append(f"mask {rest.name!r} has no closed form and its dense form would "
+                           f"take {size / 2**20:.0f} MB (limit {DENSE_MASK_LIMIT / 2**20:.0f} MB)")
+    if not out and p.score_mod is not None and _user_mod(p) is not None:
+        got = for_problem(p.score_mod, _compute_dtype(p.dtype))   # compiled only when it would run
         if isinstance(got, str):
             out.append(f"the Python score_mod cannot be compiled natively: {got}")
     return out
@@ -469,21 +556,36 @@ def _user_mod(p: Problem) -> object | None:
 
 
 def forward_problem(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run a :class:`Problem` that :func:`supports` accepts → ``(out, lse)``."""
-    opts, rest = _mask_options(p)
-    if rest is not None:
-        opts["dense_mask"] = rest.evaluate(p.n_q, p.n_k, batch=p.batch, heads=p.heads_q,
-                                           device=p.device)
+    """Run a :class:`Problem` that :func:`supports` accepts → ``(out, lse)``.
+
+    The Problem's layout was checked where it was made (:func:`attnkit.api.prepare`) and its
+    device and dtype by :func:`supports`, so the layout checks of :func:`forward` are not
+    repeated. A mask part without closed form is evaluated densely — or, when it is the
+    bool tensor the call gave (``p.mask_tensor``), that tensor is read as it is."""
+    global _LAST_OPTIONS
+    ops = _ops()
+    opts: dict[str, object] = {}
+    dense = None
+    if p.mask is not None:
+        opts, rest = _mask_options(p)
+        _LAST_OPTIONS = _NO_OPTIONS
+        if rest is not None:
+            if rest is p.mask and p.mask_tensor is not None:
+                dense = p.mask_tensor                     # (B|1, H_q|1, N_q|1, N_k|1) bool
+            else:
+                dense = rest.evaluate(p.n_q, p.n_k, batch=p.batch, heads=p.heads_q,
+                                      device=p.device)
+    ali = rel = mod = None
     if p.score_mod is not None:
         ali = _alibi_of(p)
-        if ali is not None:
-            opts["alibi_slopes"], opts["alibi_offset"] = ali
         rel = _relbias_of(p)
-        if rel is not None:
-            opts["rel_table"], opts["rel_max_distance"] = rel
         if _user_mod(p) is not None:
-            opts["score_mod"] = for_problem(p.score_mod, _compute_dtype(p.dtype))
-    if p.n_q <= DECODE_MAX_QUERIES:                           # native.decode's block
-        opts.setdefault("block_q", p.n_q)
-    return forward(p.q, p.k, p.v, scale=p.scale, softcap=p.softcap, bias=p.bias,  # type: ignore[arg-type]
-                   **opts)
+            mod = for_problem(p.score_mod, _compute_dtype(p.dtype))
+    n_q = p.q.shape[2]
+    return _forward(ops, p.q, p.k, p.v, p.scale, p.softcap,
+                    None if ali is None else ali[0], 0 if ali is None else ali[1],
+                    None if rel is None else rel[0], None if rel is None else rel[1],
+                    p.bias, opts.get("band"), opts.get("kv_lengths"),  # type: ignore[arg-type]
+                    opts.get("q_lengths"), opts.get("doc_ids"), opts.get("kv_doc_ids"),
+                    dense, n_q if n_q <= DECODE_MAX_QUERIES else None,  # native.decode's block
+                    None, mod)  # type: ignore[arg-type]

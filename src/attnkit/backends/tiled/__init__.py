@@ -132,6 +132,9 @@ def _dense_mask_bytes(p: Problem) -> int:
     that have no closed form (band, lengths, documents are closed)."""
     if p.mask is None:
         return 0
+    if p.mask_tensor is not None:          # the mask is that tensor's Mask: one opaque term
+        return ((p.batch if p.mask.depends_on_batch else 1)
+                * (p.heads_q if p.mask.depends_on_heads else 1) * p.n_q * p.n_k)
     b = h = 0
     for m in p.mask.conjuncts():
         if (band_of(m, p.n_q, p.n_k) is None and lengths_of(m) is None
