@@ -70,6 +70,13 @@ _SPEED_W = 29
 
 
 # ---------------------------------------------------------------------------- measuring
+def _low_precision_paths() -> dict[str, str]:
+    """Which GEMMs the native kernel's forward runs for bfloat16 / float16, and why."""
+    from .backends import native
+
+    return native.low_precision_paths()
+
+
 def _malloc_for(peak: bool) -> None:
     """glibc's big-block policy for the next runs. ``peak``: every block of 64 KiB or more is
     its own mapping, returned to the OS when freed, and the heap's free pages are returned
@@ -672,6 +679,8 @@ def run_cli(argv: list[str]) -> int:
           f"{platform.processor() or platform.machine()}, "
           f"cpu capability {torch.backends.cpu.get_cpu_capability()}, python "
           f"{sys.version.split()[0]}")
+    lowp = _low_precision_paths()
+    print("native low precision (forward): " + "; ".join(f"{k}: {v}" for k, v in lowp.items()))
     small = {"tiny": (128, 4), "quick": (1024, 128), "full": (2048, 512)}[size]
     flops_s = sgemm_flops(small[0])
     bw = read_bandwidth(small[1])
@@ -733,6 +742,7 @@ def run_cli(argv: list[str]) -> int:
             "threads": torch.get_num_threads(), "python": sys.version.split()[0],
             "cpu": platform.processor() or platform.machine(),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "low_precision": lowp,
             "yardsticks": {"sgemm_flops": flops_s, "read_bw": bw}, "noise": nz,
             "total_s": total}
     if args.json:

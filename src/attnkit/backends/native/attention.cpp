@@ -9,7 +9,9 @@
 //   Per key tile of n <= BK keys:
 //     S   (R, BK)    scores, then probabilities P in place
 //     acc (R, DVP)   sum_j P v_j                    m, l (R,) running max / sum
-//   all in the compute type A = compute_t<T>: float, or double for float64 inputs.
+//   all in the compute type A = compute_t<T>: float, or double for float64 inputs. For
+//   bfloat16 / float16 the forward's Q·Kᵀ and P·V may run in T instead (lowp.h: Q, K, V and
+//   P in T, fp32 accumulation; ATTNKIT_NATIVE_LOWP_GEMM=0 widens them to float).
 //
 // Order of score terms (attnkit/scores.py): S*scale -> softcap -> ALiBi -> + relative bias
 // table[h, clamp(k - q, -M, M) + M] (rel_table (H_q, 2M+1)) -> + bias -> mask.
@@ -110,7 +112,10 @@ template <typename A> void plan_forward(Args<A>& a, int64_t splits, int64_t bloc
   a.splits = std::max<int64_t>(1, std::min(splits, a.Nk));
   a.split_len = round_up((a.Nk + a.splits - 1) / a.splits, BK);  // on the tile grid
   a.splits = (a.Nk + a.split_len - 1) / a.split_len;
-  a.cache_kt = a.Dk * a.NKP * i64(sizeof(A)) * std::max(1, at::get_num_threads()) <= (64 << 20);
+  a.lowp = a.lowp && a.G * a.rows >= 16;                  // fewer rows: dot products (decode)
+  const i64 head_bytes = a.lowp ? (round_up(a.Dk, 2) + round_up(a.Dv, NB)) * a.NKP * 2  // lowp.h
+                                : a.Dk * a.NKP * i64(sizeof(A));
+  a.cache_kt = head_bytes * std::max(1, at::get_num_threads()) <= (64 << 20);
 }
 
 // Forward: (out (B, H_q, N_q, D_v) in q's dtype, lse (B, H_q, N_q) in A: float32, or float64
@@ -129,6 +134,9 @@ std::tuple<Tensor, Tensor> attend(
     Args<A> a = make_args<A>(q, k, v, scale, softcap, alibi, alibi_offset, rel,
                              rel_max_distance, bias, band_lo, band_hi, kv_len, q_len, q_doc,
                              k_doc, mask, score_mod, score_mod_caps);
+    const LowpPath path = lowp_path<T>();
+    a.lowp = path.gemm;
+    a.lowp_onednn_pack = path.onednn_pack;
     plan_forward(a, splits, block_q);
     out = at::empty({a.B, a.Hq, a.Nq, a.Dv}, q.options());
     lse = at::empty({a.B, a.Hq, a.Nq}, q.options().dtype(c10::CppTypeToScalarType<A>::value));
@@ -186,6 +194,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> attend_backward(
 
 std::string vector_width() { return std::to_string(W * 32) + "-bit"; }
 
+// Which GEMMs a forward call with dtype "bfloat16" / "float16" inputs runs now, and why.
+std::string lowp_gemm_path(const std::string& dtype) {
+  if (dtype == "bfloat16") return lowp_path<at::BFloat16>().why;
+  if (dtype == "float16") return lowp_path<at::Half>().why;
+  TORCH_CHECK(false, "attnkit native: lowp_gemm_path takes \"bfloat16\" or \"float16\", got ",
+              dtype);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(attnkit_native, m) {
@@ -204,6 +220,7 @@ TORCH_LIBRARY(attnkit_native, m) {
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
         &attend_backward);
   m.def("vector_width() -> str", &vector_width);
+  m.def("lowp_gemm_path(str dtype) -> str", &lowp_gemm_path);
 }
 
 }  // namespace attnkit_native

@@ -2,7 +2,8 @@
 // parameters, closed-form masks and the fused row pass (see attention.cpp for the legend).
 // Everything computing runs in a compute type A: float for float32 / bfloat16 / float16
 // inputs (W float lanes, the polynomial exp / tanh below), double for float64 inputs
-// (W / 2 double lanes, std::exp / std::tanh per lane: exact rather than fast).
+// (W / 2 double lanes, std::exp / std::tanh per lane: exact rather than fast). The forward's
+// two GEMMs may run in bfloat16 / float16 instead (lowp.h); everything else stays in A.
 #pragma once
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -310,6 +311,7 @@ template <typename A> struct Args {
   i64 rows, n_qblocks, splits, split_len;
   i64 NKP;                          // N_k rounded up to BK
   bool cache_kt;                    // keep a head's transposed K per thread (see Buffers)
+  bool lowp, lowp_onednn_pack;      // forward: T GEMMs for bfloat16 / float16 (lowp.h)
   ScoreModFn<A> mod; const void* const* mod_caps;  // a compiled Python score_mod or null
 };
 
@@ -552,8 +554,10 @@ inline void score_terms(const Args<A>& a, A* x, i64 n, i64 npad, i64 b, i64 h, i
 
 // Online softmax step on one row: x (npad,) -> P = e^(x - m_new) in place; updates the
 // running max m and sum l; returns alpha = e^(m_old - m_new), the factor for acc.
+// emit(j, P[j : j + lanes]) sees each vector of P as it is stored (the low-precision path
+// rounds P there, lowp.h).
 // (Scaling and taking the max in one pass measured no faster: the row is in L1.)
-template <typename A> inline A softmax_step(A* x, i64 npad, A& m, A& l) {
+template <typename A, typename F> inline A softmax_step(A* x, i64 npad, A& m, A& l, F&& emit) {
   using V = vec<A>;
   constexpr int L = lanes<A>;
   V vm = splat(A(NEG_INF));
@@ -568,12 +572,16 @@ template <typename A> inline A softmax_step(A* x, i64 npad, A& m, A& l) {
   for (i64 j = 0; j < npad; j += L) {
     V p = vexp_neg(load(x + j) - vs);
     store(x + j, p);
+    emit(j, p);
     sum += p;
   }
   const A alpha = m == NEG_INF ? A(0) : std::exp(m - shift);
   l = l * alpha + hsum(sum);
   m = m_new;
   return alpha;
+}
+template <typename A> inline A softmax_step(A* x, i64 npad, A& m, A& l) {
+  return softmax_step(x, npad, m, l, [](i64, vec<A>) {});
 }
 
 }  // namespace

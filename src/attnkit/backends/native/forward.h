@@ -2,6 +2,7 @@
 // key range), the finish and the merge of key splits (see attention.cpp for the legend).
 #pragma once
 #include "common.h"
+#include "lowp.h"
 
 namespace attnkit_native {
 namespace {
@@ -212,17 +213,95 @@ void values_gemm(const Args<A>& a, const T* vh, const Item& it, i64 k0, i64 n,
   });
 }
 
+// ------------------------------------------------------------------ low-precision GEMMs
+// S (R, BK) <- Q . K_tileᵀ in T (lowp.h), by the tile's sub-blocks.
+template <typename A, typename T>
+void scores_gemm_lowp(const Args<A>& a, const T* kt, const Item& it, const Sub* subs,
+                      int count, Buffers<A>& buf, LowpBuffers<T>& lb) {
+  if (count > 1) zero_skipped(subs, count, a.G, it.nr, buf.s.data());
+  for_each_block(subs, count, a.G, it.nr, [&](i64 r0, i64 m, i64 j0, i64 nj) {
+    scores_block_lowp(lb.q.get(), lb.DKE, kt, r0, m, j0, nj, buf.s.data());
+  });
+}
+
+// acc (R, D_v) += P_T (R, n) . V_tile in T (P_T: P rounded to T by rows_pass), by the
+// tile's sub-blocks; a tile whose V rows read hold inf/NaN takes the exact P == 0-skipping
+// path (values_axpy) instead.
+template <typename A, typename T>
+void values_gemm_lowp(const Args<A>& a, const T* vh, const T* vp, i64 v_bad, const Item& it,
+                      i64 k0, i64 n, const Sub* subs, int count, Buffers<A>& buf,
+                      LowpBuffers<T>& lb) {
+  const i64 R = a.G * it.nr;
+  if (v_bad < round_up(n, 2)) return values_axpy(a, vh, k0, n, R, buf);
+  for_each_block(subs, count, a.G, it.nr, [&](i64 r0, i64 m, i64 j0, i64 nj) {
+    values_block_lowp(lb.p.get(), vp, a.Dv, a.DVP, r0, m, j0, nj, buf.acc.data());
+  });
+}
+
 // ------------------------------------------------------------------ one work item
-// Rows of the item over its keys: acc, m, l in buf (R = G * nr rows).
+// Each row r (head h, query qi) of the tile's scores S (R, BK): the fused score terms, the
+// online softmax step (S -> P in place; with p_lowp, also P rounded to T there, (R, BK)),
+// acc row rescaled by alpha.
+template <typename A, typename T = A>
+void rows_pass(const Args<A>& a, const Item& it, i64 k0, i64 n, i64 npad, TileKind kind,
+               Buffers<A>& buf, T* p_lowp = nullptr) {
+  for (i64 r = 0; r < a.G * it.nr; ++r) {                  // row r: head h, query qi
+    const i64 h = it.kvh * a.G + r / it.nr, qi = it.q0 + r % it.nr;
+    A* x = buf.s.data() + r * BK;
+    score_terms(a, x, n, npad, it.b, h, qi, k0, kind == FULL);
+    A alpha;
+    if constexpr (is_lowp<T>) {
+      T* pr = p_lowp + r * BK;
+      alpha = softmax_step(x, npad, buf.m[r], buf.l[r],
+                           [&](i64 j, vec<A> p) { store_rounded(pr + j, p); });
+    } else {
+      alpha = softmax_step(x, npad, buf.m[r], buf.l[r]);
+    }
+    if (alpha != A(1)) {
+      A* ar = buf.acc.data() + r * a.DVP;
+      for (i64 d = 0; d < a.DVP; ++d) ar[d] *= alpha;
+    }
+  }
+}
+
+// The item on the low-precision path: Q, K, V in T through T GEMMs (the tiles' packed Kᵀ
+// and V from the thread's cache), the score terms and the softmax in float.
+template <typename A, typename T>
+void attend_item_lowp(const Args<A>& a, const T* q, const T* k, const T* v, const Item& it,
+                      Buffers<A>& buf, LowpBuffers<T>& lb) {
+  gather_q_lowp(a, q, it, lb);
+  const T* kh = k + it.b * a.sk[0] + it.kvh * a.sk[1];
+  const T* vh = v + it.b * a.sv[0] + it.kvh * a.sv[1];
+  // key tiles [k0, k0 + n) on the global grid of BK keys (keys before kb are masked)
+  for (i64 k0 = it.kb / BK * BK; k0 < it.ke; k0 += BK) {
+    const i64 n = std::min<i64>(BK, it.ke - k0), npad = round_up(n, W);
+    const TileKind kind = classify(a, it, k0, n);
+    if (kind == EMPTY) continue;
+    Sub subs[BK / SUB];
+    const int count = tile_subs(a, it, k0, n, kind, subs);
+    const T *kt, *vp;
+    i64 v_bad;
+    packed_tile(a, kh, vh, it, k0, n, lb, kt, vp, v_bad);
+    scores_gemm_lowp(a, kt, it, subs, count, buf, lb);
+    rows_pass(a, it, k0, n, npad, kind, buf, lb.p.get());
+    values_gemm_lowp(a, vh, vp, v_bad, it, k0, n, subs, count, buf, lb);
+  }
+}
+
+// Rows of the item over its keys: acc, m, l in buf (R = G * nr rows). lb (T GEMMs, lowp.h)
+// is null on the widening path.
 template <typename A, typename T>
 void attend_item(const Args<A>& a, const T* q, const T* k, const T* v, const Item& it,
-                 Buffers<A>& buf) {
+                 Buffers<A>& buf, LowpBuffers<T>* lb) {
   const i64 R = a.G * it.nr;
   const bool by_gemm = R >= 16;                            // brgemm pays off from 16 rows
   std::fill(buf.acc.begin(), buf.acc.begin() + R * a.DVP, A(0));
   std::fill(buf.m.begin(), buf.m.begin() + R, A(NEG_INF));
   std::fill(buf.l.begin(), buf.l.begin() + R, A(0));
   if (it.ke <= it.kb || it.nr <= 0) return;
+  if constexpr (is_lowp<T>) {
+    if (lb && by_gemm) return attend_item_lowp(a, q, k, v, it, buf, *lb);
+  }
   gather_q(a, q, it, buf);
   const T* kh = k + it.b * a.sk[0] + it.kvh * a.sk[1];
   const T* vh = v + it.b * a.sv[0] + it.kvh * a.sv[1];
@@ -235,16 +314,7 @@ void attend_item(const Args<A>& a, const T* q, const T* k, const T* v, const Ite
     const int count = by_gemm ? tile_subs(a, it, k0, n, kind, subs) : 1;
     if (by_gemm) scores_gemm(a, kh, it, k0, n, subs, count, buf);
     else scores_dot(a, kh, vh, k0, n, R, buf);
-    for (i64 r = 0; r < R; ++r) {                          // row r: head h, query qi
-      const i64 h = it.kvh * a.G + r / it.nr, qi = it.q0 + r % it.nr;
-      A* x = buf.s.data() + r * BK;
-      score_terms(a, x, n, npad, it.b, h, qi, k0, kind == FULL);
-      const A alpha = softmax_step(x, npad, buf.m[r], buf.l[r]);
-      if (alpha != A(1)) {
-        A* ar = buf.acc.data() + r * a.DVP;
-        for (i64 d = 0; d < a.DVP; ++d) ar[d] *= alpha;
-      }
-    }
+    rows_pass(a, it, k0, n, npad, kind, buf);
     if (by_gemm) values_gemm(a, vh, it, k0, n, subs, count, buf);
     else values_axpy(a, vh, k0, n, R, buf);
   }
@@ -309,6 +379,9 @@ void run(const Args<A>& a, const T* q, const T* k, const T* v, T* out, A* lse) {
   }
   at::parallel_for(0, n_items, 1, [&](i64 begin, i64 end) {
     Buffers<A> buf(a, a.G * a.rows);
+    std::unique_ptr<LowpBuffers<T>> lb;                    // T GEMMs: packed K/V, Q, P in T
+    if constexpr (is_lowp<T>)
+      if (a.lowp) lb.reset(new LowpBuffers<T>(a, a.G * a.rows));
     for (i64 t = begin; t < end; ++t) {
       const i64 c = t % C, zq = (t / C) % NQB, kvh = (t / (C * NQB)) % a.Hkv;
       const i64 b = t / (C * NQB * a.Hkv);
@@ -320,7 +393,7 @@ void run(const Args<A>& a, const T* q, const T* k, const T* v, T* out, A* lse) {
       i64 valid = a.q_len ? std::min(q_end, a.q_len[b * a.sql]) : q_end;
       it.nr = std::max<i64>(0, valid - it.q0);
       key_range(a, it, c * a.split_len, std::min(a.Nk, (c + 1) * a.split_len));
-      attend_item(a, q, k, v, it, buf);
+      attend_item(a, q, k, v, it, buf, lb.get());
       for (i64 g = 0; g < a.G; ++g)                        // rows [q0, q_end) of each head
         for (i64 i = 0; i < q_end - it.q0; ++i) {
           const i64 h = kvh * a.G + g, qi = it.q0 + i, r = g * it.nr + i;
@@ -334,6 +407,7 @@ void run(const Args<A>& a, const T* q, const T* k, const T* v, T* out, A* lse) {
             finish_row(acc, m, l, a.Dv, po.data() + (flat * C + c) * a.Dv, pl.data() + flat * C + c);
         }
     }
+    if (lb) at::native::cpublas::brgemm_release(true);   // the thread's AMX tile state
   });
   if (C > 1) merge_splits(a, po.data(), pl.data(), out, lse);
 }

@@ -1,0 +1,278 @@
+// The forward's low-precision GEMMs: bfloat16 / float16 inputs multiplied in their own dtype
+// (fp32 accumulation) through torch's brgemm (oneDNN: AMX tiles where the CPU has them,
+// AVX512-BF16 dot products elsewhere), with B packed in the VNNI layout.
+//
+//   VNNI block of a (K, 64) matrix B:  (K / 2, 64, 2)   element (k, n) at [k / 2][n][k % 2]
+//   Kᵀ tile (DKE, BK)  -> BK / 64 such blocks, one after another     (DKE = D_k rounded to 2)
+//   V tile  (BK, D_v)  -> DVB / 64 such blocks (BK / 2, 64, 2)        (DVB = D_v rounded to 64)
+//   Q rows  (R, DKE) and P (R, BK) in T; S (R, BK) and acc (R, DVP) stay float.
+//
+// Which path a call takes is decided at run time (lowp_path): the environment switch
+// ATTNKIT_NATIVE_LOWP_GEMM=0 forces the widening path (T -> float, float GEMMs); a CPU or
+// build whose brgemm has no kernel for T (no AVX512-BF16 / AMX for bfloat16; no AVX512-FP16
+// / AMX-FP16 for float16), or whose packing fails a numerical self-test, widens too.
+#pragma once
+#include <ATen/Context.h>
+#include <ATen/cpu/Utils.h>
+
+#include <cstdlib>
+#include <string>
+
+#include "common.h"
+
+namespace attnkit_native {
+namespace {
+
+constexpr int NB = 64;  // columns per VNNI block (oneDNN's pack: ld_out in 16, 32, 48, 64)
+
+template <typename T> constexpr bool is_lowp = std::is_same_v<T, at::BFloat16> ||
+                                               std::is_same_v<T, at::Half>;
+
+// ------------------------------------------------------------------ packing
+// dst (K / 2, NB, 2) <- src (K, NB) row-major, K even: our own interleave, or oneDNN's pack
+// where it has one for T (AMX). Both give the layout brgemm reads with is_vnni = true; the
+// self-test in probe() checks that on the machine it runs on.
+template <typename T> inline void vnni_pack(i64 K, const T* src, T* dst, bool onednn_pack) {
+  if (onednn_pack) {
+    at::native::cpublas::pack(K, NB, NB, NB, c10::CppTypeToScalarType<T>::value,
+                              c10::CppTypeToScalarType<T>::value, src, dst);
+    return;
+  }
+  for (i64 p = 0; p < K / 2; ++p)                         // pair of rows 2p, 2p + 1 (NB,)
+    for (i64 n = 0; n < NB; ++n) {
+      dst[(p * NB + n) * 2] = src[2 * p * NB + n];
+      dst[(p * NB + n) * 2 + 1] = src[(2 * p + 1) * NB + n];
+    }
+}
+
+// ------------------------------------------------------------------ which path runs
+struct LowpPath {
+  bool gemm;                // T GEMMs available (and correct) on this CPU
+  bool onednn_pack;         // pack with oneDNN (AMX) rather than our own interleave
+  std::string why;          // said by lowp_path() and attnkit's info
+};
+
+// Whether brgemm on an (M, 8) x (8, n) product, B rows [k0, k0 + 8) and columns
+// [off, off + n) of a packed (16, NB) block (as the kernel's sub-blocks address Kᵀ and V),
+// gives the exact product (small integers: exact in T and in float). Throws where brgemm
+// has no T kernel.
+template <typename T> bool probe_product(i64 M, i64 n, i64 k0, i64 off, bool onednn_pack) {
+  constexpr i64 K = 8, KB = 16;
+  T a[16 * K], b[KB * NB], bp[KB * NB];
+  float c[16 * NB];
+  for (i64 i = 0; i < M * K; ++i) a[i] = T(float(i % 7 - 3));
+  for (i64 i = 0; i < KB * NB; ++i) b[i] = T(float(i % 5 - 2));
+  vnni_pack(KB, b, bp, onednn_pack);
+  at::native::cpublas::brgemm(M, n, K, K, NB, NB, false, a, bp + k0 * NB + off * 2, c, true);
+  at::native::cpublas::brgemm_release(true);
+  for (i64 i = 0; i < M; ++i)
+    for (i64 j = 0; j < n; ++j) {
+      float want = 0.f;
+      for (i64 p = 0; p < K; ++p) want += float(a[i * K + p]) * float(b[(k0 + p) * NB + off + j]);
+      if (c[i * NB + j] != want) return false;
+    }
+  return true;
+}
+
+// Whether T GEMMs run here (a whole block; a tail of rows and columns from row 8, column 32).
+template <typename T> LowpPath probe() {
+  const std::string name = std::is_same_v<T, at::BFloat16> ? "bfloat16" : "float16";
+  const bool amx = at::cpu::init_amx();                  // tile permission from the OS, if any
+  const bool onednn_pack = at::native::cpublas::could_pack(c10::CppTypeToScalarType<T>::value);
+  bool ok;
+  try {
+    ok = probe_product<T>(16, NB, 0, 0, onednn_pack) &&
+         probe_product<T>(5, 29, 8, 32, onednn_pack);
+  } catch (const std::exception&) {
+    return {false, false, "widening to float32: torch's brgemm has no " + name +
+                              " kernel on this CPU (oneDNN needs " +
+                              (std::is_same_v<T, at::BFloat16> ? "AVX512-BF16 or AMX"
+                                                               : "AVX512-FP16 or AMX-FP16") +
+                              ")"};
+  }
+  if (!ok)
+    return {false, false, "widening to float32: the " + name +
+                              " brgemm self-test failed (packed layout not as expected)"};
+  return {true, onednn_pack,
+          name + " GEMMs (oneDNN brgemm, fp32 accumulation, B packed " +
+              (onednn_pack ? "by oneDNN" : "by attnkit") + " in VNNI layout" +
+              (amx ? ", AMX tiles" : ", no AMX: oneDNN's AVX512 kernels") + ")"};
+}
+
+template <typename T> const LowpPath& probed() {
+  static const LowpPath p = probe<T>();                  // once per process and dtype
+  return p;
+}
+
+// Whether ATTNKIT_NATIVE_LOWP_GEMM forbids the low-precision GEMMs (read at every call).
+inline bool lowp_forced_off() {
+  const char* e = std::getenv("ATTNKIT_NATIVE_LOWP_GEMM");
+  if (!e) return false;
+  const std::string s(e);
+  return s == "0" || s == "false" || s == "off" || s == "no";
+}
+
+// The path a call with T inputs takes now, and why.
+template <typename T> LowpPath lowp_path() {
+  if constexpr (!is_lowp<T>) {
+    return {false, false, "not a low-precision dtype"};
+  } else {
+    if (lowp_forced_off()) return {false, false, "widening to float32: ATTNKIT_NATIVE_LOWP_GEMM=0"};
+    if (!at::globalContext().userEnabledMkldnn())
+      return {false, false, "widening to float32: torch.backends.mkldnn is disabled"};
+    return probed<T>();
+  }
+}
+
+// ------------------------------------------------------------------ conversions
+// dst[0 : W] = T(x), rounded to nearest even (NaN stays NaN).
+inline void store_rounded(at::BFloat16* dst, vf x) {
+  typedef uint32_t vu __attribute__((vector_size(W * 4)));
+  typedef uint16_t vh __attribute__((vector_size(W * 2)));
+  vu u;
+  std::memcpy(&u, &x, sizeof u);
+  vu r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;          // bfloat16 = a float's top half
+  r = select(x != x, vu{} + 0x7FC0u, r);
+  const vh h = __builtin_convertvector(r, vh);
+  std::memcpy(dst, &h, sizeof h);
+}
+inline void store_rounded(at::Half* dst, vf x) {
+#if defined(__F16C__) && defined(__AVX512F__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
+                      _mm512_cvtps_ph((__m512)x, _MM_FROUND_TO_NEAREST_INT));
+#elif defined(__F16C__) && (defined(__AVX2__) || defined(__AVX__))
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst),
+                   _mm256_cvtps_ph((__m256)x, _MM_FROUND_TO_NEAREST_INT));
+#else
+  for (int i = 0; i < W; ++i) dst[i] = at::Half(x[i]);
+#endif
+}
+
+// ------------------------------------------------------------------ per-thread buffers
+// The packed Kᵀ and V of one head (NKP / BK tiles, filled as items need them) or of one
+// tile, the item's Q rows and P in T, and a staging block for the packing.
+template <typename T> struct LowpBuffers {
+  i64 DKE, DVB, kt_tile, v_tile;                          // sizes of one packed tile
+  std::unique_ptr<T[]> q, p, kt, v, stage;
+  std::vector<char> done;                                 // (tiles,) packed yet
+  std::vector<i64> v_bad;                                 // (tiles,) first non-finite V row
+  i64 cb = -1, ch = -1;                                   // the cached head
+  bool cache, onednn_pack;
+  template <typename A> LowpBuffers(const Args<A>& a, i64 R)
+      : DKE(round_up(a.Dk, 2)), DVB(round_up(a.Dv, NB)), kt_tile(BK * round_up(a.Dk, 2)),
+        v_tile(BK * round_up(a.Dv, NB)), q(new T[R * round_up(a.Dk, 2)]), p(new T[R * BK]),
+        stage(new T[std::max<i64>(BK, round_up(a.Dk, 2)) * NB]), cache(a.cache_kt),
+        onednn_pack(a.lowp_onednn_pack) {
+    const i64 tiles = cache ? a.NKP / BK : 1;
+    kt.reset(new T[tiles * kt_tile]);
+    v.reset(new T[tiles * v_tile]);
+    done.assign(tiles, 0);
+    v_bad.assign(tiles, 0);
+  }
+};
+
+// Q (R, DKE) <- the item's query rows in T, G heads stacked, zero padded.
+template <typename A, typename T>
+void gather_q_lowp(const Args<A>& a, const T* q, const Item& it, LowpBuffers<T>& lb) {
+  for (i64 g = 0; g < a.G; ++g)
+    for (i64 i = 0; i < it.nr; ++i) {                     // row g * nr + i (DKE,)
+      const T* src = q + it.b * a.sq[0] + (it.kvh * a.G + g) * a.sq[1] + (it.q0 + i) * a.sq[2];
+      T* dst = lb.q.get() + (g * it.nr + i) * lb.DKE;
+      std::memcpy(dst, src, a.Dk * sizeof(T));
+      for (i64 d = a.Dk; d < lb.DKE; ++d) dst[d] = T(0.f);
+    }
+}
+
+// The packed Kᵀ tile (DKE, BK) of keys [k0, k0 + n): BK / NB blocks (DKE / 2, NB, 2); keys
+// past n and dims past D_k are 0.
+template <typename A, typename T>
+void pack_kt_tile(const Args<A>& a, const T* kh, i64 k0, i64 n, T* dst, LowpBuffers<T>& lb) {
+  T* st = lb.stage.get();                                 // (DKE, NB) Kᵀ block
+  for (i64 c = 0; c < BK; c += NB) {                      // keys [c, c + NB) of the tile
+    std::fill_n(st, lb.DKE * NB, T(0.f));
+    for (i64 j = c; j < std::min<i64>(n, c + NB); ++j) {  // st[d, j - c] = k[k0 + j, d]
+      const T* kr = kh + (k0 + j) * a.sk[2];
+      for (i64 d = 0; d < a.Dk; ++d) st[d * NB + j - c] = kr[d];
+    }
+    vnni_pack(lb.DKE, st, dst + c * lb.DKE, lb.onednn_pack);
+  }
+}
+
+// The packed V tile of keys [k0, k0 + n): DVB / NB blocks (BK / 2, NB, 2), rows past n and
+// columns past D_v 0; returns the first row holding inf/NaN (BK if none: the zero rows past
+// n are finite).
+template <typename A, typename T>
+i64 pack_v_tile(const Args<A>& a, const T* vh, i64 k0, i64 n, T* dst, LowpBuffers<T>& lb) {
+  T* st = lb.stage.get();                                 // (BK, NB) V block
+  i64 bad = BK;
+  float row[NB];
+  for (i64 c = 0; c < lb.DVB; c += NB) {                  // columns [c, c + NB) of V
+    const i64 w = std::min<i64>(NB, a.Dv - c);
+    std::fill_n(st, BK * NB, T(0.f));
+    for (i64 j = 0; j < n; ++j) {                         // st[j, :w] = v[k0 + j, c : c + w]
+      const T* vr = vh + (k0 + j) * a.sv[2] + c;
+      std::memcpy(st + j * NB, vr, w * sizeof(T));
+      for (i64 d = 0; d < w; ++d) row[d] = float(vr[d]);
+      for (i64 d = w; d < NB; ++d) row[d] = 0.f;
+      if (j < bad && !all_finite(row, NB)) bad = j;
+    }
+    vnni_pack(BK, st, dst + c * BK, lb.onednn_pack);
+  }
+  return bad;
+}
+
+// The tile's packed Kᵀ and V (from the head's cache, packed on first use), and V's first
+// non-finite row.
+template <typename A, typename T>
+void packed_tile(const Args<A>& a, const T* kh, const T* vh, const Item& it, i64 k0, i64 n,
+                 LowpBuffers<T>& lb, const T*& kt, const T*& v, i64& v_bad) {
+  i64 t = 0, len = n;
+  if (lb.cache) {                                         // k0 is a multiple of BK here
+    if (lb.cb != it.b || lb.ch != it.kvh) {
+      std::fill(lb.done.begin(), lb.done.end(), 0);
+      lb.cb = it.b;
+      lb.ch = it.kvh;
+    }
+    t = k0 / BK;
+    len = std::min<i64>(BK, a.Nk - k0);                   // the whole tile, for every item
+  }
+  T* ktt = lb.kt.get() + t * lb.kt_tile;
+  T* vt = lb.v.get() + t * lb.v_tile;
+  if (!lb.cache || !lb.done[t]) {
+    pack_kt_tile(a, kh, k0, len, ktt, lb);
+    lb.v_bad[t] = pack_v_tile(a, vh, k0, len, vt, lb);
+    lb.done[t] = 1;
+  }
+  kt = ktt;
+  v = vt;
+  v_bad = lb.v_bad[t];
+}
+
+// ------------------------------------------------------------------ the two GEMMs
+// S[r0 : r0 + m, j0 : j0 + nj] (ld BK) <- Q rows . Kᵀ columns, one brgemm per VNNI block the
+// columns touch.
+template <typename T>
+inline void scores_block_lowp(const T* q, i64 DKE, const T* kt, i64 r0, i64 m, i64 j0, i64 nj,
+                              float* s) {
+  for (i64 c = j0; c < j0 + nj;) {                        // columns [c, e) of one block
+    const i64 blk = c / NB, e = std::min(j0 + nj, (blk + 1) * NB);
+    at::native::cpublas::brgemm(m, e - c, DKE, DKE, NB, BK, false, q + r0 * DKE,
+                                kt + blk * NB * DKE + (c - blk * NB) * 2, s + r0 * BK + c, true);
+    c = e;
+  }
+}
+
+// acc[r0 : r0 + m, :D_v] (ld DVP) += P[r0 : r0 + m, j0 : j0 + nj] . V rows [j0, j0 + nj),
+// one brgemm per VNNI block of V's columns (nj rounded up to 2: P and V are 0 past the tile).
+template <typename T>
+inline void values_block_lowp(const T* p, const T* v, i64 Dv, i64 DVP, i64 r0, i64 m, i64 j0,
+                              i64 nj, float* acc) {
+  const i64 ke = round_up(nj, 2);
+  for (i64 c = 0; c < Dv; c += NB)                        // columns [c, c + NB) of V
+    at::native::cpublas::brgemm(m, std::min<i64>(NB, Dv - c), ke, BK, NB, DVP, true,
+                                p + r0 * BK + j0, v + c * BK + j0 * NB, acc + r0 * DVP + c,
+                                true);
+}
+
+}  // namespace
+}  // namespace attnkit_native

@@ -1,0 +1,204 @@
+"""The native kernel's low-precision forward: bfloat16 / float16 GEMMs (fp32 accumulation, P
+rounded to the input dtype before P·V) against the float64 oracle, and the widening path
+(``ATTNKIT_NATIVE_LOWP_GEMM=0``: inputs widened to float32, float32 GEMMs) beside it.
+
+Shape legend: q (B, H_q, N_q, D_k), k (B, H_kv, N_k, D_k), v (B, H_kv, N_k, D_v).
+Every comparison follows DESIGN: within 2× the naive low-precision formula's error (with the
+rounding floor of conftest), and within 2× torch SDPA's own error in the same dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from attnkit.backends import native
+from attnkit.scores import alibi, alibi_slopes
+from conftest import (
+    assert_low_precision_close,
+    assert_low_precision_grad_close,
+    max_err,
+    naive_low_precision,
+    oracle,
+    rounding_floor,
+)
+
+NATIVE = native.available()
+pytestmark = pytest.mark.skipif(not NATIVE, reason=f"native kernel unavailable: "
+                                                   f"{native.why_unavailable()}")
+LOWP = (torch.bfloat16, torch.float16)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+@pytest.fixture(params=["gemm", "widen"])
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each test runs on the low-precision GEMM path (where this CPU has it) and on the forced
+    widening path."""
+    monkeypatch.setenv("ATTNKIT_NATIVE_LOWP_GEMM", "1" if request.param == "gemm" else "0")
+    return request.param
+
+
+def qkv(B: int, hq: int, hkv: int, nq: int, nk: int, d: int, dv: int | None = None,
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (torch.randn(B, hq, nq, d, dtype=torch.float64),
+            torch.randn(B, hkv, nk, d, dtype=torch.float64),
+            torch.randn(B, hkv, nk, dv or d, dtype=torch.float64))
+
+
+def check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype, *,
+          allowed: torch.Tensor | None = None, oracle_opts: dict | None = None,
+          kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+          **native_opts: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """native.forward in ``dtype`` (on K/V ``kv`` when given: the same, with NaN where the
+    mask blocks) against the float64 oracle: out within DESIGN's budget, empty rows 0 with
+    LSE -inf, LSE in float32 close to the oracle's."""
+    oo = oracle_opts or {}
+    ref, lse_ref, _ = oracle(q, k, v, allowed=allowed, **oo)
+    lowp = naive_low_precision(q.to(dtype), k.to(dtype), v.to(dtype), allowed=allowed, **oo)
+    kk, vv = kv if kv is not None else (k, v)
+    with torch.no_grad():
+        out, lse = native.forward(q.to(dtype), kk.to(dtype), vv.to(dtype), **native_opts)
+    assert out.dtype == dtype and lse.dtype == torch.float32 and out.shape == ref.shape
+    assert_low_precision_close(out, lowp, ref)
+    empty = lse_ref == -math.inf
+    assert torch.equal(lse == -math.inf, empty), "rows without keys must have LSE -inf"
+    assert (out[empty] == 0).all(), "rows without keys must give 0"
+    tol = 64 * torch.finfo(dtype).eps * (1 + lse_ref[~empty].abs())
+    assert ((lse.double()[~empty] - lse_ref[~empty]).abs() <= tol).all()
+    return out, lse
+
+
+# ---------------------------------------------------------------------------- the path
+def test_the_path_is_reported() -> None:
+    info = native.low_precision_paths()
+    assert set(info) == {"bfloat16", "float16"} and all(isinstance(s, str) for s in info.values())
+    if "avx512_bf16" in _cpu_flags() or "amx_bf16" in _cpu_flags():
+        assert info["bfloat16"].startswith("bfloat16 GEMMs"), info
+
+
+def test_the_switch_forces_widening(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ATTNKIT_NATIVE_LOWP_GEMM", "0")
+    info = native.low_precision_paths()
+    assert all("ATTNKIT_NATIVE_LOWP_GEMM=0" in s for s in info.values()), info
+
+
+@pytest.mark.parametrize("dtype", LOWP)
+def test_gemm_path_rounds_p(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the GEMM path runs, its output differs from the widening path's (P is rounded to
+    the input dtype) while both stay within DESIGN's budget."""
+    if not native.low_precision_paths()[str(dtype).split(".")[1]].startswith(
+            str(dtype).split(".")[1] + " GEMMs"):
+        pytest.skip("no low-precision GEMMs on this CPU: " + str(native.low_precision_paths()))
+    q, k, v = (t.to(dtype) for t in qkv(1, 4, 2, 256, 256, 64))
+    outs = []
+    for flag in ("1", "0"):
+        monkeypatch.setenv("ATTNKIT_NATIVE_LOWP_GEMM", flag)
+        outs.append(native.forward(q, k, v)[0])
+    assert not torch.equal(outs[0], outs[1])
+
+
+# ---------------------------------------------------------------------------- sizes
+@pytest.mark.parametrize("dtype", LOWP)
+@pytest.mark.parametrize("B,hq,hkv,nq,nk,d,dv", [
+    (1, 2, 1, 97, 113, 1, 1),
+    (1, 2, 2, 130, 301, 3, 3),
+    (2, 4, 2, 129, 257, 64, 64),          # GQA, N not a multiple of the tile
+    (1, 2, 2, 200, 77, 80, 80),           # N_q > N_k
+    (1, 4, 2, 113, 1025, 128, 64),        # GQA, D_v != D_k
+    (1, 1, 1, 70, 140, 256, 256),
+])
+def test_sizes_match_reference(dtype: torch.dtype, path: str, B: int, hq: int, hkv: int,
+                               nq: int, nk: int, d: int, dv: int) -> None:
+    check(*qkv(B, hq, hkv, nq, nk, d, dv), dtype)
+
+
+# ---------------------------------------------------------------------------- masks
+@pytest.mark.parametrize("dtype", LOWP)
+def test_masks(dtype: torch.dtype, path: str) -> None:
+    q, k, v = qkv(2, 2, 1, 200, 233, 64)
+    i, j = torch.arange(200)[:, None], torch.arange(233)
+    check(q, k, v, dtype, allowed=j <= i + 33, band=(-33, math.inf))       # causal, bottom-right
+    check(q, k, v, dtype, allowed=(i - j >= 0) & (i - j <= 63), band=(0, 63))  # sliding window
+    kvl = torch.tensor([233, 150])
+    pad = (j < kvl.view(2, 1, 1, 1)).expand(2, 2, 200, 233)
+    check(q, k, v, dtype, allowed=pad, kv_lengths=kvl)                     # padding
+    # rows 213.. see no key (q - k <= -20 needs k >= q + 20 > 232): output 0, LSE -inf
+    check(q, k, v, dtype, allowed=i - j <= -20, band=(-math.inf, -20))
+    dense = torch.rand(200, 233) < 0.3
+    dense[7] = False                                                       # one empty row
+    check(q, k, v, dtype, allowed=dense, dense_mask=dense.expand(2, 2, 200, 233))
+
+
+@pytest.mark.parametrize("dtype", LOWP)
+def test_nan_in_masked_kv_rows_stays_out(dtype: torch.dtype, path: str) -> None:
+    """NaN / inf in masked K/V rows — padded rows, a masked key, and the row just past an
+    odd-length last tile that the GEMM's even key count would touch — never reach the out."""
+    q, k, v = qkv(2, 2, 1, 97, 301, 32)
+    kvl = torch.tensor([201, 37])
+    allowed = (torch.arange(301) < kvl.view(2, 1, 1, 1)) & (torch.arange(301) != 5)
+    k2, v2 = k.clone(), v.clone()
+    for b, n in enumerate(kvl.tolist()):
+        k2[b, :, n:], v2[b, :, n:] = math.nan, math.inf
+    k2[:, :, 5], v2[:, :, 5] = math.inf, math.nan
+    check(q, k, v, dtype, allowed=allowed, kv=(k2, v2), kv_lengths=kvl,
+          dense_mask=allowed.expand(2, 2, 97, 301))
+    check(q, k, v, dtype, allowed=allowed, kv=(k2, v2), kv_lengths=kvl,
+          dense_mask=allowed.expand(2, 2, 97, 301), block_q=16)
+
+
+# ---------------------------------------------------------------------------- score terms
+@pytest.mark.parametrize("dtype", LOWP)
+def test_softcap_and_alibi(dtype: torch.dtype, path: str) -> None:
+    q, k, v = qkv(1, 4, 2, 64, 700, 64)
+    causal = torch.arange(700) <= torch.arange(64)[:, None] + 636
+    check(q, k, v, dtype, oracle_opts={"softcap": 5.0}, softcap=5.0)
+    check(q, k, v, dtype, allowed=causal, oracle_opts={"score_mod": alibi(4)},
+          alibi_slopes=alibi_slopes(4), band=(-636, math.inf))
+
+
+# ---------------------------------------------------------------------------- vs torch SDPA
+@pytest.mark.parametrize("dtype", LOWP)
+@pytest.mark.parametrize("causal", [False, True])
+def test_within_twice_torch_sdpa_error(dtype: torch.dtype, path: str, causal: bool) -> None:
+    q, k, v = qkv(1, 4, 4, 384, 384, 64)
+    allowed = torch.ones(384, 384, dtype=torch.bool).tril() if causal else None
+    ref, _, _ = oracle(q, k, v, allowed=allowed)
+    ql, kl, vl = (t.to(dtype) for t in (q, k, v))
+    with torch.no_grad():
+        sdpa = torch.nn.functional.scaled_dot_product_attention(ql, kl, vl, is_causal=causal)
+        out, _ = native.forward(ql, kl, vl, band=(0, math.inf) if causal else None)
+    budget = 2 * max_err(sdpa, ref) + rounding_floor(ref, dtype, 8.0)
+    assert max_err(out, ref) <= budget, (max_err(out, ref), max_err(sdpa, ref))
+
+
+# ---------------------------------------------------------------------------- backward
+def test_backward_after_the_lowp_forward(path: str) -> None:
+    """The backward (widening) reuses the forward's saved out and LSE: its gradients stay
+    within 3× the naive bfloat16 formula's."""
+    q, k, v = qkv(1, 4, 2, 130, 150, 32)
+    tril = torch.ones(130, 150, dtype=torch.bool).tril(20)
+    dout = torch.randn(1, 4, 130, 32, dtype=torch.float64)
+
+    def grads(dt: torch.dtype, fn) -> list[torch.Tensor]:  # noqa: ANN001
+        qq, kk, vv = (t.to(dt).detach().requires_grad_() for t in (q, k, v))
+        (fn(qq, kk, vv).double() * dout).sum().backward()
+        return [t.grad for t in (qq, kk, vv)]
+
+    g64 = grads(torch.float64, lambda a, b, c: oracle(a, b, c, allowed=tril)[0])
+    glow = grads(torch.bfloat16, lambda a, b, c: oracle(a, b, c, allowed=tril,
+                                                        dtype=torch.bfloat16)[0])
+    gn = grads(torch.bfloat16, lambda a, b, c: native.forward(a, b, c, band=(-20, math.inf))[0])
+    for name, got, lo, hi in zip("qkv", gn, glow, g64, strict=True):
+        assert_low_precision_grad_close(got, lo, hi, what=f"d{name}")
