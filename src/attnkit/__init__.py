@@ -32,6 +32,8 @@ from .layers import (
     TorchStyleMultiheadAttention,
     rope,
 )
+from .layers.paged import PagedKVCache
+from .serving import attention_varlen, attention_with_kvcache
 
 _sys.modules[__name__ + ".rope"] = rope      # `import attnkit.rope` (it lives in layers/)
 
@@ -41,4 +43,5 @@ __all__ = ["MultiHeadAttention", "MultiHeadLatentAttention", "KVCache", "RMSNorm
            "TorchStyleMultiheadAttention", "cost", "rope",
            "attention", "scaled_dot_product_attention", "explain", "explain_model", "Trace",
            "masks", "scores", "backends", "distributed",
+           "PagedKVCache", "attention_with_kvcache", "attention_varlen",
            "__version__"]

@@ -8,6 +8,8 @@ is picked without the module knowing about it. Speed lives in the backends, not 
 What lives where::
 
     cache.py         KVCache: the tokens one layer has seen (k, v or MLA's latent), its owner
+    paged.py         PagedKVCache: many sequences' k, v in a pool of pages, block tables,
+                     fork (copy-on-write), free — for attnkit.attention_with_kvcache (serving)
     mha.py           MultiHeadAttention (MHA / GQA / MQA, qk_norm, tie_qk, softcap, dropout)
     mla.py           MultiHeadLatentAttention (absorbed and plain paths)
     norms.py         RMSNorm (QK-norm, MLA's latent norm)
@@ -63,6 +65,7 @@ from .cache import KVCache
 from .mha import MultiHeadAttention
 from .mla import MultiHeadLatentAttention
 from .norms import RMSNorm
+from .paged import PagedKVCache
 from .rope import RoPE
 from .torch_compat import TorchStyleMultiheadAttention, torch_masks_to_attnkit
 
@@ -70,6 +73,7 @@ __all__ = [
     "KVCache",
     "MultiHeadAttention",
     "MultiHeadLatentAttention",
+    "PagedKVCache",
     "RMSNorm",
     "RoPE",
     "TorchStyleMultiheadAttention",

@@ -30,8 +30,9 @@ import torch
 from torch import nn
 
 from .cache import KVCache
-from .common import check_options, head_dims, positive_int, split_heads
+from .common import check_options, head_dims, positive_int, shape_of, split_heads
 from .norms import RMSNorm
+from .paged import PagedBatch, PagedKVCache
 from .rope import RoPE, apply, positions_for
 from .shared import attend, cache_step, check_call, finish
 
@@ -198,12 +199,14 @@ class MultiHeadAttention(nn.Module):
     @overload
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = ..., *,
                 value: torch.Tensor | None = ..., mask: Any = ..., is_causal: bool = ...,
-                cache: KVCache | None = ..., need_weights: Literal[False] = ...,
+                cache: KVCache | PagedKVCache | PagedBatch | None = ...,
+                need_weights: Literal[False] = ...,
                 positions: Any = ...) -> torch.Tensor: ...
     @overload
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = ..., *,
                 value: torch.Tensor | None = ..., mask: Any = ..., is_causal: bool = ...,
-                cache: KVCache | None = ..., need_weights: Literal[True],
+                cache: KVCache | PagedKVCache | PagedBatch | None = ...,
+                need_weights: Literal[True],
                 positions: Any = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def forward(
@@ -214,7 +217,7 @@ class MultiHeadAttention(nn.Module):
         value: torch.Tensor | None = None,
         mask: Any = None,
         is_causal: bool = False,
-        cache: KVCache | None = None,
+        cache: KVCache | PagedKVCache | PagedBatch | None = None,
         need_weights: bool = False,
         positions: Any = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -229,7 +232,9 @@ class MultiHeadAttention(nn.Module):
             is_causal: causal self-attention (bottom-right aligned when a cache is given).
             cache: a :class:`KVCache` for incremental decoding (self-attention only): the
                 new tokens' K/V are appended and the queries attend to every cached token.
-                A cache belongs to the first layer that writes to it.
+                A cache belongs to the first layer that writes to it. Serving: a
+                :class:`~attnkit.PagedKVCache` (row b continues its b-th sequence) or
+                ``paged.batch(seqs)`` — no mask, context or weights; N new tokens per row.
             need_weights: also return the attention weights ``(B, H, N_q, N_k)``.
             positions: with ``rope``, the new tokens' positions ``(N_q,)`` or ``(B, N_q)``
                 (integers; e.g. left-padded batches); default the cache length + 0 … N_q−1.
@@ -237,6 +242,10 @@ class MultiHeadAttention(nn.Module):
         Returns ``out`` ``(B, N_q, d)`` (``(N_q, d)`` for unbatched input), or
         ``(out, weights)`` with ``need_weights=True``.
         """
+        if isinstance(cache, (PagedKVCache, PagedBatch)):   # serving: a paged cache
+            return self._forward_paged(x, cache, context=context, value=value, mask=mask,
+                                       is_causal=is_causal, need_weights=need_weights,
+                                       positions=positions)
         call = check_call(self, x, context, value, cache, mask, is_causal)
         if positions is not None and self.rope is None:
             raise ValueError("positions=... are for rotary embeddings: build the layer with "
@@ -258,6 +267,52 @@ class MultiHeadAttention(nn.Module):
                                 dropout_p=self.dropout if self.training else 0.0,
                                 need_weights=need_weights)  # (B, H, N_q, d_v)
         return finish(self, o, weights, call, need_weights)
+
+    def _forward_paged(self, x: torch.Tensor, cache: PagedKVCache | PagedBatch, *,
+                       context: Any, value: Any, mask: Any, is_causal: bool,
+                       need_weights: bool, positions: Any) -> torch.Tensor:
+        """``cache=`` a :class:`~attnkit.PagedKVCache` (row b of x is its b-th live sequence)
+        or ``cache.batch(seqs)``: x (B, N, d) appends N tokens to each sequence and attends
+        through its pages (:func:`attnkit.attention_with_kvcache`; causal bottom-right)."""
+        batch = cache.batch(cache.sequences) if isinstance(cache, PagedKVCache) else cache
+        paged, seqs = batch.cache, batch.seqs
+        refused = [name for name, given in (("context", context is not None),
+                   ("value", value is not None), ("mask", mask is not None),
+                   ("need_weights", need_weights),
+                   ("dropout in training", self.training and self.dropout > 0)) if given]
+        if refused:
+            raise NotImplementedError(f"with a PagedKVCache, {', '.join(refused)} is not "
+                                      "supported (self-attention decoding, is_causal only)")
+        if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3) \
+                or x.shape[-1] != self.d_model:
+            raise ValueError(f"x must be (B, N, {self.d_model}) or (N, {self.d_model}), got "
+                             f"{shape_of(x) if isinstance(x, torch.Tensor) else type(x)}")
+        unbatched = x.dim() == 2
+        x3 = x[None] if unbatched else x
+        if x3.shape[0] != len(seqs):
+            raise ValueError(f"x has batch B={x3.shape[0]} but the paged cache call holds "
+                             f"{len(seqs)} sequences {seqs}: row b continues sequence b "
+                             "(use cache.batch(seqs) to choose them)")
+        if (paged.n_kv_heads, paged.head_dim, paged.v_head_dim) != (
+                self.n_kv_heads, self.head_dim, self.v_head_dim):
+            raise ValueError(
+                f"this PagedKVCache holds (H_kv, D, D_v) = ({paged.n_kv_heads}, "
+                f"{paged.head_dim}, {paged.v_head_dim}), the layer has ({self.n_kv_heads}, "
+                f"{self.head_dim}, {self.v_head_dim})")
+        paged.check_owner(self)
+        q = self.project_q(x3)                              # (B, H,    N, d_k)
+        k = self.project_k(x3)                              # (B, H_kv, N, d_k)
+        v = self.project_v(x3)                              # (B, H_kv, N, d_v)
+        if self.rope is not None:
+            if positions is None:                           # each row from its own length
+                n = x3.shape[1]
+                positions = paged.seqlens(seqs).to(torch.long)[:, None] + torch.arange(
+                    n, device=paged.device)
+            q, k = self.rotate_qk(q, k, positions, None)
+        o = paged.attention(seqs, *(t.transpose(1, 2) for t in (q, k, v)), causal=is_causal,
+                            softmax_scale=self.scale, softcap=self.softcap or 0.0)
+        out = self.out_proj(o.flatten(2))                   # (B, N, H·d_v) → (B, N, d)
+        return out[0] if unbatched else out
 
     # ------------------------------------------------------------------ torch interop
     @classmethod

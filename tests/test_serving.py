@@ -1,0 +1,471 @@
+"""attention_with_kvcache / attention_varlen (flash-attn's calls) against the float64
+reference on the gathered contiguous equivalent: paged and contiguous caches, awkward page
+sizes, pages in random pool order, sequences of length 0 and 1, new tokens across page
+boundaries, GQA, causal / window / softcap / ALiBi, fp32 / bf16 / fp16; bad block tables
+refused with the pool unchanged."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import attnkit as ak
+from conftest import assert_low_precision_close, oracle
+
+DT = torch.float64
+
+
+def _reference(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, slopes=None,
+               scale=None, dtype=DT):
+    """One sequence by the formula: q (N_q, H_q, D), k (N_k, H_kv, D) → out (N_q, H_q, D_v),
+    lse (H_q, N_q); bottom-right causal / window, ALiBi −slope·|i + N_k − N_q − j|."""
+    n_q, n_k = q.shape[0], k.shape[0]
+    i = torch.arange(n_q)[:, None]
+    j = torch.arange(n_k)[None, :]
+    off = n_k - n_q
+    left, right = window[0], 0 if causal else window[1]
+    allowed = torch.ones(n_q, n_k, dtype=torch.bool)
+    if left >= 0:
+        allowed &= j >= i + off - left
+    if right >= 0:
+        allowed &= j <= i + off + right
+    bias = None
+    if slopes is not None:
+        bias = -slopes.to(DT)[:, None, None] * (i + off - j).abs().to(DT)    # (H_q, N_q, N_k)
+    out, lse, _ = oracle(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                         allowed=allowed, bias=bias, scale=scale,
+                         softcap=softcap or None, dtype=dtype)
+    return out.transpose(0, 1), lse
+
+
+def _paged(lengths, block_size, h_kv, d, d_v, dtype, extra_pages=3, spare=0):
+    """Random pools and a block table whose pages are in random pool order; row b holds
+    ``lengths[b] + spare`` tokens' worth of pages. → (k_pages, v_pages, table, contiguous
+    k list, v list) — the contiguous lists are the first lengths[b] tokens of each row."""
+    need = [-(-(n + spare) // block_size) for n in lengths]
+    n_blocks = sum(need) + extra_pages
+    k_pages = torch.randn(n_blocks, block_size, h_kv, d, dtype=dtype)
+    v_pages = torch.randn(n_blocks, block_size, h_kv, d_v, dtype=dtype)
+    perm = torch.randperm(n_blocks).tolist()
+    width = max([1, *need])
+    table = torch.full((len(lengths), width), -1, dtype=torch.int32)
+    at = 0
+    ks, vs = [], []
+    for b, n in enumerate(lengths):
+        pages = perm[at: at + need[b]]
+        at += need[b]
+        table[b, : need[b]] = torch.tensor(pages, dtype=torch.int32)
+        idx = torch.tensor(pages, dtype=torch.long)
+        ks.append(k_pages[idx].flatten(0, 1)[:n].clone())
+        vs.append(v_pages[idx].flatten(0, 1)[:n].clone())
+    return k_pages, v_pages, table, ks, vs
+
+
+OPTIONS = [
+    {},
+    {"causal": True},
+    {"window_size": (2, 1)},
+    {"causal": True, "window_size": (3, -1)},
+    {"softcap": 5.0, "softmax_scale": 0.7},
+    {"alibi": True},
+    {"alibi": True, "causal": True, "softcap": 3.0},
+]
+
+
+def _opts(o, h_q, batch):
+    o = dict(o)
+    slopes = None
+    if o.pop("alibi", False):
+        slopes = torch.rand(batch, h_q, dtype=torch.float32) * 0.5
+        o["alibi_slopes"] = slopes
+    ref = {"causal": o.get("causal", False), "window": o.get("window_size", (-1, -1)),
+           "softcap": o.get("softcap", 0.0), "scale": o.get("softmax_scale")}
+    return o, ref, slopes
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 16])
+@pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: ",".join(o) or "plain")
+@pytest.mark.parametrize("n_q,n_new", [(1, 1), (3, 2), (4, 0)])
+def test_paged_matches_reference_on_gathered_keys(block_size, opts, n_q, n_new):
+    lengths = [0, 1, 7, 20]                    # cached before the new tokens
+    h_q, h_kv, d, d_v = 4, 2, 8, 5
+    batch = len(lengths)
+    k_pages, v_pages, table, ks, vs = _paged(lengths, block_size, h_kv, d, d_v, DT,
+                                             spare=n_new)
+    q = torch.randn(batch, n_q, h_q, d, dtype=DT)
+    k_new = torch.randn(batch, n_new, h_kv, d, dtype=DT)
+    v_new = torch.randn(batch, n_new, h_kv, d_v, dtype=DT)
+    kw, ref, slopes = _opts(opts, h_q, batch)
+    out, lse = ak.attention_with_kvcache(
+        q, k_pages, v_pages, k_new if n_new else None, v_new if n_new else None,
+        cache_seqlens=torch.tensor(lengths, dtype=torch.int32), block_table=table,
+        return_softmax_lse=True, **kw)
+    assert out.shape == (batch, n_q, h_q, d_v) and lse.shape == (batch, h_q, n_q)
+    for b in range(batch):
+        kk, vv = torch.cat([ks[b], k_new[b]]), torch.cat([vs[b], v_new[b]])
+        want, want_lse = _reference(q[b], kk, vv, slopes=None if slopes is None else slopes[b],
+                                    **ref)
+        torch.testing.assert_close(out[b], want, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(lse[b], want_lse.to(lse.dtype), rtol=1e-10, atol=1e-10)
+        # the new tokens were written in place through the block table
+        idx = table[b, : -(-(lengths[b] + n_new) // block_size)].long()
+        got_k = k_pages[idx].flatten(0, 1)[: lengths[b] + n_new]
+        assert torch.equal(got_k, kk)
+
+
+@pytest.mark.parametrize("opts", OPTIONS[:4] + OPTIONS[5:6], ids=lambda o: ",".join(o) or "plain")
+def test_contiguous_cache_matches_reference_and_is_written_in_place(opts):
+    lengths = [0, 1, 9]
+    h_q, h_kv, d = 6, 3, 8
+    batch, n_q, n_new, n_cache = 3, 2, 2, 12
+    k_cache = torch.randn(batch, n_cache, h_kv, d, dtype=DT)
+    v_cache = torch.randn(batch, n_cache, h_kv, d, dtype=DT)
+    q = torch.randn(batch, n_q, h_q, d, dtype=DT)
+    k_new = torch.randn(batch, n_new, h_kv, d, dtype=DT)
+    v_new = torch.randn(batch, n_new, h_kv, d, dtype=DT)
+    before = k_cache.clone()
+    kw, ref, slopes = _opts(opts, h_q, batch)
+    out = ak.attention_with_kvcache(q, k_cache, v_cache, k_new, v_new,
+                                    cache_seqlens=torch.tensor(lengths), **kw)
+    for b, n in enumerate(lengths):
+        assert torch.equal(k_cache[b, n: n + n_new], k_new[b])
+        assert torch.equal(k_cache[b, n + n_new:], before[b, n + n_new:])   # rest untouched
+        want, _ = _reference(q[b], k_cache[b, : n + n_new], v_cache[b, : n + n_new],
+                             slopes=None if slopes is None else slopes[b], **ref)
+        torch.testing.assert_close(out[b], want, rtol=1e-10, atol=1e-10)
+
+
+def test_cache_seqlens_none_and_int():
+    k_cache = torch.randn(2, 6, 1, 4, dtype=DT)
+    v_cache = torch.randn(2, 6, 1, 4, dtype=DT)
+    q = torch.randn(2, 1, 2, 4, dtype=DT)
+    full = ak.attention_with_kvcache(q, k_cache, v_cache)                  # all 6 keys
+    as_int = ak.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=6)
+    torch.testing.assert_close(full, as_int, rtol=0, atol=0)
+    for b in range(2):
+        want, _ = _reference(q[b], k_cache[b], v_cache[b])
+        torch.testing.assert_close(full[b], want, rtol=1e-10, atol=1e-10)
+
+
+def test_empty_sequence_gives_zero_and_lse_minus_inf():
+    k_pages, v_pages, table, _, _ = _paged([0, 3], 2, 1, 4, 4, DT)
+    q = torch.randn(2, 2, 2, 4, dtype=DT)
+    out, lse = ak.attention_with_kvcache(q, k_pages, v_pages, cache_seqlens=torch.tensor([0, 3]),
+                                         block_table=table, causal=True,
+                                         return_softmax_lse=True)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    assert (lse[0] == -math.inf).all() and torch.isfinite(lse[1]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("opts", [{"causal": True}, {"softcap": 4.0, "window_size": (5, 0)},
+                                  {"alibi": True, "causal": True}],
+                         ids=lambda o: ",".join(o))
+def test_low_precision_within_twice_the_naive_error(dtype, opts):
+    lengths = [1, 40, 97]
+    h_q, h_kv, d = 8, 2, 16
+    batch, n_q, n_new = 3, 3, 3
+    k64, v64, table, ks, vs = _paged(lengths, 16, h_kv, d, d, DT, spare=n_new)
+    q64 = torch.randn(batch, n_q, h_q, d, dtype=DT)
+    kn64 = torch.randn(batch, n_new, h_kv, d, dtype=DT)
+    vn64 = torch.randn(batch, n_new, h_kv, d, dtype=DT)
+    lo = [t.to(dtype) for t in (k64, v64, q64, kn64, vn64)]
+    kw, ref, slopes = _opts(opts, h_q, batch)
+    out = ak.attention_with_kvcache(lo[2], lo[0], lo[1], lo[3], lo[4],
+                                    cache_seqlens=torch.tensor(lengths), block_table=table, **kw)
+    assert out.dtype == dtype
+    for b in range(batch):
+        # the reference sees the same low-precision values, in float64 and naively in dtype
+        kk = torch.cat([ks[b].to(dtype), lo[3][b]])
+        vv = torch.cat([vs[b].to(dtype), lo[4][b]])
+        sl = None if slopes is None else slopes[b]
+        want64, _ = _reference(lo[2][b].double(), kk.double(), vv.double(), slopes=sl, **ref)
+        naive, _ = _reference(lo[2][b], kk, vv, slopes=sl, dtype=dtype, **ref)
+        assert_low_precision_close(out[b], naive, want64, what=f"paged {dtype} row {b}")
+
+
+@pytest.mark.parametrize("paged", [True, False])
+@pytest.mark.parametrize("opts", [{"causal": True}, {"window_size": (4, 2)},
+                                  {"alibi": True, "causal": True, "softcap": 2.0}],
+                         ids=lambda o: ",".join(o))
+def test_varlen_mixed_prefill_chunks_and_decodes(paged, opts):
+    """Ragged batch: a prefill chunk over an existing prefix, two single-token decodes, a new
+    prompt, and an empty sequence — one call."""
+    len_q = [5, 1, 1, 8, 0]
+    len_k = [12, 30, 1, 8, 0]
+    h_q, h_kv, d = 4, 1, 8
+    batch = len(len_q)
+    cu_q = torch.tensor([0, *torch.tensor(len_q).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(len_k).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(int(cu_q[-1]), h_q, d, dtype=DT)
+    if paged:
+        k, v, table, ks, vs = _paged(len_k, 3, h_kv, d, d, DT)
+    else:
+        ks = [torch.randn(n, h_kv, d, dtype=DT) for n in len_k]
+        vs = [torch.randn(n, h_kv, d, dtype=DT) for n in len_k]
+        k, v, table = torch.cat(ks), torch.cat(vs), None
+    kw, ref, slopes = _opts(opts, h_q, batch)
+    out, lse = ak.attention_varlen(q, k, v, cu_q, cu_k, max(len_q), max(len_k),
+                                   block_table=table, return_softmax_lse=True, **kw)
+    assert out.shape == (q.shape[0], h_q, d) and lse.shape == (h_q, q.shape[0])
+    for b in range(batch):
+        s, e = int(cu_q[b]), int(cu_q[b + 1])
+        want, want_lse = _reference(q[s:e], ks[b], vs[b],
+                                    slopes=None if slopes is None else slopes[b], **ref)
+        torch.testing.assert_close(out[s:e], want, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(lse[:, s:e], want_lse, rtol=1e-10, atol=1e-10)
+
+
+def test_cache_attention_varlen_style_batch_equals_each_sequence_alone():
+    """PagedKVCache.attention over several sequences at different lengths at once equals
+    each sequence's own call (the block table is read per sequence)."""
+    cache = ak.PagedKVCache(32, 4, 2, 8, dtype=DT)
+    seqs = [cache.new_sequence() for _ in range(3)]
+    for s, n in zip(seqs, [3, 9, 14], strict=True):
+        cache.append(s, torch.randn(n, 2, 8, dtype=DT), torch.randn(n, 2, 8, dtype=DT))
+    q = torch.randn(3, 1, 4, 8, dtype=DT)
+    kn, vn = torch.randn(3, 1, 2, 8, dtype=DT), torch.randn(3, 1, 2, 8, dtype=DT)
+    out = cache.attention(seqs, q, kn, vn, causal=True)
+    for b, s in enumerate(seqs):
+        kk, vv = cache.gather(s)
+        want, _ = _reference(q[b], kk, vv, causal=True)
+        torch.testing.assert_close(out[b], want, rtol=1e-10, atol=1e-10)
+
+
+# --------------------------------------------------------------------------- bad input
+def _bad_call_setup():
+    k_pages, v_pages, table, _, _ = _paged([5, 4], 3, 1, 4, 4, DT, extra_pages=2, spare=1)
+    q = torch.randn(2, 1, 1, 4, dtype=DT)
+    kn, vn = torch.randn(2, 1, 1, 4, dtype=DT), torch.randn(2, 1, 1, 4, dtype=DT)
+    return k_pages, v_pages, table, q, kn, vn
+
+
+def _assert_refused(k_pages, v_pages, match, *args, **kw):
+    k0, v0 = k_pages.clone(), v_pages.clone()
+    with pytest.raises(ValueError, match=match):
+        ak.attention_with_kvcache(*args, **kw)
+    assert torch.equal(k_pages, k0) and torch.equal(v_pages, v0)     # nothing overwritten
+
+
+def test_block_table_entry_out_of_range_is_refused_before_any_write():
+    k_pages, v_pages, table, q, kn, vn = _bad_call_setup()
+    table[1, 0] = k_pages.shape[0]
+    _assert_refused(k_pages, v_pages, r"block_table\[1, 0\] = \d+ is out of range", q,
+                    k_pages, v_pages, kn, vn, cache_seqlens=torch.tensor([5, 4]),
+                    block_table=table)
+
+
+def test_sequence_longer_than_its_pages_is_refused():
+    k_pages, v_pages, table, q, kn, vn = _bad_call_setup()
+    # row 1 has pages for 5 tokens (2 pages of 3) and is asked to hold 6 + 1
+    _assert_refused(k_pages, v_pages, "longer than its pages", q, k_pages, v_pages, kn, vn,
+                    cache_seqlens=torch.tensor([5, 6]), block_table=table)
+    table[1, 1] = -1
+    _assert_refused(k_pages, v_pages, "-1 is padding", q, k_pages, v_pages, kn, vn,
+                    cache_seqlens=torch.tensor([5, 4]), block_table=table)
+    k_cache = torch.randn(2, 4, 1, 4, dtype=DT)
+    _assert_refused(k_cache, k_cache, "longer than its cache", q, k_cache, k_cache.clone(),
+                    kn, vn, cache_seqlens=torch.tensor([3, 4]))
+
+
+def test_page_used_by_two_sequences_without_fork_is_refused():
+    k_pages, v_pages, table, q, kn, vn = _bad_call_setup()
+    table[1, 1] = table[0, 1]              # row 1 writes into row 0's last page
+    _assert_refused(k_pages, v_pages, "used by two sequences without a fork", q, k_pages,
+                    v_pages, kn, vn, cache_seqlens=torch.tensor([5, 4]), block_table=table)
+    table[0, 0] = table[0, 1]              # one row listing a page twice
+    _assert_refused(k_pages, v_pages, "lists page .* twice", q, k_pages, v_pages,
+                    cache_seqlens=torch.tensor([5, 4]), block_table=table)
+
+
+def test_paged_cache_state_errors_freed_page_and_shared_without_fork():
+    cache = ak.PagedKVCache(8, 2, 1, 4, dtype=DT)
+    a, b = cache.new_sequence(), cache.new_sequence()
+    cache.append(a, torch.randn(3, 1, 4, dtype=DT), torch.randn(3, 1, 4, dtype=DT))
+    cache.append(b, torch.randn(3, 1, 4, dtype=DT), torch.randn(3, 1, 4, dtype=DT))
+    q = torch.randn(1, 1, 1, 4, dtype=DT)
+    stale = cache.block_table([b])
+    cache.free(b)                                                     # its pages are free now
+    _assert_refused(cache.k_pages, cache.v_pages, "which is free", q, cache.k_pages,
+                    cache.v_pages, cache_seqlens=torch.tensor([3]), block_table=stale)
+    # a's pages listed in two rows (no fork): refused by the cache's refcounts
+    two = torch.cat([cache.block_table([a])] * 2)
+    _assert_refused(cache.k_pages, cache.v_pages, "must come from cache.fork", q.expand(2, -1,
+                    -1, -1), cache.k_pages, cache.v_pages, cache_seqlens=torch.tensor([3, 3]),
+                    block_table=two)
+    # after a fork, reading both is fine; writing into the shared page raw is refused
+    c = cache.fork(a)
+    ab = cache.block_table([a, c])
+    ak.attention_with_kvcache(q.expand(2, -1, -1, -1), cache.k_pages, cache.v_pages,
+                              cache_seqlens=torch.tensor([3, 3]), block_table=ab)
+    kn = torch.randn(1, 1, 1, 4, dtype=DT)
+    _assert_refused(cache.k_pages, cache.v_pages, "sequences share", q, cache.k_pages,
+                    cache.v_pages, kn, kn.clone(), cache_seqlens=torch.tensor([3]),
+                    block_table=cache.block_table([c]))
+
+
+def test_bad_arguments_are_refused_with_clear_messages():
+    k_cache = torch.randn(2, 4, 2, 8)
+    q = torch.randn(2, 1, 4, 8)
+    with pytest.raises(NotImplementedError, match="rotary_cos"):
+        ak.attention_with_kvcache(q, k_cache, k_cache, rotary_cos=torch.ones(4, 4))
+    with pytest.raises(ValueError, match="multiple of"):
+        ak.attention_with_kvcache(torch.randn(2, 1, 3, 8), k_cache, k_cache)
+    with pytest.raises(TypeError, match="share one dtype"):
+        ak.attention_with_kvcache(q.double(), k_cache, k_cache)
+    with pytest.raises(ValueError, match="window_size"):
+        ak.attention_with_kvcache(q, k_cache, k_cache, window_size=(2,))
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        ak.attention_with_kvcache(q, k_cache, k_cache, alibi_slopes=torch.ones(3))
+    with pytest.raises(ValueError, match="give both k and v"):
+        ak.attention_with_kvcache(q, k_cache, k_cache, torch.randn(2, 1, 2, 8))
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        ak.attention_with_kvcache(q, k_cache, k_cache, cache_seqlens=torch.tensor([1.0, 2.0]))
+    kn = torch.randn(2, 1, 2, 8)
+    before = k_cache.clone()
+    for bad, match in (({"backend": "nope"}, "unknown backend"),
+                       ({"softmax_scale": math.nan}, "softmax_scale")):
+        with pytest.raises(ValueError, match=match):
+            ak.attention_with_kvcache(q, k_cache, k_cache, kn, kn, cache_seqlens=1, **bad)
+        assert torch.equal(k_cache, before)                  # refused before the write
+    with pytest.raises(ValueError, match="new k, v need cache_seqlens"):
+        ak.attention_with_kvcache(q, k_cache, k_cache, torch.randn(2, 1, 2, 8),
+                                  torch.randn(2, 1, 2, 8))
+    with pytest.raises(ValueError, match="cu_seqlens_q must start at 0"):
+        ak.attention_varlen(torch.randn(3, 4, 8), torch.randn(3, 2, 8), torch.randn(3, 2, 8),
+                            [1, 3], [0, 3])
+
+
+# --------------------------------------------------------------------------- shared prefix
+def _forked_batch(dtype, block_size=4, prefix=13, own=(0, 1, 6, 9), n_new=1):
+    """A PagedKVCache with a prefilled prompt forked into len(own) sequences that each
+    append their own tokens, plus one unrelated sequence (last row)."""
+    cache = ak.PagedKVCache(64, block_size, 2, 8, dtype=dtype)
+    root = cache.new_sequence()
+    cache.append(root, torch.randn(prefix, 2, 8).to(dtype), torch.randn(prefix, 2, 8).to(dtype))
+    seqs = []
+    for n in own:
+        s = cache.fork(root)
+        if n:
+            cache.append(s, torch.randn(n, 2, 8).to(dtype), torch.randn(n, 2, 8).to(dtype))
+        seqs.append(s)
+    other = cache.new_sequence()
+    cache.append(other, torch.randn(7, 2, 8).to(dtype), torch.randn(7, 2, 8).to(dtype))
+    seqs.append(other)
+    cache.reserve(seqs, n_new)                       # copy-on-write before the raw call
+    return cache, seqs
+
+
+@pytest.mark.parametrize("opts", [{"causal": True}, {}, {"causal": True, "softcap": 2.0},
+                                  {"window_size": (-1, 2)}, {"causal": True,
+                                                             "window_size": (5, -1)}],
+                         ids=lambda o: ",".join(o) or "plain")
+@pytest.mark.parametrize("n_q", [1, 3])
+def test_shared_prefix_is_attended_once_and_equals_the_reference(opts, n_q, monkeypatch):
+    import attnkit.serving as serving
+
+    cache, seqs = _forked_batch(DT, n_new=n_q)
+    batch = len(seqs)
+    q = torch.randn(batch, n_q, 4, 8, dtype=DT)
+    kn, vn = torch.randn(batch, n_q, 2, 8, dtype=DT), torch.randn(batch, n_q, 2, 8, dtype=DT)
+    lens, table = cache.seqlens(seqs), cache.block_table(seqs)
+    keys_read = []
+    real = serving._attend_one
+
+    def counting(q_, k_, v_, **kw):
+        keys_read.append(k_.shape[0])
+        return real(q_, k_, v_, **kw)
+
+    real_many = serving._attend_single_queries
+
+    def counting_many(qs_, kvs_, ns_, *a, **kw):
+        keys_read.extend(ns_)                         # one call for all single-query rows
+        return real_many(qs_, kvs_, ns_, *a, **kw)
+
+    monkeypatch.setattr(serving, "_attend_one", counting)
+    monkeypatch.setattr(serving, "_attend_single_queries", counting_many)
+    out, lse = ak.attention_with_kvcache(q, cache.k_pages, cache.v_pages, kn, vn,
+                                         cache_seqlens=lens, block_table=table,
+                                         return_softmax_lse=True, **opts)
+    cache.commit(seqs, n_q)
+    every_row = sum(cache.length(s) for s in seqs)
+    cascade = opts.get("window_size", (-1, -1))[0] == -1
+    # the 3 whole prefix pages (12 keys) are read once for the 4 forks, not 4 times
+    assert sum(keys_read) == (every_row - 3 * 12 if cascade else every_row)
+    _, ref, _ = _opts(opts, 4, batch)
+    for b, s in enumerate(seqs):
+        kk, vv = cache.gather(s)
+        want, want_lse = _reference(q[b], kk, vv, **ref)
+        torch.testing.assert_close(out[b], want, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(lse[b], want_lse, rtol=1e-10, atol=1e-10)
+    # the prefix pages are still shared (the raw call wrote only into each row's own page)
+    assert len({cache.pages(s)[0] for s in seqs[:-1]}) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_shared_prefix_in_low_precision(dtype):
+    cache, seqs = _forked_batch(dtype, block_size=16, prefix=70, own=(1, 30, 2))
+    batch = len(seqs)
+    q = torch.randn(batch, 1, 4, 8).to(dtype)
+    kn, vn = torch.randn(batch, 1, 2, 8).to(dtype), torch.randn(batch, 1, 2, 8).to(dtype)
+    out = ak.attention_with_kvcache(q, cache.k_pages, cache.v_pages, kn, vn,
+                                    cache_seqlens=cache.seqlens(seqs),
+                                    block_table=cache.block_table(seqs), causal=True)
+    cache.commit(seqs, 1)
+    for b, s in enumerate(seqs):
+        kk, vv = cache.gather(s)
+        want64, _ = _reference(q[b].double(), kk.double(), vv.double(), causal=True)
+        naive, _ = _reference(q[b], kk, vv, causal=True, dtype=dtype)
+        assert_low_precision_close(out[b], naive, want64, what=f"cascade {dtype} row {b}")
+
+
+def test_varlen_over_forked_pages_uses_the_shared_prefix():
+    cache, seqs = _forked_batch(DT, n_new=0)
+    len_q = [2, 1, 1, 3, 1]
+    lens = cache.seqlens(seqs)
+    cu_q = torch.tensor([0, *torch.tensor(len_q).cumsum(0).tolist()])
+    cu_k = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
+    q = torch.randn(int(cu_q[-1]), 4, 8, dtype=DT)
+    got = ak.attention_varlen(q, cache.k_pages, cache.v_pages, cu_q, cu_k,
+                              block_table=cache.block_table(seqs), causal=True)
+    off = ak.attention_varlen(q, cache.k_pages, cache.v_pages, cu_q, cu_k,
+                              block_table=cache.block_table(seqs), causal=True,
+                              shared_prefix=False)
+    torch.testing.assert_close(got, off, rtol=1e-10, atol=1e-10)
+    for b, s in enumerate(seqs):
+        kk, vv = cache.gather(s)
+        want, _ = _reference(q[int(cu_q[b]): int(cu_q[b + 1])], kk, vv, causal=True)
+        torch.testing.assert_close(got[int(cu_q[b]): int(cu_q[b + 1])], want, rtol=1e-10,
+                                   atol=1e-10)
+
+
+@pytest.mark.parametrize("lengths", [[0, 5, 3, 17], [0, 0], [4, 4]])
+@pytest.mark.parametrize("paged", [True, False])
+def test_single_query_rows_in_one_call_equal_the_reference(lengths, paged):
+    """Decoding rows go to the engine together (a padding mask); NaN in the pool past each
+    row's keys never reaches the output."""
+    h_q, h_kv, d, batch = 4, 2, 8, len(lengths)
+    q = torch.randn(batch, 1, h_q, d, dtype=DT)
+    if paged:
+        k_cache, v_cache, table, ks, vs = _paged(lengths, 3, h_kv, d, d, DT, spare=0)
+        used = {p for b, n in enumerate(lengths) for p in table[b, : -(-n // 3)].tolist()}
+        for p in range(k_cache.shape[0]):
+            if p not in used:
+                k_cache[p] = v_cache[p] = math.nan
+    else:
+        k_cache = torch.full((batch, 20, h_kv, d), math.nan, dtype=DT)
+        v_cache = k_cache.clone()
+        ks = [torch.randn(n, h_kv, d, dtype=DT) for n in lengths]
+        vs = [torch.randn(n, h_kv, d, dtype=DT) for n in lengths]
+        for b, n in enumerate(lengths):
+            k_cache[b, :n], v_cache[b, :n] = ks[b], vs[b]
+        table = None
+    out, lse = ak.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.tensor(lengths),
+                                         block_table=table, causal=True, softcap=3.0,
+                                         return_softmax_lse=True)
+    for b in range(batch):
+        want, want_lse = _reference(q[b], ks[b], vs[b], causal=True, softcap=3.0)
+        torch.testing.assert_close(out[b], want, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(lse[b], want_lse, rtol=1e-10, atol=1e-10)
