@@ -17,6 +17,7 @@ import warnings
 
 import pytest
 import torch
+from native_checks import check
 
 import attnkit as ak
 from attnkit.api import prepare
@@ -40,25 +41,6 @@ def qkv(B: int, hq: int, hkv: int, nq: int, nk: int, d: int, dv: int | None = No
     return (torch.randn(B, hq, nq, d, dtype=torch.float64),
             torch.randn(B, hkv, nk, d, dtype=torch.float64),
             torch.randn(B, hkv, nk, dv or d, dtype=torch.float64))
-
-
-def check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype = torch.float32,
-          *, allowed: torch.Tensor | None = None, oracle_opts: dict | None = None,
-          **native_opts: object) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run native.forward in ``dtype``; assert out and LSE against the float64 oracle."""
-    oo = oracle_opts or {}
-    ref, lse_ref, _ = oracle(q, k, v, allowed=allowed, **oo)
-    lowp = naive_low_precision(q.to(dtype), k.to(dtype), v.to(dtype), allowed=allowed, **oo)
-    with torch.no_grad():
-        out, lse = native.forward(q.to(dtype), k.to(dtype), v.to(dtype), **native_opts)
-    assert out.dtype == dtype and out.shape == ref.shape and lse.shape == lse_ref.shape
-    assert_low_precision_close(out, lowp, ref)
-    empty = lse_ref == -math.inf
-    assert torch.equal(lse == -math.inf, empty), "rows without keys must have LSE -inf"
-    assert (out[empty] == 0).all(), "rows without keys must give 0"
-    tol = 64 * torch.finfo(dtype).eps * (1 + lse_ref[~empty].abs())
-    assert ((lse.double()[~empty] - lse_ref[~empty]).abs() <= tol).all()
-    return out, lse
 
 
 # ---------------------------------------------------------------------------- sizes

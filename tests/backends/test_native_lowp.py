@@ -13,14 +13,13 @@ import math
 
 import pytest
 import torch
+from native_checks import check
 
 from attnkit.backends import native
 from attnkit.scores import alibi, alibi_slopes
 from conftest import (
-    assert_low_precision_close,
     assert_low_precision_grad_close,
     max_err,
-    naive_low_precision,
     oracle,
     rounding_floor,
 )
@@ -55,29 +54,6 @@ def qkv(B: int, hq: int, hkv: int, nq: int, nk: int, d: int, dv: int | None = No
     return (torch.randn(B, hq, nq, d, dtype=torch.float64),
             torch.randn(B, hkv, nk, d, dtype=torch.float64),
             torch.randn(B, hkv, nk, dv or d, dtype=torch.float64))
-
-
-def check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype, *,
-          allowed: torch.Tensor | None = None, oracle_opts: dict | None = None,
-          kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-          **native_opts: object) -> tuple[torch.Tensor, torch.Tensor]:
-    """native.forward in ``dtype`` (on K/V ``kv`` when given: the same, with NaN where the
-    mask blocks) against the float64 oracle: out within DESIGN's budget, empty rows 0 with
-    LSE -inf, LSE in float32 close to the oracle's."""
-    oo = oracle_opts or {}
-    ref, lse_ref, _ = oracle(q, k, v, allowed=allowed, **oo)
-    lowp = naive_low_precision(q.to(dtype), k.to(dtype), v.to(dtype), allowed=allowed, **oo)
-    kk, vv = kv if kv is not None else (k, v)
-    with torch.no_grad():
-        out, lse = native.forward(q.to(dtype), kk.to(dtype), vv.to(dtype), **native_opts)
-    assert out.dtype == dtype and lse.dtype == torch.float32 and out.shape == ref.shape
-    assert_low_precision_close(out, lowp, ref)
-    empty = lse_ref == -math.inf
-    assert torch.equal(lse == -math.inf, empty), "rows without keys must have LSE -inf"
-    assert (out[empty] == 0).all(), "rows without keys must give 0"
-    tol = 64 * torch.finfo(dtype).eps * (1 + lse_ref[~empty].abs())
-    assert ((lse.double()[~empty] - lse_ref[~empty]).abs() <= tol).all()
-    return out, lse
 
 
 # ---------------------------------------------------------------------------- the path
