@@ -82,6 +82,7 @@ from typing import Any
 import torch
 
 from .. import masks as _masks
+from .._env import switch
 from .base import Backend, Capabilities, Problem, compute_dtype, refuse_double_backward
 
 __all__ = ["TritonBackend", "interpreter_enabled", "triton_available"]
@@ -98,7 +99,7 @@ def triton_available() -> bool:
 
 def interpreter_enabled() -> bool:
     """Whether ``TRITON_INTERPRET`` asks for Triton's CPU interpreter (read at each call)."""
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+    return switch("TRITON_INTERPRET", False)
 
 
 # --------------------------------------------------------------------------- kernel loading

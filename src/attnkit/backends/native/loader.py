@@ -63,6 +63,8 @@ from pathlib import Path
 
 import torch
 
+from ..._env import switch
+
 try:
     import fcntl
 except ImportError:  # Windows: no flock (the native kernel does not build there anyway)
@@ -448,27 +450,10 @@ _FIX = ("attnkit falls back to its Python CPU path; set ATTNKIT_NATIVE=0 to skip
         "native kernel and silence this warning")
 
 
-_ENVIRON = os.environ
-_ENV_DATA = getattr(os.environ, "_data", None) if os.name == "posix" else None
-_OFF: dict[bytes | str | None, bool] = {}     # ATTNKIT_NATIVE's raw value -> "switched off"
-
-
 def _switched_off() -> bool:
-    """Whether ``ATTNKIT_NATIVE`` turns the kernel off, read from the environment at every
-    call (tests and users flip it at run time) — in ~0.1 µs: ``os.environ.get`` of an unset
-    name costs ~3 µs (a ``KeyError`` inside ``Mapping.get``), twice per small call. On POSIX
-    the variable is looked up in ``os.environ``'s own dict (the one ``os.environ[...] = ``,
-    ``putenv`` through it, and ``monkeypatch.setenv`` write); the parse is cached per raw value."""
-    env = os.environ
-    if env is _ENVIRON and _ENV_DATA is not None:
-        raw: bytes | str | None = _ENV_DATA.get(b"ATTNKIT_NATIVE")
-    else:                                          # os.environ replaced, or not POSIX
-        raw = env.get("ATTNKIT_NATIVE")
-    off = _OFF.get(raw)
-    if off is None:
-        text = raw.decode(errors="replace") if isinstance(raw, bytes) else (raw or "1")
-        off = _OFF[raw] = text.strip().lower() in ("0", "false", "off", "no")
-    return off
+    """Whether ``ATTNKIT_NATIVE`` turns the kernel off (0/false/off/no), read at every call
+    in ~0.1 µs (:func:`attnkit._env.switch`)."""
+    return not switch("ATTNKIT_NATIVE", True)
 
 
 def load() -> object | None:
