@@ -82,8 +82,8 @@ from typing import Any
 import torch
 
 from .. import masks as _masks
-from .._env import switch
 from .base import Backend, Capabilities, Problem, compute_dtype, refuse_double_backward
+from .native.loader import switch
 
 __all__ = ["TritonBackend", "interpreter_enabled", "triton_available"]
 

@@ -63,8 +63,6 @@ from pathlib import Path
 
 import torch
 
-from ..._env import switch
-
 try:
     import fcntl
 except ImportError:  # Windows: no flock (the native kernel does not build there anyway)
@@ -450,9 +448,45 @@ _FIX = ("attnkit falls back to its Python CPU path; set ATTNKIT_NATIVE=0 to skip
         "native kernel and silence this warning")
 
 
+# ---- switches read from the environment at every call, cheaply (the hot path reads two;
+# here, not in a module of the package, because the loader also runs alone: see tests)
+_ENVIRON = os.environ
+_DATA = getattr(os.environ, "_data", None) if os.name == "posix" else None
+_PARSED: dict[tuple[str, bytes | str | None, bool], bool] = {}
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "off", "no")
+
+
+def switch(name: str, default: bool) -> bool:
+    """The boolean switch ``name`` (1/true/yes/on, 0/false/off/no, any case; unset or
+    anything else → ``default``), read now, cheaply: the hot path reads two per call.
+
+    ``os.environ.get`` of an unset name costs ~3 µs (a ``KeyError`` inside ``Mapping.get``); a
+    small decode call reads ``ATTNKIT_NATIVE`` and ``TRITON_INTERPRET`` each time, since tests
+    and users flip them at run time. On POSIX :func:`switch` looks the name up in
+    ``os.environ``'s own dict (the one ``os.environ[...] =``, ``putenv`` through it and
+    ``monkeypatch.setenv`` write) in ~0.1 µs and caches the parse per raw value; elsewhere, or
+    when ``os.environ`` has been replaced, it asks ``os.environ.get``.
+    """
+    env = os.environ
+    if env is _ENVIRON and _DATA is not None:
+        raw: bytes | str | None = _DATA.get(name.encode())
+    else:
+        raw = env.get(name)
+    key = (name, raw, default)
+    got = _PARSED.get(key)
+    if got is None:
+        text = raw.decode(errors="replace") if isinstance(raw, bytes) else (raw or "")
+        text = text.strip().lower()
+        got = _PARSED[key] = (True if text in _TRUE else False if text in _FALSE
+                              else default)
+    return got
+
+
 def _switched_off() -> bool:
     """Whether ``ATTNKIT_NATIVE`` turns the kernel off (0/false/off/no), read at every call
-    in ~0.1 µs (:func:`attnkit._env.switch`)."""
+    in ~0.1 µs (:func:`switch`)."""
     return not switch("ATTNKIT_NATIVE", True)
 
 

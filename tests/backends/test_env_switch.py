@@ -1,4 +1,5 @@
-"""attnkit._env.switch: the hot path's environment switches follow every way of setting them."""
+"""The native loader's switch(): the hot path's environment switches (ATTNKIT_NATIVE,
+TRITON_INTERPRET) follow every way of setting them."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ import os
 
 import pytest
 
-from attnkit import _env
 from attnkit.backends import triton
 from attnkit.backends.native import loader
 
@@ -19,26 +19,26 @@ NAME = "ATTNKIT_TEST_SWITCH"
 def test_values_parse_as_on_or_off(monkeypatch: pytest.MonkeyPatch, value: str,
                                    want: bool) -> None:
     monkeypatch.setenv(NAME, value)
-    assert _env.switch(NAME, not want) is want
+    assert loader.switch(NAME, not want) is want
 
 
 def test_unset_or_unknown_gives_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(NAME, raising=False)
-    assert _env.switch(NAME, True) is True and _env.switch(NAME, False) is False
+    assert loader.switch(NAME, True) is True and loader.switch(NAME, False) is False
     monkeypatch.setenv(NAME, "maybe")
-    assert _env.switch(NAME, True) is True and _env.switch(NAME, False) is False
+    assert loader.switch(NAME, True) is True and loader.switch(NAME, False) is False
 
 
 def test_every_way_of_setting_is_seen_at_once() -> None:
     try:
         os.environ[NAME] = "1"
-        assert _env.switch(NAME, False)
+        assert loader.switch(NAME, False)
         os.environ[NAME] = "0"
-        assert not _env.switch(NAME, True)
+        assert not loader.switch(NAME, True)
         del os.environ[NAME]
-        assert _env.switch(NAME, True)
+        assert loader.switch(NAME, True)
         os.putenv(NAME, "1")          # putenv alone does not change os.environ: not seen,
-        assert not _env.switch(NAME, False)   # as os.environ.get would not see it either
+        assert not loader.switch(NAME, False)   # as os.environ.get would not see it either
     finally:
         os.environ.pop(NAME, None)
         os.unsetenv(NAME)
@@ -46,7 +46,7 @@ def test_every_way_of_setting_is_seen_at_once() -> None:
 
 def test_a_replaced_environ_is_read_through_get(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(os, "environ", {NAME: "on"})
-    assert _env.switch(NAME, False)
+    assert loader.switch(NAME, False)
 
 
 def test_the_hot_path_switches_use_it(monkeypatch: pytest.MonkeyPatch) -> None:
