@@ -264,6 +264,21 @@ void rows_pass(const Args<A>& a, const Item& it, i64 k0, i64 n, i64 npad, TileKi
   }
 }
 
+// body(k0, n, npad, kind, subs, count) for each key tile [k0, k0 + n) of the item that is not
+// EMPTY, on the global grid of BK keys (keys before kb are masked); subs / count: the tile's
+// sub-blocks when by_gemm, else one (the dot path walks the whole tile).
+template <typename A, typename F>
+inline void for_each_tile(const Args<A>& a, const Item& it, bool by_gemm, F&& body) {
+  for (i64 k0 = it.kb / BK * BK; k0 < it.ke; k0 += BK) {
+    const i64 n = std::min<i64>(BK, it.ke - k0), npad = round_up(n, W);
+    const TileKind kind = classify(a, it, k0, n);
+    if (kind == EMPTY) continue;
+    Sub subs[BK / SUB];
+    const int count = by_gemm ? tile_subs(a, it, k0, n, kind, subs) : 1;
+    body(k0, n, npad, kind, static_cast<const Sub*>(subs), count);
+  }
+}
+
 // The item on the low-precision path: Q, K, V in T through T GEMMs (the tiles' packed Kᵀ
 // and V from the thread's cache), the score terms and the softmax in float.
 template <typename A, typename T>
@@ -272,20 +287,15 @@ void attend_item_lowp(const Args<A>& a, const T* q, const T* k, const T* v, cons
   gather_q_lowp(a, q, it, lb);
   const T* kh = k + it.b * a.sk[0] + it.kvh * a.sk[1];
   const T* vh = v + it.b * a.sv[0] + it.kvh * a.sv[1];
-  // key tiles [k0, k0 + n) on the global grid of BK keys (keys before kb are masked)
-  for (i64 k0 = it.kb / BK * BK; k0 < it.ke; k0 += BK) {
-    const i64 n = std::min<i64>(BK, it.ke - k0), npad = round_up(n, W);
-    const TileKind kind = classify(a, it, k0, n);
-    if (kind == EMPTY) continue;
-    Sub subs[BK / SUB];
-    const int count = tile_subs(a, it, k0, n, kind, subs);
+  for_each_tile(a, it, true, [&](i64 k0, i64 n, i64 npad, TileKind kind, const Sub* subs,
+                                  int count) {
     const T *kt, *vp;
     i64 v_bad;
     packed_tile(a, kh, vh, it, k0, n, lb, kt, vp, v_bad);
     scores_gemm_lowp(a, kt, it, subs, count, buf, lb);
     rows_pass(a, it, k0, n, npad, kind, buf, lb.p.get());
     values_gemm_lowp(a, vh, vp, v_bad, it, k0, n, subs, count, buf, lb);
-  }
+  });
 }
 
 // Rows of the item over its keys: acc, m, l in buf (R = G * nr rows). lb (T GEMMs, lowp.h)
@@ -305,19 +315,14 @@ void attend_item(const Args<A>& a, const T* q, const T* k, const T* v, const Ite
   gather_q(a, q, it, buf);
   const T* kh = k + it.b * a.sk[0] + it.kvh * a.sk[1];
   const T* vh = v + it.b * a.sv[0] + it.kvh * a.sv[1];
-  // key tiles [k0, k0 + n) on the global grid of BK keys (keys before kb are masked)
-  for (i64 k0 = it.kb / BK * BK; k0 < it.ke; k0 += BK) {
-    const i64 n = std::min<i64>(BK, it.ke - k0), npad = round_up(n, W);
-    const TileKind kind = classify(a, it, k0, n);
-    if (kind == EMPTY) continue;
-    Sub subs[BK / SUB];
-    const int count = by_gemm ? tile_subs(a, it, k0, n, kind, subs) : 1;
+  for_each_tile(a, it, by_gemm, [&](i64 k0, i64 n, i64 npad, TileKind kind, const Sub* subs,
+                                     int count) {
     if (by_gemm) scores_gemm(a, kh, it, k0, n, subs, count, buf);
     else scores_dot(a, kh, vh, k0, n, R, buf);
     rows_pass(a, it, k0, n, npad, kind, buf);
     if (by_gemm) values_gemm(a, vh, it, k0, n, subs, count, buf);
     else values_axpy(a, vh, k0, n, R, buf);
-  }
+  });
 }
 
 // out row (D_v,) = acc / l and lse = m + log l; l == 0 (no key) -> 0 and -inf.
