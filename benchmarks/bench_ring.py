@@ -25,6 +25,12 @@ native kernel), then one full-size warm-up and ``--repeats`` timed rounds of
     .venv/bin/python benchmarks/bench_ring.py --n 16384 --repeats 2
     .venv/bin/python benchmarks/bench_ring.py --world 4 --modes zigzag,contiguous  # balance
     .venv/bin/python benchmarks/bench_ring.py --quick             # a smoke run (N=1024)
+    .venv/bin/python benchmarks/bench_ring.py --overlap --n 16384  # the exchange's cost
+
+Overlap (``--overlap``): ``zigzag-local`` runs the same blocks with every exchange skipped
+(each hop reuses the rank's own K/V: the compute alone), ``zigzag-comm`` the same exchanges
+with every block returning zeros at once (the exchange alone); the hidden fraction is
+``(compute alone + exchange alone − both) / exchange alone`` (1 = fully overlapped).
 """
 
 from __future__ import annotations
@@ -46,7 +52,32 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-MODES = ("single", "contiguous", "zigzag", "ulysses")
+MODES = ("single", "contiguous", "zigzag", "ulysses", "zigzag-local", "zigzag-comm")
+
+
+def _skip_exchange(akd_c: object) -> None:
+    """zigzag-local: no K/V or dK/dV moves; every hop reuses this rank's own shard (the
+    same shapes and blocks, wrong values): the compute alone."""
+    def local(self: object, sends: object, to: object, like: list | None, frm: object, *,
+              what: str, step: str) -> object:
+        return akd_c._Hop(None if like is None or frm is None else list(like), [], step)
+
+    akd_c._Ring.exchange = local                    # type: ignore[attr-defined]
+
+
+def _skip_compute(akd_ring: object) -> None:
+    """zigzag-comm: every block returns zeros at once: the exchanges (and the merges) alone."""
+    def block(self: object, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, band: object,
+              backend: object = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return (q.new_zeros(*q.shape[:-1], v.shape[-1]), q.new_zeros(q.shape[:-1]))
+
+    def grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *rest: object,
+              ) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.zeros(t.shape, dtype=torch.float32) for t in (q, k, v))
+
+    akd_ring._Options.block = block                 # type: ignore[attr-defined]
+    akd_ring._kernel_block_grads = lambda ops, *a: grads(*a)   # type: ignore[attr-defined]
+    akd_ring._block_grads = grads                   # type: ignore[attr-defined]
 
 
 def _rss_mb() -> float:
@@ -69,22 +100,28 @@ def _worker(mode: str, rank: int, world: int, init: str, args: argparse.Namespac
     torch.set_num_threads(1)
     import attnkit as ak
     from attnkit import distributed as akd
+    from attnkit.distributed import collectives as akd_c
+    from attnkit.distributed import ring as akd_ring
 
     if mode != "single":
         dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank,
                                 world_size=world, timeout=timedelta(seconds=1800))
     waited = [0.0]
-    real_wait = akd._Ring._wait
+    real_wait = akd_c._Ring._wait
 
-    def timed_wait(self: akd._Ring, *a: object, **kw: object) -> None:
+    def timed_wait(self: akd_c._Ring, *a: object, **kw: object) -> None:
         t0 = time.perf_counter()
         try:
             real_wait(self, *a, **kw)               # type: ignore[arg-type]
         finally:
             waited[0] += time.perf_counter() - t0
 
-    akd._Ring._wait = timed_wait                    # type: ignore[method-assign]
-    layout = "zigzag" if mode == "zigzag" else "contiguous"
+    akd_c._Ring._wait = timed_wait                    # type: ignore[method-assign]
+    if mode == "zigzag-local":
+        _skip_exchange(akd_c)
+    if mode == "zigzag-comm":
+        _skip_compute(akd_ring)
+    layout = "zigzag" if mode.startswith("zigzag") else "contiguous"
     strategy = "ulysses" if mode == "ulysses" else "ring"
     q, k, v, d_out = _inputs(args)
     if mode != "single":
@@ -153,6 +190,8 @@ def main() -> None:
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma list of {MODES}")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per mode")
     ap.add_argument("--quick", action="store_true", help="N=1024, one round")
+    ap.add_argument("--overlap", action="store_true",
+                    help="modes zigzag, zigzag-local, zigzag-comm: the exchange's cost")
     ap.add_argument("--keep-malloc", action="store_true",
                     help="do not set MALLOC_MMAP_THRESHOLD_ for the ranks")
     args = ap.parse_args()
@@ -160,6 +199,8 @@ def main() -> None:
         os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
     if args.quick:
         args.n, args.repeats = 1024, 1
+    if args.overlap:
+        args.modes = "zigzag,zigzag-local,zigzag-comm"
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for m in modes:
         if m not in MODES:
@@ -193,17 +234,24 @@ def main() -> None:
                       max(cpu_s.values()), min(cpu_s.values()), max(got[r][3] for r in ranks))
         print(f"  ... {mode} done", file=sys.stderr, flush=True)
     ref = rows.get("single")
-    print(f"{'mode':<12}{'wall s':>8}{'speedup':>9}{'compute slow/fast s':>21}{'ratio':>7}"
+    print(f"{'mode':<14}{'wall s':>8}{'speedup':>9}{'compute slow/fast s':>21}{'ratio':>7}"
           f"{'cpu slow/fast s':>17}{'ratio':>7}{'cpu speedup':>13}{'peak MB':>9}"
           f"{'mem ratio':>11}")
     for mode, (wall, slow, fast, cslow, cfast, peak) in rows.items():
         speed = f"{ref[0] / wall:.2f}x" if ref else "-"
         cspeed = f"{ref[3] / cslow:.2f}x" if ref else "-"
         mem = f"{peak / ref[5]:.2f}" if ref and ref[5] > 0 else "-"
-        print(f"{mode:<12}{wall:>8.2f}{speed:>9}{f'{slow:.2f} / {fast:.2f}':>21}"
+        print(f"{mode:<14}{wall:>8.2f}{speed:>9}{f'{slow:.2f} / {fast:.2f}':>21}"
               f"{slow / fast if fast else float('nan'):>7.2f}{f'{cslow:.2f} / {cfast:.2f}':>17}"
               f"{cslow / cfast if cfast else float('nan'):>7.2f}{cspeed:>13}{peak:>9.0f}"
               f"{mem:>11}")
+    if all(m in rows for m in ("zigzag", "zigzag-local", "zigzag-comm")):
+        both, alone, comm = (rows[m][0] for m in ("zigzag", "zigzag-local", "zigzag-comm"))
+        hidden = (alone + comm - both) / comm if comm > 0 else float("nan")
+        print(f"overlap (zigzag, wall of the slowest rank): compute alone {alone:.2f} s, "
+              f"exchange alone {comm:.2f} s, both {both:.2f} s → the exchange adds "
+              f"{both - alone:+.2f} s to the compute; hidden fraction "
+              f"(alone + exchange − both) / exchange = {hidden:.0%}")
 
 
 if __name__ == "__main__":

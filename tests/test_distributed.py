@@ -29,6 +29,8 @@ import torch.multiprocessing as mp
 import attnkit as ak
 from attnkit import distributed as akd
 from attnkit.backends.base import Backend, Problem, merge_partials
+from attnkit.distributed import collectives as akd_c
+from attnkit.distributed import ring as akd_ring
 
 JOIN_TIMEOUT_S = 90         # a hung collective fails the run instead of hanging CI
 COLLECTIVE_TIMEOUT_S = 30   # gloo gives up on a lost peer after this
@@ -225,6 +227,33 @@ def _case_subgroup(rank: int, world: int) -> None:
                       RuntimeError, "not a member")
 
 
+def _case_device_mesh(rank: int, world: int) -> None:
+    """The context-parallel dimension of a DeviceMesh that leaves rank 0 out (a 1 × 2 mesh
+    of ranks 1 and 2, dims dp × cp): its group, as a larger job would pass it."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    members = [1, 2]
+    mesh = DeviceMesh("cpu", torch.tensor([members]), mesh_dim_names=("dp", "cp"))  # all call
+    if rank in members:
+        group = mesh["cp"].get_group()
+        _compare(rank=rank, world=world, n_q=6, group=group, ranks=members, layout="zigzag",
+                 mask=ak.masks.sliding_window(4), h_q=2, h_kv=1)
+
+
+def _case_example(rank: int, world: int) -> None:
+    """examples/ring_attention.py's main() on this world: a DeviceMesh's cp group, RoPE,
+    zig-zag, causal and a sliding window, forward and backward."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "examples", "ring_attention.py")
+    spec = importlib.util.spec_from_file_location("ring_attention_example", path)
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    err = example.main(n=8 * world)
+    assert err < 1e-12, err
+
+
 def _case_every_backend(rank: int, world: int) -> None:
     """Each registered backend that can run a ring block gives the same gradients."""
     tried = []
@@ -245,13 +274,13 @@ def _case_causal_skips_future_blocks(rank: int, world: int) -> None:
     """Causal: rank r computes blocks 0..r only (r + 1 attention calls each way); no skipping
     without the mask."""
     calls: list[tuple[int, bool]] = []
-    real = akd.attention
+    real = akd_ring.attention
 
     def counting(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: object) -> object:
         calls.append((k.shape[-2], bool(kw["is_causal"])))
         return real(q, k, v, **kw)
 
-    akd.attention = counting
+    akd_ring.attention = counting
     try:
         for causal in (True, False):
             calls.clear()
@@ -265,7 +294,7 @@ def _case_causal_skips_future_blocks(rank: int, world: int) -> None:
             # only the diagonal block is masked, once each way
             assert sum(c for _, c in calls) == (2 if causal else 0), calls
     finally:
-        akd.attention = real
+        akd_ring.attention = real
 
 
 class _DetachedLse(Backend):
@@ -343,13 +372,13 @@ def _case_forward_only_backend_refused(rank: int, world: int) -> None:
     """A forced backend that cannot run the backward (decode, forward only) or the forward
     (decode with N_q > 16) is refused on every rank before any shard moves."""
     hops: list[object] = []
-    real = akd._Ring.exchange
+    real = akd_c._Ring.exchange
 
     def counting(self: object, *a: object, **kw: object) -> object:
         hops.append(a)
         return real(self, *a, **kw)   # type: ignore[arg-type]
 
-    akd._Ring.exchange = counting     # type: ignore[method-assign]
+    akd_c._Ring.exchange = counting     # type: ignore[method-assign]
     try:
         q, k, v = (torch.randn(1, 2, 4, 8, requires_grad=True) for _ in range(3))
         _same_error_everywhere(lambda: akd.ring_attention(q, k, v, backend="decode"),
@@ -361,7 +390,7 @@ def _case_forward_only_backend_refused(rank: int, world: int) -> None:
                                ValueError, "at most 16 queries", "[forward]")
         assert not hops, f"{len(hops)} shard(s) moved before the refusal"
     finally:
-        akd._Ring.exchange = real     # type: ignore[method-assign]
+        akd_c._Ring.exchange = real     # type: ignore[method-assign]
     # without gradients the decode backend still runs the ring, and matches the reference
     qg, kg, vg, _, _ = _global_inputs(3, (1,), 2, 2, world * 3, world * 3, 8, 8)
     shards = [_shard(t, rank, world, -2).float() for t in (qg, kg, vg)]
@@ -390,13 +419,13 @@ def _case_kernel_backward(rank: int, world: int) -> None:
     if not native.available():
         return
     used = [0]
-    real = akd._kernel_block_grads
+    real = akd_ring._kernel_block_grads
 
     def counting(*a: object, **kw: object) -> object:
         used[0] += 1
         return real(*a, **kw)   # type: ignore[arg-type]
 
-    akd._kernel_block_grads = counting
+    akd_ring._kernel_block_grads = counting
     try:
         for layout in akd.LAYOUTS:
             used[0] = 0
@@ -407,7 +436,7 @@ def _case_kernel_backward(rank: int, world: int) -> None:
         _compare(rank=rank, world=world, is_causal=True, n_q=4, backend="reference")
         assert used[0] == 0, used
     finally:
-        akd._kernel_block_grads = real
+        akd_ring._kernel_block_grads = real
 
 
 # ------------------------------------------------------- zig-zag layout and the Ulysses strategy
@@ -415,13 +444,13 @@ def _case_zigzag_balanced(rank: int, world: int) -> None:
     """Causal zig-zag: on every hop every rank computes two chunk-pairs of work — the local
     causal (2c × 2c, half of it) or 2c × c full — forward and backward alike."""
     calls: list[tuple[int, int, bool]] = []
-    real = akd.attention
+    real = akd_ring.attention
 
     def counting(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: object) -> object:
         calls.append((q.shape[-2], k.shape[-2], bool(kw["is_causal"])))
         return real(q, k, v, **kw)
 
-    akd.attention = counting
+    akd_ring.attention = counting
     try:
         c = 3
         q, k, v = (torch.randn(1, 2, 2 * c, 8, dtype=torch.float64, requires_grad=True)
@@ -430,7 +459,7 @@ def _case_zigzag_balanced(rank: int, world: int) -> None:
         n_fwd = len(calls)
         out.sum().backward()
     finally:
-        akd.attention = real
+        akd_ring.attention = real
     assert n_fwd == world and len(calls) == 2 * world, (n_fwd, calls)
     for n_q, n_k, causal in calls:
         assert (n_q, n_k, causal) in ((2 * c, 2 * c, True), (2 * c, c, False),
@@ -488,8 +517,12 @@ def _case_ulysses_refusals(rank: int, world: int) -> None:
     _same_error_everywhere(lambda: akd.ring_attention(qh, qh, qh, strategy="ulysses",
                                                       mask=heads),
                            ValueError, "depends on the head index")
-    _same_error_everywhere(lambda: akd.ring_attention(qh, qh, qh, mask=ak.masks.causal()),
-                           ValueError, "strategy='ulysses'")
+    docs = ak.masks.document(torch.tensor([[0, 0, 1, 1] * world]))
+    _same_error_everywhere(lambda: akd.ring_attention(qh, qh, qh, mask=docs),
+                           ValueError, "strategy='ulysses'", "must be a band")
+    _same_error_everywhere(lambda: akd.ring_attention(qh, qh, qh, is_causal=True,
+                                                      mask=ak.masks.sliding_window(2)),
+                           ValueError, "either is_causal=True or mask=")
     _same_error_everywhere(lambda: akd.ring_attention(qh, qh, qh, strategy="all"), ValueError,
                            "strategy must be one of")
     _same_error_everywhere(lambda: akd.ring_attention(qh, qh, qh, strategy="ulysses",
@@ -516,6 +549,70 @@ def _case_ulysses_relative_bias(rank: int, world: int) -> None:
 def _head_bias(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor,
                kv_idx: torch.Tensor) -> torch.Tensor:
     return score + 0.1 * h - 0.01 * (q_idx - kv_idx)
+
+
+def _case_window_skips_far_shards(rank: int, world: int) -> None:
+    """A causal sliding window no longer than a shard: each rank computes its own shard and
+    its left neighbour's only, and the K/V of every other shard is never sent (forward and
+    backward); the window reaches a shard's first rows from the previous one, exactly."""
+    sent: list[tuple[str, str, int | None, int | None]] = []
+    real = akd_c._Ring.exchange
+
+    def counting(self: object, sends: object, to: int | None, like: object,
+                 frm: int | None, **kw: object) -> object:
+        sent.append((str(kw["step"]), str(kw["what"]), to, frm))
+        return real(self, sends, to, like, frm, **kw)   # type: ignore[arg-type]
+
+    akd_c._Ring.exchange = counting     # type: ignore[method-assign]
+    try:
+        _compare(rank=rank, world=world, n_q=6, h_q=4, h_kv=2, mask=ak.masks.sliding_window(4),
+                 with_lse_grad=True)
+    finally:
+        akd_c._Ring.exchange = real     # type: ignore[method-assign]
+    assert {step.split(" hop ")[1] for step, *_ in sent} <= {"0", "1"}, sent   # no hop 2..
+    kv = [(step, to, frm) for step, what, to, frm in sent if what == "the K/V shard"]
+    nxt = rank + 1 if rank + 1 < world else None        # rank 0 needs no wrap-around shard
+    prv = rank - 1 if rank > 0 else None
+    assert kv == [("forward hop 1", nxt, prv), ("backward hop 1", nxt, prv)], kv
+
+
+def _case_backward_pieces(rank: int, world: int) -> None:
+    """The backward's sub-blocks (forced tiny here: rows × keys of one head, or one K/V head
+    group) give the same gradients, kernel and autograd paths, causal and windowed."""
+    real = akd_ring._PIECE_ELEMENTS
+    akd_ring._PIECE_ELEMENTS = 2 * 8 * 3        # 3 rows of (2 heads × 8) per piece
+    try:
+        for backend in ("auto", "reference"):
+            _compare(rank=rank, world=world, layout="zigzag", is_causal=True, h_q=2, h_kv=1,
+                     n_q=10, backend=backend, with_lse_grad=True)
+            _compare(rank=rank, world=world, n_q=7, h_q=2, h_kv=2, backend=backend,
+                     mask=ak.masks.sliding_window(5, causal=False))
+        akd_ring._PIECE_ELEMENTS = 2 * 4 * 8        # one K/V head (2 query heads) per piece
+        _compare(rank=rank, world=world, layout="zigzag", is_causal=True, h_q=4, h_kv=2,
+                 n_q=4, with_lse_grad=True)
+    finally:
+        akd_ring._PIECE_ELEMENTS = real
+
+
+WINDOW_CASES: dict[str, Callable[[int, int], None]] = {
+    "window_skips_far_shards": _case_window_skips_far_shards,
+    "window_zigzag_gqa_softcap": lambda r, w: _compare(
+        rank=r, world=w, layout="zigzag", h_q=4, h_kv=2, n_q=8, d_v=5, softcap=2.0,
+        mask=ak.masks.sliding_window(3), with_lse_grad=True),
+    "window_wider_than_shard": lambda r, w: _compare(
+        rank=r, world=w, n_q=3, mask=ak.masks.sliding_window(7), scale=0.4),
+    "window_two_sided_zigzag": lambda r, w: _compare(
+        rank=r, world=w, layout="zigzag", n_q=6, mask=ak.masks.sliding_window(4, causal=False)),
+    "window_bottom_right_cross": lambda r, w: _compare(
+        rank=r, world=w, n_q=3, n_k=5, h_q=3, h_kv=1, mask=ak.masks.window(2, 1)),
+    "window_float32": lambda r, w: _compare(
+        rank=r, world=w, layout="zigzag", n_q=12, mask=ak.masks.sliding_window(5),
+        dtype=torch.float32),
+    "window_bfloat16": lambda r, w: _compare(
+        rank=r, world=w, n_q=9, h_q=2, h_kv=1, mask=ak.masks.band(-2, 4),
+        dtype=torch.bfloat16, with_lse_grad=True),
+    "backward_pieces": _case_backward_pieces,
+}
 
 
 ZIGZAG_ULYSSES_CASES: dict[str, Callable[[int, int], None]] = {
@@ -599,9 +696,11 @@ CASES: dict[str, Callable[[int, int], None]] = {
     "forward_only_backend_refused": _case_forward_only_backend_refused,
     "timeout_is_checked": _case_timeout_is_checked,
     **ZIGZAG_ULYSSES_CASES,
+    **WINDOW_CASES,
 }
-WORLD_ONLY = {"subgroup": 3}     # cases that need a particular world size
-ALL_CASES = {**CASES, "subgroup": _case_subgroup}
+WORLD_ONLY = {"subgroup": 3, "device_mesh": 3, "example": 2}   # cases for one world size
+ALL_CASES = {**CASES, "subgroup": _case_subgroup, "device_mesh": _case_device_mesh,
+             "example": _case_example}
 
 
 def _worker(rank: int, world: int, init_file: str, names: list[str], results: object) -> None:
@@ -692,8 +791,16 @@ def test_ring_matches_single_process(runs: dict, world: int, case: str) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_ring_on_a_subgroup(runs: dict) -> None:
-    failures = runs[3]["subgroup"]
+@pytest.mark.parametrize("case", ["subgroup", "device_mesh"])
+def test_ring_on_a_subgroup(runs: dict, case: str) -> None:
+    failures = runs[3][case]
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.timeout(120)
+def test_example_runs_on_two_processes(runs: dict) -> None:
+    """examples/ring_attention.py (as torchrun --nproc-per-node 2 runs it) equals one process."""
+    failures = runs[2]["example"]
     assert not failures, "\n".join(failures)
 
 
@@ -755,7 +862,7 @@ def test_merge_ignores_fully_masked_blocks() -> None:
     rows = torch.isfinite(lse)
     _assert_close(m_out[rows], out[rows], 1e-15)
     assert (m_out[~rows] == 0).all()     # both empty: output 0, LSE −∞
-    share = akd._share(lse_b, lse)
+    share = akd_ring._share(lse_b, lse)
     assert (share == 0).all() and not share.isnan().any()
 
 

@@ -29,6 +29,7 @@ import torch.multiprocessing as mp
 import attnkit as ak
 from attnkit import distributed as akd
 from attnkit.backends.base import Backend, Problem
+from attnkit.distributed import collectives as akd_c
 
 JOIN_TIMEOUT_S = 45         # every scenario together; a hang shows as a missing report
 GROUP_TIMEOUT_S = 40        # the process group's own timeout (well above the ring's below)
@@ -129,14 +130,14 @@ def _peer_dies_mid_ring(rank: int, world: int) -> None:
     """Rank 1 dies as it starts forward hop 1: its neighbours name it, the hop and the lost
     connection (not a raw gloo "Connection closed by peer")."""
     if rank == 1:
-        real = akd._Ring.exchange
+        real = akd_c._Ring.exchange
 
-        def dying(self: akd._Ring, send: torch.Tensor, what: str, step: str) -> akd._Hop:
-            if step == "forward hop 1":
+        def dying(self: akd_c._Ring, *a: object, **kw: object) -> akd_c._Hop:
+            if kw["step"] == "forward hop 1":
                 os._exit(17)
-            return real(self, send, what, step)
+            return real(self, *a, **kw)       # type: ignore[arg-type]
 
-        akd._Ring.exchange = dying          # type: ignore[method-assign]
+        akd_c._Ring.exchange = dying          # type: ignore[method-assign]
     q, k, v = _shards()
     # hop 1, or hop 0 when the death overtakes that hop's last completion notice; the loss
     # shows in a wait ("sending the K/V shard to rank 1 failed") or, when it comes first,
