@@ -52,6 +52,16 @@ def test_capabilities_turn_every_unmet_field_into_a_reason():
     assert Capabilities(devices=None, dtypes=None).reasons(p) == []
 
 
+def test_every_capability_field_is_checked():
+    """Each field of Capabilities (but hints) turns into a reason above: a field that no
+    check reads (as ``mask_kinds`` once was) would promise what nothing enforces."""
+    import dataclasses
+
+    fields = {f.name for f in dataclasses.fields(Capabilities)} - {"hints"}
+    assert fields == {"devices", "dtypes", "max_head_dim", "max_queries", "grad", "dropout",
+                      "score_mod"}
+
+
 def test_no_backend_fits_describes_the_call_once_then_one_line_per_backend(
         monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(backends, "PRIORITY", ["triton", "decode"])

@@ -14,7 +14,7 @@ import torch
 
 import attnkit as ak
 from attnkit.api import prepare
-from attnkit.backends import tiled
+from attnkit.backends import native, tiled
 from recorders import OpOutputs
 
 M = ak.masks
@@ -290,12 +290,32 @@ def test_no_n_by_n_tensor_for_other_schedules(mask, limit, use_native):
         out.sum().backward()
     if use_native:
         # a band runs natively in closed form; prefix_lm (an | of masks) would need a dense
-        # 16 MB mask, over tiled's limit for the kernel: the Python engine runs it
+        # 16 MB mask, over native.DENSE_MASK_LIMIT: the Python engine runs it
         native_ok = not tiled.native_reasons(prepare(q, k, v, mask=M.sliding_window(8)).problem)
         assert stats["native"] == (native_ok and limit == 4)
     else:
         assert (stats["windowed"] > 0) == (limit == 4)
     assert rec.largest < n * n // limit, rec.largest
+
+
+def test_a_large_bool_tensor_of_the_call_runs_on_the_kernel_in_place():
+    """A bool mask the caller passes is read where it lies (no copy, no limit): an 8 MiB
+    (2, 1, 2048, 2048) mask, twice native.DENSE_MASK_LIMIT, still runs natively."""
+    if tiled.native_reasons(prepare(*_inputs(1, 1, 1, 8, 8, 8, 8)).problem):
+        pytest.skip("native kernel unavailable")
+    g = torch.Generator().manual_seed(3)
+    n = 2048
+    q, k, v = (torch.randn(2, 2, n, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    m = torch.rand(2, 1, n, n, generator=g) > 0.5
+    m[1, 0, 7] = False                                           # one fully masked row
+    assert m.numel() > 2 * native.DENSE_MASK_LIMIT - 1
+    with tiled.counting() as stats:
+        out = ak.attention(q, k, v, mask=m, backend="tiled")
+    assert stats["native"] == 1 and stats["block_maps"] == 0
+    ref = torch.softmax((q @ k.transpose(-1, -2) / 8**0.5).masked_fill(~m, -math.inf), -1)
+    ref = torch.nan_to_num(ref) @ v
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
+    assert out[1, :, 7].abs().max() == 0
 
 
 def test_auto_picks_tiled_on_cpu():

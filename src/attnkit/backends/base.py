@@ -239,11 +239,10 @@ class Capabilities:
     ``devices``: device types (``"cpu"``, ``"cuda"``; None = any); ``dtypes``: input dtypes
     (None = any); ``max_head_dim``: the largest ``max(D_k, D_v)`` (None = any);
     ``max_queries``: the largest ``N_q`` (None = any); ``grad``: backward; ``dropout``;
-    ``score_mod``: an arbitrary Python score function; ``mask_kinds``: which masks run
-    (``"any"``, or a tuple of spec kinds such as ``("band", "lengths", "documents",
-    "small_dense")``, checked by the backend itself); ``hints``: ``(field, how to fix it)``
-    pairs, each appended to that field's reason (e.g. ``("grad", "use 'tiled' for
-    training")``).
+    ``score_mod``: an arbitrary Python score function; ``hints``: ``(field, how to fix
+    it)`` pairs, each appended to that field's reason (e.g. ``("grad", "use 'tiled' for
+    training")``). Which masks a backend runs is not a field: masks are too varied for a
+    list of kinds, so each backend says why it refuses one in ``extra_reasons``.
     """
 
     devices: tuple[str, ...] | None = ("cpu", "cuda")
@@ -254,7 +253,6 @@ class Capabilities:
     grad: bool = True
     dropout: bool = True
     score_mod: bool = True
-    mask_kinds: str | tuple[str, ...] = "any"
     hints: tuple[tuple[str, str], ...] = ()
 
     def fits(self, p: Problem) -> bool:

@@ -51,6 +51,7 @@ import math
 
 import torch
 
+from .. import _compat
 from ..scores import soft_cap
 from . import native
 from .base import (
@@ -70,7 +71,7 @@ __all__ = ["DecodeBackend", "MAX_QUERIES", "chunk_count"]
 MAX_QUERIES = 16
 # Keys per chunk: big enough for efficient matmuls, small enough for many parallel chunks.
 _CHUNK = 1024
-_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash = _compat.flash_cpu
 
 
 def chunk_count(n_k: int, chunk: int | None = None) -> int:

@@ -90,6 +90,7 @@ except ImportError as _e:  # pragma: no cover - exercised only without the extra
         f"not importable here ({_e}). Install it with: pip install \"attnkit[transformers]\""
     ) from _e
 
+from .. import _compat
 from .. import backends as _backends
 from .. import masks as _masks
 from ..api import attention as _attention
@@ -131,7 +132,7 @@ UNSUPPORTED_KWARGS: dict[str, str] = {
 }
 
 # transformers' own implementations (snapshot before any registration of ours).
-_BUILTIN_NAMES: frozenset[str] = frozenset(AttentionInterface._global_mapping) | {"eager"}
+_BUILTIN_NAMES: frozenset[str] = _compat.hf_builtin_attention_names()
 _OURS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor | None]]] = {}
 
 

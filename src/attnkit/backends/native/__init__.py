@@ -80,7 +80,9 @@ Caution
   function the fused pass calls (:mod:`.score_mod`; forward and backward, gradients to
   q, k, v only); one it cannot compile is refused by :func:`supports` with the reason.
 - Masks without a closed form are evaluated densely, ``(B|1, H|1, N_q, N_k)`` bools; above
-  ``DENSE_MASK_LIMIT`` bytes :func:`supports` refuses them.
+  ``DENSE_MASK_LIMIT`` bytes (4 MiB) :func:`supports` refuses them (the tiled engine keeps
+  its O(N) memory). A bool tensor the call passed itself (``p.mask_tensor``) costs no
+  memory and is read in place, at any size.
 """
 
 from __future__ import annotations
@@ -99,12 +101,12 @@ from . import loader
 from .score_mod import CompiledScoreMod, compile_score_mod, for_problem
 
 __all__ = ["available", "why_unavailable", "forward", "decode", "supports", "forward_problem",
-           "compile_score_mod", "CompiledScoreMod", "low_precision_paths",
+           "backward_problem", "compile_score_mod", "CompiledScoreMod", "low_precision_paths",
            "DTYPES", "DECODE_MAX_QUERIES", "DENSE_MASK_LIMIT"]
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 DECODE_MAX_QUERIES = 16
-DENSE_MASK_LIMIT = 256 * 2**20      # bytes of a dense mask supports() accepts
+DENSE_MASK_LIMIT = 4 * 2**20        # bytes of a mask supports() evaluates densely (the one limit)
 _ROWS_PER_ITEM = 128                # query rows (G heads × block_q) per work item
 
 
@@ -534,7 +536,7 @@ def supports(p: Problem) -> list[str]:
         out.append(f"no dropout, got dropout_p={p.dropout_p}")
     if p.mask is not None:
         _, rest = _mask_options(p)
-        if rest is not None:
+        if rest is not None and not (rest is p.mask and p.mask_tensor is not None):
             b = p.batch if rest.depends_on_batch else 1
             h = p.heads_q if rest.depends_on_heads else 1
             size = b * h * p.n_q * p.n_k

@@ -109,6 +109,7 @@ from typing import Any, NoReturn
 import torch
 import torch.fx as fx
 
+from ... import _compat
 from ...scores import ScoreTerm, fn_name
 from . import loader
 from .codegen import Gen, Unsupported, source
@@ -250,7 +251,7 @@ class _Signature(torch.overrides.TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        flat, spec = torch.utils._pytree.tree_flatten((args, kwargs))
+        flat, spec = _compat.tree_flatten((args, kwargs))
         folded = not any(isinstance(a, torch.Tensor) and id(a) in self.derived for a in flat)
         if getattr(func, "__name__", "").strip("_") in _RANDOM:
             self.reliable = False                         # a new draw each call
@@ -273,7 +274,7 @@ class _Signature(torch.overrides.TorchFunctionMode):
             else:
                 self.reliable = False                      # contents unknown: trace afresh
                 items.append(("obj", type(a).__name__, id(a)))
-        for t in torch.utils._pytree.tree_leaves(out):
+        for t in _compat.tree_leaves(out):
             if isinstance(t, torch.Tensor) and id(t) not in self.known:
                 self.known[id(t)] = len(self.known)
                 self.keep.append(t)
@@ -288,7 +289,7 @@ class _Signature(torch.overrides.TorchFunctionMode):
             if isinstance(a, torch.Tensor):
                 if a.device.type != "cpu" or a.numel() * a.element_size() > _CONTENT_LIMIT:
                     raise ValueError
-                with torch._C.DisableTorchFunction():
+                with _compat.torch_function_disabled():
                     raw = a.detach().reshape(-1).contiguous().view(torch.uint8).numpy()
                 meta: tuple = (str(a.dtype), tuple(a.shape))
             else:

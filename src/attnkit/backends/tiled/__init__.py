@@ -10,7 +10,8 @@ block are EMPTY (skipped), FULL (no mask work) or PARTIAL (the mask is evaluated
 tile only). Consecutive tiles of one kind form a *run* — one kernel call batched over
 (batch × heads) — and the runs of a block are merged by their log-sum-exp. Nothing of size
 N_q × N_k is ever allocated (on the native kernel: but a bool mask of at most
-``NATIVE_DENSE_MASK_BYTES``, 4 MiB, for a mask without closed form).
+``native.DENSE_MASK_LIMIT``, 4 MiB, for a mask without closed form that must be evaluated;
+a bool tensor the call passed is read in place).
 
 What lives where:
 
@@ -55,10 +56,10 @@ Caution
 -------
 - The native kernel runs a call when it is built and loaded (``native.available()``),
   neither ``ATTNKIT_NATIVE=0`` nor :func:`use_native` ``(False)`` turned it off, a mask part
-  without closed form (not band, lengths, documents) fits ``NATIVE_DENSE_MASK_BYTES``
-  (4 MiB) as a dense bool tensor, and ``native.supports`` accepts it: CPU, float32 /
-  bfloat16 / float16 / float64 (float64 computed in float64), no dropout (a bias may need
-  a gradient), a score_mod that is none, carries a spec (``scores.alibi``,
+  without closed form (not band, lengths, documents) is the call's own bool tensor or
+  fits ``native.DENSE_MASK_LIMIT`` (4 MiB) once evaluated, and ``native.supports`` accepts
+  it: CPU, float32 / bfloat16 / float16 / float64 (float64 computed in float64), no
+  dropout (a bias may need a gradient), a score_mod that is none, carries a spec (``scores.alibi``,
   ``scores.relative_bias``) or is a Python function the kernel can compile
   (``native/score_mod.py``: elementwise ops and integer indexing of captured tensors
   without grad). Everything else — dropout, a score_mod it cannot compile (its reason is in
@@ -97,7 +98,6 @@ import math
 
 import torch
 
-from ...masks import band_of, documents_of, lengths_of
 from .. import native
 from ..base import Backend, Capabilities, Problem, compute_dtype
 from .fused import fused_attention
@@ -119,43 +119,16 @@ from .plan import (
 
 __all__ = ["TiledBackend", "tile_sizes", "sizes", "TileSizes", "counting", "COUNTERS", "plan",
            "Plan", "Block", "Run", "use_native", "native_reasons", "python_attention",
-           "NATIVE_DENSE_MASK_BYTES"]
-
-
-# The most a mask without closed form may take as the native kernel's dense bool tensor
-# (the tiled engine's O(N) memory promise allows that much; above it, the Python engine).
-NATIVE_DENSE_MASK_BYTES = 4 * 2**20
-
-
-def _dense_mask_bytes(p: Problem) -> int:
-    """Bytes of the bool tensor the native kernel would evaluate for ``p.mask``'s conjuncts
-    that have no closed form (band, lengths, documents are closed)."""
-    if p.mask is None:
-        return 0
-    if p.mask_tensor is not None:          # the mask is that tensor's Mask: one opaque term
-        return ((p.batch if p.mask.depends_on_batch else 1)
-                * (p.heads_q if p.mask.depends_on_heads else 1) * p.n_q * p.n_k)
-    b = h = 0
-    for m in p.mask.conjuncts():
-        if (band_of(m, p.n_q, p.n_k) is None and lengths_of(m) is None
-                and documents_of(m, p.n_q, p.n_k) is None):
-            b = max(b, p.batch if m.depends_on_batch else 1)
-            h = max(h, p.heads_q if m.depends_on_heads else 1)
-    return b * h * p.n_q * p.n_k
+           ]
 
 
 def native_reasons(p: Problem) -> list[str]:
     """Why ``tiled`` (and ``decode``) will not run ``p`` on the native kernel (empty = it
-    will): switched off by :func:`use_native`, a mask without closed form whose dense form
-    exceeds ``NATIVE_DENSE_MASK_BYTES``, or ``native.supports(p)``'s reasons (which include
-    ``ATTNKIT_NATIVE=0`` and a kernel that failed to build)."""
+    will): switched off by :func:`use_native`, or ``native.supports(p)``'s reasons (which
+    include ``ATTNKIT_NATIVE=0``, a kernel that failed to build, and a mask without closed
+    form whose dense form would exceed ``native.DENSE_MASK_LIMIT``)."""
     if not native_enabled():
         return ["the native kernel is switched off here (tiled.use_native(False))"]
-    dense = _dense_mask_bytes(p)
-    if dense > NATIVE_DENSE_MASK_BYTES:
-        return [f"the mask has no closed form and its dense form would take "
-                f"{dense / 2**20:.0f} MB (tiled's limit for the native kernel: "
-                f"{NATIVE_DENSE_MASK_BYTES / 2**20:.0f} MB)"]
     return native.supports(p)
 
 

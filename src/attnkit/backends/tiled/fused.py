@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ... import _compat
 from ..base import Problem, compute_dtype, merge_partials, refuse_double_backward
 from . import windowed
 from .plan import (
@@ -45,8 +46,8 @@ from .plan import (
 
 __all__ = ["Fused", "fused_attention"]
 
-_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+_flash = _compat.flash_cpu
+_flash_bwd = _compat.flash_cpu_backward
 
 
 @dataclass

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from ... import _compat
 from ... import masks as _masks
 from ..base import Problem
 from .plan import Plan, count
@@ -33,8 +34,8 @@ if TYPE_CHECKING:
 
 __all__ = ["Window", "window_of", "forward", "backward"]
 
-_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+_flash = _compat.flash_cpu
+_flash_bwd = _compat.flash_cpu_backward
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,57 @@
+"""The private PyTorch and transformers APIs attnkit relies on, reached from here only.
+
+Each name below is a private (underscore) API of the pinned torch 2.13 or transformers that
+has no public equivalent with the same behaviour. Keeping them in one module means a torch
+upgrade that moves or changes one breaks one file, and ``tests/test_compat.py`` checks each
+against the installed version (its schema, its behaviour) so that such a change fails loudly
+there rather than as a wrong answer somewhere else.
+
+- :data:`flash_cpu`, :data:`flash_cpu_backward`: torch's CPU flash-attention operators
+  ``aten::_scaled_dot_product_flash_attention_for_cpu`` (and its ``_backward``), which return
+  the LSE that SDPA's public function drops; the tiled engine merges key runs by it.
+  Layout ``q (B, H, N_q, D)``, ``k, v (B, H, N_k, D)`` → ``out (B, H, N_q, D)``,
+  ``lse (B, H, N_q)`` float32.
+- :func:`tree_flatten`, :func:`tree_leaves`: ``torch.utils._pytree`` (the score_mod tracer
+  walks the arguments of every torch function it records).
+- :data:`torch_function_disabled`: ``torch._C.DisableTorchFunction`` (read a tensor's bytes
+  from inside a ``__torch_function__`` mode without recording the read).
+- :func:`hf_builtin_attention_names`: the names of transformers' own attention
+  implementations, ``AttentionInterface._global_mapping`` (so registering ``"attnkit"`` never
+  shadows ``"sdpa"``); transformers is optional and imported only when asked.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.utils._pytree as _pytree
+
+__all__ = ["flash_cpu", "flash_cpu_backward", "tree_flatten", "tree_leaves",
+           "torch_function_disabled", "hf_builtin_attention_names"]
+
+flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+flash_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def tree_flatten(tree: Any) -> tuple[list[Any], Any]:
+    """``(leaves, spec)`` of a nested structure of tuples, lists and dicts (torch's pytree)."""
+    return _pytree.tree_flatten(tree)
+
+
+def tree_leaves(tree: Any) -> list[Any]:
+    """The leaves of a nested structure (torch's pytree), in flatten order."""
+    return _pytree.tree_leaves(tree)
+
+
+# ``with torch_function_disabled():`` tensor methods called inside skip every
+# ``__torch_function__`` override and mode (a class, used as a context manager).
+torch_function_disabled = torch._C.DisableTorchFunction
+
+
+def hf_builtin_attention_names() -> frozenset[str]:
+    """The attention implementations transformers registers itself (``"sdpa"``, flash …),
+    plus ``"eager"`` (its plain path, which is not in the mapping)."""
+    from transformers import AttentionInterface
+
+    return frozenset(AttentionInterface._global_mapping) | {"eager"}
