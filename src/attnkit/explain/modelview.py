@@ -17,6 +17,14 @@ chosen head is on, since 12 heads at once blur together) and the *neuron view* (
 query and a tapped key: the d_h products q_d·k_d as bars, their sum — the cell 1. q·k — and
 the sum × scale — the cell 2. × scale).
 
+For a causal language model (``ModelTrace.logits``: tiny-ko, a Hugging Face decoder), the
+chosen head's steps are followed by the *next-token view* (as Transformer Explainer's): the
+logits for the token after the query and their probabilities softmax(z / T), with a
+temperature slider (:func:`slider_temperature`; T = 0 is one-hot on the largest logit) —
+the page's script recomputes all V probabilities from the logits it holds (full floats, about
+5 kB for tiny-ko's 227 characters) and shows the ten most likely and the rest in one row, so
+the rows add up to 1. The text prints the five most likely at T = 1.
+
 The page ends with the chosen head's full matrices and, for a text of at most 16 tokens, the
 playground of :mod:`.live` on that head's real Q, K, V (d_h wide rows drawn as strips).
 
@@ -106,6 +114,7 @@ def model_text(mt: ModelTrace, lang: str, layer: int, head: int, token: int,
         out[2:2] = [note, ""]
     if mt.n_real < len(mt.tokens):
         out.append(t["m_padding"].format(p=len(mt.tokens) - mt.n_real))
+    out += _causal_notes(mt, lang)
     line = _strongest_line(mt, lang)
     if line:
         out.append(line)
@@ -126,7 +135,53 @@ def model_text(mt: ModelTrace, lang: str, layer: int, head: int, token: int,
             cells.append(_rj(f"{star}{lab[j][:6]} {w2}", width))
         out.append(_lj(f"{t['m_layer']} {li + 1}", lw) + "".join(cells))
     out += ["", _focus_text(mt, lang, layer, head, token, decimals)]
+    if mt.logits is not None:
+        out += ["", _next_text(mt, lang, token, decimals)]
     return "\n".join(out) + "\n"
+
+
+def _causal_notes(mt: ModelTrace, lang: str) -> list[str]:
+    """A causal model's lines before the grid: what of the text it could not read (a cut
+    start, unknown characters) and its clearest previous-token head."""
+    t = STRINGS[lang]
+    out = []
+    if mt.cut:
+        out.append(t["m_cut"].format(n=len(mt.tokens), m=mt.cut))
+    if mt.unknown:
+        out.append(t["m_unknown"].format(n=mt.unknown, u=mt.vocab[0] if mt.vocab else "?"))
+    if mt.causal:
+        from .tiny import local_head
+
+        found = local_head(mt.weights)
+        if found is not None:
+            li, h, w, even = found
+            out.append(t["m_local"].format(l=li, h=h, w=fmt(w), u=fmt(even)))
+    return out
+
+
+NEXT_SHOWN = 5          # the text's top-k
+NEXT_PAGE = 10          # the page's top-k (the rest summed in one row)
+
+
+def _true_next(mt: ModelTrace, token: int) -> str | None:
+    """The token that follows query ``token`` in the text itself (None after the last)."""
+    return mt.tokens[token] if token < len(mt.tokens) else None
+
+
+def _next_text(mt: ModelTrace, lang: str, token: int, decimals: int) -> str:
+    """The next-token probabilities after query ``token`` at T = 1 (the k most likely)."""
+    t = STRINGS[lang]
+    lab = mt.labels()
+    top = mt.next_token(token, 1.0, NEXT_SHOWN)
+    out = [t["m_next_text"].format(tok=_q(lab[token - 1]), k=len(top),
+                                   v=len(mt.vocab or []))]
+    for name, p in top:
+        out.append(f"  {_lj(_q(name), 6)} {fmt(p, decimals).rjust(decimals + 3)}  "
+                   + "█" * int(round(30 * p)))
+    nxt = _true_next(mt, token)
+    if nxt is not None:
+        out.append("  " + t["m_next_true"].format(tok=_q(nxt)))
+    return "\n".join(out)
 
 
 def _focus_text(mt: ModelTrace, lang: str, layer: int, head: int, token: int,
@@ -269,7 +324,7 @@ def model_html(mt: ModelTrace, lang: str, layer: int, head: int, token: int) -> 
         grid.append(f'<div class="mlayer"><div class="mlab">{E(t["m_layer"])} {li + 1}</div>'
                     f'<div class="mheads">{"".join(cells)}</div></div>')
     grid.append("</div>")
-    line = _strongest_line(mt, lang)
+    line = " ".join(_causal_notes(mt, lang) + [_strongest_line(mt, lang) or ""]).strip()
     pad = (f'<p>{E(t["m_padding"].format(p=len(mt.tokens) - mt.n_real))}</p>'
            if mt.n_real < len(mt.tokens) else "")
     one = mt.head(layer, head)
@@ -284,16 +339,17 @@ def model_html(mt: ModelTrace, lang: str, layer: int, head: int, token: int) -> 
             + " ".join(f"<code>{i + 1}:{E(x)}</code>" for i, x in enumerate(mt.tokens))
             + f"</p>{pad}" + (f"<p>{E(line)}</p>" if line else "")
             + f"<h3>{E(t['m_grid_page'])}</h3>" + "".join(grid) + "".join(focus)
+            + _next_html(mt, lang, token)
             + _head_view_html(mt, lang, layer, head, token) + "</section>"
             + f'<p class="legend">{E(t["m_head_note"].format(dh=mt.d_head))}</p>'
             + section_html(one, lang))
     return (f'<!doctype html><html lang="{lang}"><head><meta charset="utf-8">{GENERATOR_META}'
             '<meta name="viewport" content="width=device-width, initial-scale=1">'
             f"<title>{E(t['m_title'].format(model=mt.model))}</title>"
-            f"<style>{CSS}{PLAY_CSS}{MODEL_CSS}{HEAD_VIEW_CSS}</style><script>{ERROR_HOOK}</script></head>"
+            f"<style>{CSS}{PLAY_CSS}{MODEL_CSS}{HEAD_VIEW_CSS}{NEXT_CSS}</style><script>{ERROR_HOOK}</script></head>"
             f"<body><main>{body}<pre id=\"js-errors\" hidden></pre>"
             f"<footer>{E(t['page_generated'])}</footer></main><div id=\"tip\"></div>"
-            f"<script>{MODEL_JS}</script><script>{HEAD_VIEW_JS}</script><script>{PLAY_JS}</script>{_page_script()}"
+            f"<script>{MODEL_JS}</script><script>{HEAD_VIEW_JS}</script><script>{NEXT_JS}</script><script>{PLAY_JS}</script>{_page_script()}"
             "</body></html>\n")
 
 
@@ -594,5 +650,124 @@ HEAD_VIEW_JS = """
     });
   });
   nv.key=best(); neuron(); chips();
+})();
+"""
+
+
+# ------------------------------------------------- the next-token view (a causal model)
+
+
+def slider_temperature(s: int) -> float:
+    """The temperature at slider position ``s`` (0..100): 0 at the left end (one-hot),
+    else 10^((s − 50)/30) — s = 50 is T = 1, the right end T ≈ 46 (nearly uniform). The
+    page's script uses the same rule."""
+    return 0.0 if s <= 0 else 10.0 ** ((s - 50) / 30)
+
+
+def next_data(mt: ModelTrace, token: int) -> dict:
+    """What the next-token view computes from: the logits after query ``token`` (full
+    floats), the rows shown (the top-k at T = 1, an order no T > 0 changes) and the token
+    that follows in the text."""
+    assert mt.logits is not None and mt.vocab is not None
+    z = mt.logits[token - 1]                                          # (V,)
+    order = np.argsort(-z, kind="stable")[:NEXT_PAGE]
+    return {"z": [float(x) for x in z], "top": [int(j) for j in order],
+            "next": _true_next(mt, token)}
+
+
+def _next_html(mt: ModelTrace, lang: str, token: int) -> str:
+    """The next-token view: the top-k probabilities after the query and a temperature
+    slider (the page's script recomputes softmax(z / T) from the embedded logits)."""
+    import json
+
+    from .model import next_probabilities
+
+    if mt.logits is None or mt.vocab is None:
+        return ""
+    t = STRINGS[lang]
+    lab = mt.labels()
+    data = next_data(mt, token)
+    p = next_probabilities(np.asarray(data["z"]), 1.0)               # (V,)
+    rows = []
+    for j in data["top"]:
+        mark = ' class="nx-true"' if mt.vocab[j] == data["next"] else ""
+        rows.append(f'<tr data-j="{j}"{mark}><td class="nx-tok">{E(_q(mt.vocab[j]))}</td>'
+                    f'<td class="nx-z">{E(fmt(float(data["z"][j])))}</td>'
+                    f'<td class="nx-barc"><span class="nx-bar" style="width:'
+                    f'{100 * p[j]:.1f}%"></span></td>'
+                    f'<td class="nx-p" data-p="{float(p[j])!r}">{E(fmt(float(p[j])))}</td></tr>')
+    rest = max(float(1.0 - p[data["top"]].sum()), 0.0)
+    n_rest = len(mt.vocab) - len(data["top"])
+    rows.append(f'<tr class="nx-rest"><td colspan="2">{E(t["m_next_rest"].format(n=n_rest))}'
+                f'</td><td class="nx-barc"><span class="nx-bar" style="width:{100 * rest:.1f}%">'
+                f'</span></td><td class="nx-p" data-p="{rest!r}">{E(fmt(rest))}</td></tr>')
+    nxt = data["next"]
+    true = (f'<p class="legend">{E(t["m_next_true"].format(tok=_q(nxt)))}</p>'
+            if nxt is not None else "")
+    words = {"greedy": t["m_next_greedy"], "sum": t["m_next_sum"]}
+    blob = json.dumps({"data": data, "words": words}, separators=(",", ":"),
+                      ensure_ascii=False).replace("</", "<\\/")
+    head = (f'<tr><th>{E(t["m_next_tok"])}</th><th>{E(t["m_next_z"])}</th><th></th>'
+            f'<th>{E(t["m_next_p"])}</th></tr>')
+    return (f'<div class="nextv"><h3>{E(t["m_next_title"].format(tok=_q(lab[token - 1])))}'
+            f'</h3><p class="legend">{E(t["m_next_help"].format(v=len(mt.vocab)))}</p>'
+            f'<label class="nx-tl">{E(t["m_next_t"])} <input type="range" class="nx-t" '
+            f'min="0" max="100" step="1" value="50" aria-label="{E(t["m_next_t"])}">'
+            f'<output class="nx-tv" data-t="1">T = 1.00</output></label>'
+            f'<div class="mwrap"><table class="nx">{head}{"".join(rows)}</table></div>'
+            f'<p class="nx-sum" data-v="1">{E(t["m_next_sum"].format(s=fmt(1.0)))}</p>{true}'
+            f'<script type="application/json" id="nx-data">{blob}</script></div>')
+
+
+NEXT_CSS = """
+.nextv{margin:14px 0 6px}
+.nx-tl{display:flex;flex-wrap:wrap;align-items:center;gap:6px 10px;
+ font:13px system-ui,sans-serif;margin:6px 0}
+.nx-tl input{flex:1 1 160px;max-width:320px}
+.nx-tv{font:13px ui-monospace,monospace;min-width:9em}
+table.nx{border-collapse:collapse;font:13px ui-monospace,monospace;width:100%;max-width:520px}
+table.nx td,table.nx th{padding:2px 8px;border-bottom:1px solid var(--line);text-align:right}
+table.nx td:first-child,table.nx th:first-child{text-align:left}
+table.nx td.nx-barc{width:45%;text-align:left}
+.nx-bar{display:inline-block;height:10px;background:#08306b;vertical-align:middle;
+ max-width:100%}
+tr.nx-true td.nx-tok{font-weight:bold;color:#b00020}
+tr.nx-rest td{color:var(--mute)}
+.nx-sum{font:13px ui-monospace,monospace}
+"""
+
+NEXT_JS = """
+(function(){
+  var el=document.getElementById('nx-data'); if(!el) return;
+  var all=JSON.parse(el.textContent), D=all.data, T=all.words, z=D.z, V=z.length;
+  var box=el.parentNode, sl=box.querySelector('input.nx-t'), out=box.querySelector('.nx-tv');
+  function fmt(x){ var s=x.toFixed(3); return s==='-0.000'?'0.000':s; }
+  function temp(s){ return s<=0?0:Math.pow(10,(s-50)/30); }
+  function probs(t){                       // softmax(z / T), max-subtracted; T = 0: one-hot
+    var m=-Infinity, a=0, p=new Array(V), s=0, i;
+    for(i=0;i<V;i++) if(z[i]>m){ m=z[i]; a=i; }
+    if(t===0){ for(i=0;i<V;i++) p[i]=i===a?1:0; return p; }
+    for(i=0;i<V;i++){ p[i]=Math.exp((z[i]-m)/t); s+=p[i]; }
+    for(i=0;i<V;i++) p[i]/=s;
+    return p;
+  }
+  function setRow(r,x){
+    var c=r.querySelector('td.nx-p'); c.textContent=fmt(x); c.setAttribute('data-p',x);
+    r.querySelector('.nx-bar').style.width=(100*x).toFixed(1)+'%';
+  }
+  function show(){
+    var t=temp(+sl.value), p=probs(t), shown=0, sum=0, i;
+    out.textContent=t===0?T.greedy:'T = '+(t<10?t.toFixed(2):t.toFixed(1));
+    out.setAttribute('data-t',t);
+    box.querySelectorAll('tr[data-j]').forEach(function(r){
+      var x=p[+r.getAttribute('data-j')]; shown+=x; setRow(r,x);});
+    for(i=0;i<V;i++) sum+=p[i];
+    setRow(box.querySelector('tr.nx-rest'),Math.max(sum-shown,0));
+    var c=box.querySelector('.nx-sum');
+    c.textContent=T.sum.replace('{s}',fmt(sum)); c.setAttribute('data-v',sum);
+    box.setAttribute('data-state',JSON.stringify({slider:+sl.value,t:t}));
+  }
+  sl.addEventListener('input',show); sl.addEventListener('change',show);
+  show();
 })();
 """

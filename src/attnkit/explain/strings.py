@@ -140,7 +140,8 @@ STRINGS: dict[str, dict[str, str]] = {
                         "Korean, so this text became {parts} instead of words, and its "
                         "attention over them says little about Korean. Give it English text "
                         "(--text \"...\"), or see the five steps on Korean words in a built-in "
-                        "example: attnkit explain --example cross --lang ko",
+                        "example: attnkit explain --example cross --lang ko — or a small "
+                        "Korean model trained here: attnkit explain --model tiny-ko --lang ko",
         "m_kr_other": "Warning: the vocabulary of {model} has no Korean, so this text became "
                       "{parts} instead of words, and its attention over them says little about "
                       "Korean. Give it text in a language the model was trained on, or a model "
@@ -181,6 +182,36 @@ STRINGS: dict[str, dict[str, str]] = {
         "m_nv_scaled": "{s} / √{dh} = {x} (cell 2. × scale)",
         "m_nv_scaled_other": "{s} × {scale} = {x} (cell 2. × scale)",
         "m_nv_bar": "d = {d}: q {q} × k {k} = {p}",
+        # ---- a causal model: its next token (modelview.py) and tiny-ko (tiny.py, cli.py)
+        "m_next_title": "Next token: what the model predicts after {tok}",
+        "m_next_help": "The output of the last layer at this position, times the embedding "
+                       "matrix, gives one logit z per token of the vocabulary ({v} of them). "
+                       "Softmax with temperature turns them into probabilities: "
+                       "p_i = exp(z_i/T) / Σ_j exp(z_j/T), the logits divided by T before "
+                       "Softmax (the playground's slider multiplies them, which is the same "
+                       "idea). T = 1 is what the model learnt; as T goes to 0 only the largest "
+                       "logit is left (one-hot: the most likely token always); a large T "
+                       "makes every token about as likely (uniform).",
+        "m_next_t": "temperature T",
+        "m_next_greedy": "T = 0: one-hot on the largest logit",
+        "m_next_rest": "the other {n} tokens",
+        "m_next_sum": "the probabilities sum to {s}",
+        "m_next_tok": "token", "m_next_p": "probability", "m_next_z": "logit",
+        "m_next_text": "Next token after {tok}: the {k} most likely of {v} (T = 1):",
+        "m_next_true": "(the text goes on with {tok})",
+        "m_local": "A local head: layer {l}, head {h}. Each query gives the three tokens just "
+                   "before it {w} of its weight on average (a head spread evenly over the "
+                   "tokens it may see would give about {u}).",
+        "m_unknown": "{n} characters of this text are not in the model's vocabulary: the "
+                     "model reads each as {u}.",
+        "m_cut": "The model reads at most {n} characters: the first {m} of the text were "
+                 "left out.",
+        "tt_training": "attnkit: training {name} once ({steps} steps; about 15 s on 2 CPU "
+                       "cores). It is kept in {path}.",
+        "tt_done": "attnkit: {name} trained in {s} s: loss {a} → {b} (cross-entropy of the "
+                   "next character). Cached in {path}.\nTry it: attnkit explain --model {name} "
+                   "--lang ko --html tiny.html",
+        "tt_cached": "attnkit: {name} is already trained ({path}). --retrain trains it again.",
         # ---- the page's playground (live.py)
         "play_title": "Try it: change the inputs and watch every step",
         "play_help": "Edit any cell of Q, K or V, move the slider, or change the mask: the "
@@ -334,7 +365,8 @@ STRINGS: dict[str, dict[str, str]] = {
                         "문장은 단어가 아니라 {parts}로 쪼개졌고, 이 조각들 위의 Attention으로는 "
                         "한국어에 대해 알 수 있는 것이 거의 없습니다. 영어 문장을 주거나"
                         "(--text \"...\"), 한국어 단어로 다섯 단계를 보려면 내장 예제를 쓰세요: "
-                        "attnkit explain --example cross --lang ko",
+                        "attnkit explain --example cross --lang ko — 여기서 학습한 작은 한국어 "
+                        "모델도 있습니다: attnkit explain --model tiny-ko --lang ko",
         "m_kr_other": "주의: 이 모델({model})의 어휘에는 한국어가 없어서 이 문장은 단어가 아니라 "
                       "{parts}로 쪼개졌고, 이 조각들 위의 Attention으로는 한국어에 대해 알 수 "
                       "있는 것이 거의 없습니다. 모델이 배운 언어로 된 문장이나 한국어를 아는 "
@@ -376,6 +408,36 @@ STRINGS: dict[str, dict[str, str]] = {
         "m_nv_scaled": "{s} / √{dh} = {x} (2. × scale 칸)",
         "m_nv_scaled_other": "{s} × {scale} = {x} (2. × scale 칸)",
         "m_nv_bar": "d = {d}: q {q} × k {k} = {p}",
+        # ---- a causal model: its next token (modelview.py) and tiny-ko (tiny.py, cli.py)
+        "m_next_title": "다음 토큰: 모델이 {tok} 다음에 올 것으로 예측한 확률",
+        "m_next_help": "이 자리에서 마지막 레이어가 낸 출력에 임베딩 행렬을 곱하면 어휘의 "
+                       "토큰마다 logit z가 하나씩 나옵니다(모두 {v}개). 온도가 있는 Softmax가 "
+                       "이 logit을 확률로 바꿉니다: p_i = exp(z_i/T) / Σ_j exp(z_j/T). "
+                       "Softmax에 넣기 전에 logit을 T로 나누는 것입니다(playground의 슬라이더가 "
+                       "logit에 곱하는 것과 같은 생각입니다). T = 1이면 모델이 배운 확률 "
+                       "그대로이고, T가 0에 가까워질수록 가장 큰 logit 하나만 남아 one-hot이 "
+                       "되며(늘 가장 그럴듯한 토큰), T가 커질수록 모든 토큰의 확률이 비슷해집니다"
+                       "(균등 분포).",
+        "m_next_t": "온도 T",
+        "m_next_greedy": "T = 0: 가장 큰 logit에 one-hot",
+        "m_next_rest": "나머지 토큰 {n}개",
+        "m_next_sum": "확률의 합 = {s}",
+        "m_next_tok": "토큰", "m_next_p": "확률", "m_next_z": "logit",
+        "m_next_text": "{tok} 다음에 올 토큰: 전체 {v}개 가운데 확률이 큰 {k}개 (T = 1):",
+        "m_next_true": "(문장에서 실제로 이어지는 토큰: {tok})",
+        "m_local": "가까운 앞 토큰을 보는 head: 레이어 {l}, head {h}. Query마다 바로 앞의 세 "
+                   "토큰에 가중치를 평균 {w}만큼 줍니다 (볼 수 있는 토큰에 고르게 퍼진 head라면 "
+                   "{u}쯤).",
+        "m_unknown": "이 문장의 글자 가운데 {n}개는 모델의 어휘에 없어서, 모델은 그 글자를 "
+                     "모두 {u} 하나로 읽습니다.",
+        "m_cut": "모델은 글자를 {n}개까지만 읽으므로 문장의 앞부분 {m}글자는 뺐습니다.",
+        "tt_training": "attnkit: {name} 모델을 한 번 학습합니다 ({steps}단계, 2코어 CPU에서 "
+                       "15초쯤). 학습한 모델은 {path}에 저장합니다.",
+        "tt_done": "attnkit: {name} 모델 학습 완료 ({s}초): loss {a} → {b} (다음 글자의 "
+                   "cross-entropy). 저장한 곳: {path}\n직접 보기: attnkit explain --model "
+                   "{name} --lang ko --html tiny.html",
+        "tt_cached": "attnkit: {name} 모델은 이미 학습되어 있습니다 ({path}). 다시 학습하려면 "
+                     "--retrain을 쓰세요.",
         # ---- the page's playground (live.py)
         "play_title": "직접 해 보기: 입력을 바꾸고 모든 단계를 지켜보세요",
         "play_help": "Q, K, V의 셀을 고치거나, 슬라이더를 움직이거나, Mask를 바꿔 보세요. "
