@@ -22,7 +22,7 @@ Shape legend (the Problem layout of ``backends/base.py``)::
     rel_table (H_q, 2·rel_max_distance + 1)        any float dtype; gradient flows to it
     kv_lengths, q_lengths   (B,) or (1,)           doc_ids (B|1, N_q)  kv_doc_ids (B|1, N_k)
 
-API (what ``tiled`` and ``decode`` call)::
+API (what ``tiled``, ``decode`` and the custom operator ``attnkit::attention`` call)::
 
     available() -> bool                  why_unavailable() -> str | None
     forward(q, k, v, *, scale=None, softcap=None, alibi_slopes=None, alibi_offset=0,
@@ -31,6 +31,8 @@ API (what ``tiled`` and ``decode`` call)::
             splits=None) -> (out, lse)
     decode(q, k, v, **the same options) -> (out, lse)        N_q <= 16, keys split
     supports(p: Problem) -> list[str]    forward_problem(p: Problem) -> (out, lse)
+    backward_problem(p, out, lse, dout, dlse=None, bias_grad=False)
+                                         -> (dq, dk, dv, dbias)  from saved out, lse
 
 Wiring an engine (``supports`` is empty only when the kernel is available)::
 
@@ -91,6 +93,7 @@ import math
 import operator
 import weakref
 from functools import reduce
+from typing import NamedTuple
 
 import torch
 
@@ -383,6 +386,23 @@ def _rel_table(table: torch.Tensor | None, max_distance: int | None, Hq: int,
     return table
 
 
+def _kernel_backward(ops: object, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
+                     dlse: torch.Tensor | None, common: tuple[object, ...], alibi_grad: bool,
+                     bias_grad: bool) -> tuple[torch.Tensor, ...]:
+    """The kernel's backward call from a forward's ``out`` and ``lse`` (contiguous, in the
+    compute dtype) → ``(dq, dk, dv, d rel_table, d alibi, d bias)`` (see ``attention.cpp``):
+    ``delta = rowsum(dout ∘ out) − dlse`` (B, H_q, N_q), the one extra input it needs."""
+    cdt = lse.dtype                                                # float32, or float64
+    delta = (dout.to(cdt) * out.to(cdt)).sum(-1)                   # (B, H_q, N_q)
+    if dlse is not None:
+        delta = delta - dlse.to(cdt)                               # d lse / d s = P
+    dout = dout.to(q.dtype)
+    dout = dout if dout.stride()[3] == 1 else dout.contiguous()
+    return ops.attend_backward(  # type: ignore[attr-defined]
+        q, k, v, dout, lse, delta.contiguous(), *common, alibi_grad, bias_grad)
+
+
 class _NativeAttention(torch.autograd.Function):
     """The kernel with its FlashAttention-2 backward (LSE saved; gradients of q, k, v, the
     relative bias table ``rel``, the ALiBi slopes ``ali`` and the additive ``bias``, each of
@@ -404,14 +424,8 @@ class _NativeAttention(torch.autograd.Function):
     def backward(ctx, dout, dlse):  # noqa: ANN001, ANN205
         refuse_double_backward("native")
         q, k, v, out, lse = ctx.saved_tensors
-        cdt = lse.dtype                                            # float32, or float64
-        delta = (dout.to(cdt) * out.to(cdt)).sum(-1)               # (B, H_q, N_q)
-        if dlse is not None:
-            delta = delta - dlse.to(cdt)                           # d lse / d s = P
-        dout = dout.to(q.dtype)
-        dout = dout if dout.stride(-1) == 1 else dout.contiguous()
-        dq, dk, dv, drel, dali, dbias = _ops().attend_backward(
-            q, k, v, dout, lse, delta.contiguous(), *ctx.common, bool(ctx.needs_input_grad[4]),
+        dq, dk, dv, drel, dali, dbias = _kernel_backward(
+            _ops(), q, k, v, out, lse, dout, dlse, ctx.common, bool(ctx.needs_input_grad[4]),
             bool(ctx.needs_input_grad[5]))
         if ctx.needs_input_grad[3]:                                # (H_q, 2M+1)
             c = ctx.rel_cut
@@ -557,15 +571,28 @@ def _user_mod(p: Problem) -> object | None:
     return p.score_mod
 
 
-def forward_problem(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run a :class:`Problem` that :func:`supports` accepts → ``(out, lse)``.
+class _Terms(NamedTuple):
+    """A :class:`Problem`'s score terms and mask as the kernel's options (see :func:`forward`)."""
 
-    The Problem's layout was checked where it was made (:func:`attnkit.api.prepare`) and its
-    device and dtype by :func:`supports`, so the layout checks of :func:`forward` are not
-    repeated. A mask part without closed form is evaluated densely — or, when it is the
-    bool tensor the call gave (``p.mask_tensor``), that tensor is read as it is."""
+    alibi_slopes: torch.Tensor | None
+    alibi_offset: int
+    rel_table: torch.Tensor | None
+    rel_max_distance: int | None
+    band: tuple[float, float] | None
+    kv_lengths: object | None
+    q_lengths: object | None
+    doc_ids: object | None
+    kv_doc_ids: object | None
+    dense_mask: torch.Tensor | None
+    score_mod: CompiledScoreMod | None
+
+
+def _terms(p: Problem) -> _Terms:
+    """``p``'s mask decomposed (closed forms, the rest dense) and its score terms read, for
+    one kernel call (forward or backward). A mask part without closed form is evaluated
+    densely — or, when it is the bool tensor the call gave (``p.mask_tensor``), that tensor
+    is read as it is."""
     global _LAST_OPTIONS
-    ops = _ops()
     opts: dict[str, object] = {}
     dense = None
     if p.mask is not None:
@@ -583,11 +610,62 @@ def forward_problem(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
         rel = _relbias_of(p)
         if _user_mod(p) is not None:
             mod = for_problem(p.score_mod, _compute_dtype(p.dtype))
+    return _Terms(None if ali is None else ali[0], 0 if ali is None else ali[1],
+                  None if rel is None else rel[0], None if rel is None else rel[1],
+                  opts.get("band"), opts.get("kv_lengths"),  # type: ignore[arg-type]
+                  opts.get("q_lengths"), opts.get("doc_ids"), opts.get("kv_doc_ids"),
+                  dense, mod)  # type: ignore[arg-type]
+
+
+def forward_problem(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run a :class:`Problem` that :func:`supports` accepts → ``(out, lse)``.
+
+    The Problem's layout was checked where it was made (:func:`attnkit.api.prepare`) and its
+    device and dtype by :func:`supports`, so the layout checks of :func:`forward` are not
+    repeated (the mask and score terms: :func:`_terms`)."""
+    ops = _ops()
+    t = _terms(p)
     n_q = p.q.shape[2]
-    return _forward(ops, p.q, p.k, p.v, p.scale, p.softcap,
-                    None if ali is None else ali[0], 0 if ali is None else ali[1],
-                    None if rel is None else rel[0], None if rel is None else rel[1],
-                    p.bias, opts.get("band"), opts.get("kv_lengths"),  # type: ignore[arg-type]
-                    opts.get("q_lengths"), opts.get("doc_ids"), opts.get("kv_doc_ids"),
-                    dense, n_q if n_q <= DECODE_MAX_QUERIES else None,  # native.decode's block
-                    None, mod)  # type: ignore[arg-type]
+    return _forward(ops, p.q, p.k, p.v, p.scale, p.softcap, t.alibi_slopes, t.alibi_offset,
+                    t.rel_table, t.rel_max_distance, p.bias, t.band, t.kv_lengths,
+                    t.q_lengths, t.doc_ids, t.kv_doc_ids, t.dense_mask,
+                    n_q if n_q <= DECODE_MAX_QUERIES else None,  # native.decode's block
+                    None, t.score_mod)
+
+
+def backward_problem(p: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
+                     dlse: torch.Tensor | None = None, *, bias_grad: bool = False,
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The kernel's own (FlashAttention-2) backward of a :class:`Problem` that
+    :func:`supports` accepts, from a forward's saved ``out`` and ``lse``: no forward is
+    recomputed and no autograd graph is built. ``out``/``lse`` may come from any engine's
+    forward of ``p`` (the backward rebuilds the weights as ``exp(s − lse)``).
+
+    Shapes (Problem layout): ``out``, ``dout`` (B, H_q, N_q, D_v); ``lse``, ``dlse``
+    (B, H_q, N_q); → ``dq`` like q, ``dk``/``dv`` (B, H_kv, N_k, D) in q's dtype (for K/V
+    broadcast over the batch, still per batch element: the caller sums), and ``dbias``
+    (B, H_q, N_q, N_k) in the compute dtype when ``bias_grad`` (``p.bias`` given), else
+    None. Score terms' own tensors (ALiBi slopes, a relative table) get no gradient here.
+    """
+    ops = _ops()
+    t = _terms(p)
+    q, k, v = p.q, p.k, p.v
+    if q.stride()[3] != 1:
+        q = q.contiguous()
+    if k.stride()[3] != 1:
+        k = k.contiguous()
+    if v.stride()[3] != 1:
+        v = v.contiguous()
+    B, Hq, Nq, Dk = q.shape
+    cdt = _compute_dtype(q.dtype)
+    rel = _rel_table(t.rel_table, t.rel_max_distance, Hq)
+    common, call = _common(q, k, v, B, Hq, Nq, k.shape[2], Dk, cdt, p.scale, p.softcap,
+                           t.alibi_slopes, t.alibi_offset, rel, t.rel_max_distance, p.bias,
+                           t.band, t.kv_lengths, t.q_lengths, t.doc_ids, t.kv_doc_ids,
+                           t.dense_mask, t.score_mod)
+    bias_grad = bias_grad and p.bias is not None
+    dq, dk, dv, _, _, dbias = _kernel_backward(ops, q, k, v, out, lse.to(cdt).contiguous(),
+                                               dout, dlse, common, False, bias_grad)
+    if call is not None:
+        call.check()                                         # an index out of range: raise
+    return dq, dk, dv, dbias if bias_grad else None
