@@ -1,6 +1,9 @@
 """The native kernel's low-precision forward: bfloat16 / float16 GEMMs (fp32 accumulation, P
 rounded to the input dtype before P·V) against the float64 oracle, and the widening path
-(``ATTNKIT_NATIVE_LOWP_GEMM=0``: inputs widened to float32, float32 GEMMs) beside it.
+(``ATTNKIT_NATIVE_LOWP_GEMM=0``: inputs widened to float32, float32 GEMMs) beside it. The GEMM
+path's code runs on every CPU: ``ATTNKIT_NATIVE_LOWP_GEMM=emulate`` gives it a plain C++ product
+of the same packed operands in place of oneDNN's brgemm (the "emulated" path below), and the
+hardware path runs where the CPU has bf16 / fp16 GEMMs (AVX512-BF16, AMX).
 
 Shape legend: q (B, H_q, N_q, D_k), k (B, H_kv, N_k, D_k), v (B, H_kv, N_k, D_v).
 Every comparison follows DESIGN: within 2× the naive low-precision formula's error (with the
@@ -41,11 +44,24 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-@pytest.fixture(params=["gemm", "widen"])
+_SWITCH = {"gemm": "1", "emulated": "emulate", "widen": "0"}
+
+
+def _hardware_gemm(dtype: torch.dtype) -> bool:
+    """Whether this CPU runs ``dtype``'s GEMMs through brgemm (unforced by the switch)."""
+    name = str(dtype).split(".")[1]
+    return native.low_precision_paths()[name].startswith(name + " GEMMs (oneDNN")
+
+
+@pytest.fixture(params=["gemm", "emulated", "widen"])
 def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Each test runs on the low-precision GEMM path (where this CPU has it) and on the forced
-    widening path."""
-    monkeypatch.setenv("ATTNKIT_NATIVE_LOWP_GEMM", "1" if request.param == "gemm" else "0")
+    """Each test runs on the low-precision GEMM path (brgemm, where this CPU has it; else
+    skipped), on the same path with emulated GEMMs (any CPU), and on the widening path."""
+    params = getattr(request.node, "callspec", None)
+    dtype = params.params.get("dtype", torch.bfloat16) if params else torch.bfloat16
+    if request.param == "gemm" and not _hardware_gemm(dtype):
+        pytest.skip("no low-precision GEMMs on this CPU: " + str(native.low_precision_paths()))
+    monkeypatch.setenv("ATTNKIT_NATIVE_LOWP_GEMM", _SWITCH[request.param])
     return request.param
 
 
@@ -64,25 +80,33 @@ def test_the_path_is_reported() -> None:
         assert info["bfloat16"].startswith("bfloat16 GEMMs"), info
 
 
-def test_the_switch_forces_widening(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_switch_forces_widening_or_emulation(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ATTNKIT_NATIVE_LOWP_GEMM", "0")
     info = native.low_precision_paths()
     assert all("ATTNKIT_NATIVE_LOWP_GEMM=0" in s for s in info.values()), info
+    monkeypatch.setenv("ATTNKIT_NATIVE_LOWP_GEMM", "emulate")
+    info = native.low_precision_paths()
+    assert all(s.endswith(" GEMMs emulated in plain C++ (ATTNKIT_NATIVE_LOWP_GEMM=emulate: "
+                          "the path's test mode, slow)") for s in info.values()), info
 
 
 @pytest.mark.parametrize("dtype", LOWP)
-def test_gemm_path_rounds_p(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("mode", ["gemm", "emulated"])
+def test_gemm_path_rounds_p(dtype: torch.dtype, mode: str,
+                            monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the GEMM path runs, its output differs from the widening path's (P is rounded to
-    the input dtype) while both stay within DESIGN's budget."""
-    if not native.low_precision_paths()[str(dtype).split(".")[1]].startswith(
-            str(dtype).split(".")[1] + " GEMMs"):
+    the input dtype) while both stay within DESIGN's budget; brgemm and the emulated product
+    agree to float32 rounding of their sums."""
+    if mode == "gemm" and not _hardware_gemm(dtype):
         pytest.skip("no low-precision GEMMs on this CPU: " + str(native.low_precision_paths()))
     q, k, v = (t.to(dtype) for t in qkv(1, 4, 2, 256, 256, 64))
-    outs = []
-    for flag in ("1", "0"):
+    outs = {}
+    for flag in (_SWITCH[mode], "0", "emulate"):
         monkeypatch.setenv("ATTNKIT_NATIVE_LOWP_GEMM", flag)
-        outs.append(native.forward(q, k, v)[0])
-    assert not torch.equal(outs[0], outs[1])
+        outs[flag] = native.forward(q, k, v)[0]
+    assert not torch.equal(outs[_SWITCH[mode]], outs["0"])
+    assert (outs[_SWITCH[mode]].float() - outs["emulate"].float()).abs().max() <= 4 * (
+        torch.finfo(dtype).eps * outs["emulate"].float().abs().max())
 
 
 # ---------------------------------------------------------------------------- sizes

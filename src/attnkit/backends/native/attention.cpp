@@ -137,6 +137,7 @@ std::tuple<Tensor, Tensor> attend(
     const LowpPath path = lowp_path<T>();
     a.lowp = path.gemm;
     a.lowp_onednn_pack = path.onednn_pack;
+    a.lowp_emulate = path.emulate;
     plan_forward(a, splits, block_q);
     out = at::empty({a.B, a.Hq, a.Nq, a.Dv}, q.options());
     lse = at::empty({a.B, a.Hq, a.Nq}, q.options().dtype(c10::CppTypeToScalarType<A>::value));

@@ -312,6 +312,7 @@ template <typename A> struct Args {
   i64 NKP;                          // N_k rounded up to BK
   bool cache_kt;                    // keep a head's transposed K per thread (see Buffers)
   bool lowp, lowp_onednn_pack;      // forward: T GEMMs for bfloat16 / float16 (lowp.h)
+  bool lowp_emulate;                // ... computed by emulated_brgemm (the test mode)
   ScoreModFn<A> mod; const void* const* mod_caps;  // a compiled Python score_mod or null
 };
 
@@ -335,19 +336,44 @@ inline void key_range(const Args<A>& a, Item& it, i64 lo_k, i64 hi_k) {
   it.ke = i64(std::min(ke, double(hi_k)));
 }
 
-// A dense mask's bytes over the item's rows (all G heads) x keys [k0, k0+n): any / all.
+// Whether a row of n mask bytes (stride s) allows any / all keys: a contiguous row is read
+// eight bytes to a word (a bool is 0 or 1), a broadcast one (s = 0) once.
+inline void scan_row(const bool* m, i64 s, i64 n, bool& any, bool& all) {
+  if (s == 0) {
+    any = any || m[0];
+    all = all && m[0];
+    return;
+  }
+  i64 j = 0;
+  if (s == 1) {
+    constexpr uint64_t ONES = 0x0101010101010101ull;       // eight allowed keys
+    uint64_t some = 0, every = ONES;
+    for (; j + 8 <= n; j += 8) {                           // keys [j, j + 8)
+      uint64_t w;
+      std::memcpy(&w, m + j, 8);
+      some |= w;
+      every &= w;
+    }
+    any = any || some != 0;
+    all = all && every == ONES;
+  }
+  for (; j < n; ++j) {
+    any = any || m[j * s];
+    all = all && m[j * s];
+  }
+}
+
+// A dense mask's bytes over the item's rows (all G heads; one when the mask is broadcast
+// over heads) x keys [k0, k0+n): any / all.
 template <typename A>
 inline TileKind scan_mask(const Args<A>& a, const Item& it, i64 k0, i64 n) {
   bool any = false, all = true;
-  for (i64 g = 0; g < a.G; ++g)
+  const i64 heads = a.sm[1] == 0 ? 1 : a.G;
+  for (i64 g = 0; g < heads; ++g)
     for (i64 i = 0; i < it.nr; ++i) {
       const bool* mr = a.mask + it.b * a.sm[0] + (it.kvh * a.G + g) * a.sm[1] +
                        (it.q0 + i) * a.sm[2] + k0 * a.sm[3];
-      for (i64 j = 0; j < n; ++j) {
-        const bool m = mr[j * a.sm[3]];
-        any = any || m;
-        all = all && m;
-      }
+      scan_row(mr, a.sm[3], n, any, all);
       if (any && !all) return PARTIAL;
     }
   return any ? FULL : EMPTY;
@@ -502,6 +528,46 @@ inline void band_keys(const Args<A>& a, i64 n, i64 qi, i64 k0, i64& jb, i64& je)
   je = std::max(jb, i64(std::clamp(std::floor(hi_k) + 1.0, 0.0, double(n))));
 }
 
+// x[j] = -inf where a dense mask's row m (n bools, stride s) is false. A contiguous row is
+// read L bytes at a time into a lane mask (a byte per key; no branch per key: random masks
+// mispredicted half the time), a broadcast one (s = 0) once.
+typedef uint8_t vbf __attribute__((vector_size(W)));        // L = W bytes, for float lanes
+typedef uint8_t vbd __attribute__((vector_size(W / 2)));    // W / 2 bytes, for double lanes
+template <typename A> struct MaskLanes;                    // the comparison mask of vec<A>
+template <> struct MaskLanes<float> { using M = vi; using Bytes = vbf; };
+template <> struct MaskLanes<double> { using M = vl; using Bytes = vbd; };
+template <typename A> inline typename MaskLanes<A>::M lane_mask(const bool* m) {
+  using M = typename MaskLanes<A>::M;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<A, float>) {                // 16 bytes -> 16 int32 lanes
+    const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)m));
+    return (M)w != 0;
+  }
+#elif defined(__AVX2__)
+  if constexpr (std::is_same_v<A, float>) {                // 8 bytes -> 8 int32 lanes
+    const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)m));
+    return (M)w != 0;
+  }
+#endif
+  typename MaskLanes<A>::Bytes bytes;                     // one byte (0 / 1) per lane
+  std::memcpy(&bytes, m, sizeof bytes);
+  return __builtin_convertvector(bytes, M) != 0;          // -1 = allowed
+}
+template <typename A> inline void mask_row(const bool* m, i64 s, A* x, i64 n) {
+  constexpr int L = lanes<A>;
+  if (s == 0) {
+    if (!m[0]) std::fill(x, x + n, A(NEG_INF));
+    return;
+  }
+  i64 j = 0;
+  if (s == 1) {
+    const vec<A> ninf = splat(A(NEG_INF));
+    for (; j + L <= n; j += L)                             // keys [j, j + L)
+      store(x + j, select(lane_mask<A>(m + j), load(x + j), ninf));
+  }
+  for (; j < n; ++j) x[j] = m[j * s] ? x[j] : A(NEG_INF);
+}
+
 // x (npad,) of row (head h, query qi) against keys [k0, k0+n): ALiBi, the relative bias
 // table, bias, then the mask (skipped on FULL tiles); x[n:npad] = -inf.
 template <typename A>
@@ -521,7 +587,11 @@ inline void position_terms_and_mask(const Args<A>& a, A* x, i64 n, i64 npad, i64
   if (a.bias) {
     const A* br = a.bias + b * a.sb[0] + h * a.sb[1] + qi * a.sb[2] + k0 * a.sb[3];
     const i64 s = a.sb[3];
-    for (i64 j = 0; j < n; ++j) x[j] += br[j * s];
+    if (s == 1) {
+      for (i64 j = 0; j < n; ++j) x[j] += br[j];               // (vectorised)
+    } else {
+      for (i64 j = 0; j < n; ++j) x[j] += br[j * s];
+    }
   }
   if (!full) {
     i64 jb, je;
@@ -533,11 +603,8 @@ inline void position_terms_and_mask(const Args<A>& a, A* x, i64 n, i64 npad, i64
       const i64* kd = a.k_doc + b * a.skd[0] + k0 * a.skd[1];
       for (i64 j = 0; j < n; ++j) x[j] = kd[j * a.skd[1]] == qd ? x[j] : NEG_INF;
     }
-    if (a.mask) {
-      const bool* mr = a.mask + b * a.sm[0] + h * a.sm[1] + qi * a.sm[2] + k0 * a.sm[3];
-      const i64 s = a.sm[3];
-      for (i64 j = 0; j < n; ++j) x[j] = mr[j * s] ? x[j] : NEG_INF;
-    }
+    if (a.mask)
+      mask_row(a.mask + b * a.sm[0] + h * a.sm[1] + qi * a.sm[2] + k0 * a.sm[3], a.sm[3], x, n);
   }
   for (i64 j = n; j < npad; ++j) x[j] = NEG_INF;
 }

@@ -220,7 +220,7 @@ void scores_gemm_lowp(const Args<A>& a, const T* kt, const Item& it, const Sub* 
                       int count, Buffers<A>& buf, LowpBuffers<T>& lb) {
   if (count > 1) zero_skipped(subs, count, a.G, it.nr, buf.s.data());
   for_each_block(subs, count, a.G, it.nr, [&](i64 r0, i64 m, i64 j0, i64 nj) {
-    scores_block_lowp(lb.q.get(), lb.DKE, kt, r0, m, j0, nj, buf.s.data());
+    scores_block_lowp(a.lowp_emulate, lb.q.get(), lb.DKE, kt, r0, m, j0, nj, buf.s.data());
   });
 }
 
@@ -234,7 +234,7 @@ void values_gemm_lowp(const Args<A>& a, const T* vh, const T* vp, i64 v_bad, con
   const i64 R = a.G * it.nr;
   if (v_bad < round_up(n, 2)) return values_axpy(a, vh, k0, n, R, buf);
   for_each_block(subs, count, a.G, it.nr, [&](i64 r0, i64 m, i64 j0, i64 nj) {
-    values_block_lowp(lb.p.get(), vp, a.Dv, a.DVP, r0, m, j0, nj, buf.acc.data());
+    values_block_lowp(a.lowp_emulate, lb.p.get(), vp, a.Dv, a.DVP, r0, m, j0, nj, buf.acc.data());
   });
 }
 
@@ -412,7 +412,7 @@ void run(const Args<A>& a, const T* q, const T* k, const T* v, T* out, A* lse) {
             finish_row(acc, m, l, a.Dv, po.data() + (flat * C + c) * a.Dv, pl.data() + flat * C + c);
         }
     }
-    if (lb) at::native::cpublas::brgemm_release(true);   // the thread's AMX tile state
+    if (lb && !a.lowp_emulate) at::native::cpublas::brgemm_release(true);  // AMX tile state
   });
   if (C > 1) merge_splits(a, po.data(), pl.data(), out, lse);
 }

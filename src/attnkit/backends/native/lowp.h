@@ -11,6 +11,9 @@
 // ATTNKIT_NATIVE_LOWP_GEMM=0 forces the widening path (T -> float, float GEMMs); a CPU or
 // build whose brgemm has no kernel for T (no AVX512-BF16 / AMX for bfloat16; no AVX512-FP16
 // / AMX-FP16 for float16), or whose packing fails a numerical self-test, widens too.
+// ATTNKIT_NATIVE_LOWP_GEMM=emulate runs this path with a plain C++ product of the same
+// packed operands in place of brgemm (emulated_brgemm: slow, for tests), so that the path's
+// packing, rounding and sub-blocks are tested on every CPU.
 #pragma once
 #include <ATen/Context.h>
 #include <ATen/cpu/Utils.h>
@@ -50,6 +53,7 @@ struct LowpPath {
   bool gemm;                // T GEMMs available (and correct) on this CPU
   bool onednn_pack;         // pack with oneDNN (AMX) rather than our own interleave
   std::string why;          // said by lowp_path() and attnkit's info
+  bool emulate = false;     // the GEMMs by emulated_brgemm (ATTNKIT_NATIVE_LOWP_GEMM=emulate)
 };
 
 // Whether brgemm on an (M, 8) x (8, n) product, B rows [k0, k0 + 8) and columns
@@ -104,12 +108,14 @@ template <typename T> const LowpPath& probed() {
   return p;
 }
 
-// Whether ATTNKIT_NATIVE_LOWP_GEMM forbids the low-precision GEMMs (read at every call).
-inline bool lowp_forced_off() {
+// What ATTNKIT_NATIVE_LOWP_GEMM asks (read at every call): the default, widening, emulation.
+enum class LowpSwitch { DEFAULT, OFF, EMULATE };
+inline LowpSwitch lowp_switch() {
   const char* e = std::getenv("ATTNKIT_NATIVE_LOWP_GEMM");
-  if (!e) return false;
+  if (!e) return LowpSwitch::DEFAULT;
   const std::string s(e);
-  return s == "0" || s == "false" || s == "off" || s == "no";
+  if (s == "0" || s == "false" || s == "off" || s == "no") return LowpSwitch::OFF;
+  return s == "emulate" ? LowpSwitch::EMULATE : LowpSwitch::DEFAULT;
 }
 
 // The path a call with T inputs takes now, and why.
@@ -117,7 +123,13 @@ template <typename T> LowpPath lowp_path() {
   if constexpr (!is_lowp<T>) {
     return {false, false, "not a low-precision dtype"};
   } else {
-    if (lowp_forced_off()) return {false, false, "widening to float32: ATTNKIT_NATIVE_LOWP_GEMM=0"};
+    const LowpSwitch sw = lowp_switch();
+    if (sw == LowpSwitch::OFF)
+      return {false, false, "widening to float32: ATTNKIT_NATIVE_LOWP_GEMM=0"};
+    if (sw == LowpSwitch::EMULATE)
+      return {true, false, std::string(std::is_same_v<T, at::BFloat16> ? "bfloat16" : "float16") +
+                               " GEMMs emulated in plain C++ (ATTNKIT_NATIVE_LOWP_GEMM=emulate: "
+                               "the path's test mode, slow)", true};
     if (!at::globalContext().userEnabledMkldnn())
       return {false, false, "widening to float32: torch.backends.mkldnn is disabled"};
     return probed<T>();
@@ -249,15 +261,37 @@ void packed_tile(const Args<A>& a, const T* kh, const T* vh, const Item& it, i64
 }
 
 // ------------------------------------------------------------------ the two GEMMs
+// brgemm's product on the same operands, in plain C++ (the test mode): C (M, N) (ld ldc)
+// (+)= A (M, K) (ld lda) . B, B in the VNNI layout with ld ldb (element (k, n) at
+// [k / 2][n][k % 2]; K even, as every call here has).
+template <typename T>
+void emulated_brgemm(i64 M, i64 N, i64 K, i64 lda, i64 ldb, i64 ldc, bool add, const T* A,
+                     const T* B, float* C) {
+  for (i64 i = 0; i < M; ++i)                             // row i of C (N,)
+    for (i64 n = 0; n < N; ++n) {
+      float acc = add ? C[i * ldc + n] : 0.f;
+      for (i64 k = 0; k < K; ++k)
+        acc += float(A[i * lda + k]) * float(B[(k / 2) * ldb * 2 + n * 2 + k % 2]);
+      C[i * ldc + n] = acc;
+    }
+}
+
+template <typename T>
+inline void lowp_brgemm(bool emulate, i64 M, i64 N, i64 K, i64 lda, i64 ldb, i64 ldc, bool add,
+                        const T* A, const T* B, float* C) {
+  if (emulate) return emulated_brgemm(M, N, K, lda, ldb, ldc, add, A, B, C);
+  at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add, A, B, C, true);
+}
+
 // S[r0 : r0 + m, j0 : j0 + nj] (ld BK) <- Q rows . Kᵀ columns, one brgemm per VNNI block the
 // columns touch.
 template <typename T>
-inline void scores_block_lowp(const T* q, i64 DKE, const T* kt, i64 r0, i64 m, i64 j0, i64 nj,
-                              float* s) {
+inline void scores_block_lowp(bool emulate, const T* q, i64 DKE, const T* kt, i64 r0, i64 m,
+                              i64 j0, i64 nj, float* s) {
   for (i64 c = j0; c < j0 + nj;) {                        // columns [c, e) of one block
     const i64 blk = c / NB, e = std::min(j0 + nj, (blk + 1) * NB);
-    at::native::cpublas::brgemm(m, e - c, DKE, DKE, NB, BK, false, q + r0 * DKE,
-                                kt + blk * NB * DKE + (c - blk * NB) * 2, s + r0 * BK + c, true);
+    lowp_brgemm(emulate, m, e - c, DKE, DKE, NB, BK, false, q + r0 * DKE,
+                kt + blk * NB * DKE + (c - blk * NB) * 2, s + r0 * BK + c);
     c = e;
   }
 }
@@ -265,13 +299,12 @@ inline void scores_block_lowp(const T* q, i64 DKE, const T* kt, i64 r0, i64 m, i
 // acc[r0 : r0 + m, :D_v] (ld DVP) += P[r0 : r0 + m, j0 : j0 + nj] . V rows [j0, j0 + nj),
 // one brgemm per VNNI block of V's columns (nj rounded up to 2: P and V are 0 past the tile).
 template <typename T>
-inline void values_block_lowp(const T* p, const T* v, i64 Dv, i64 DVP, i64 r0, i64 m, i64 j0,
-                              i64 nj, float* acc) {
+inline void values_block_lowp(bool emulate, const T* p, const T* v, i64 Dv, i64 DVP, i64 r0,
+                              i64 m, i64 j0, i64 nj, float* acc) {
   const i64 ke = round_up(nj, 2);
   for (i64 c = 0; c < Dv; c += NB)                        // columns [c, c + NB) of V
-    at::native::cpublas::brgemm(m, std::min<i64>(NB, Dv - c), ke, BK, NB, DVP, true,
-                                p + r0 * BK + j0, v + c * BK + j0 * NB, acc + r0 * DVP + c,
-                                true);
+    lowp_brgemm(emulate, m, std::min<i64>(NB, Dv - c), ke, BK, NB, DVP, true,
+                p + r0 * BK + j0, v + c * BK + j0 * NB, acc + r0 * DVP + c);
 }
 
 }  // namespace
