@@ -5,7 +5,10 @@ One decode step of a batch of sequences of different lengths: each appends one n
 interleaved within each round (machine noise hits them alike), medians over ``--repeats``:
 
     paged        ak.attention_with_kvcache(q, k_pages, v_pages, k, v, cache_seqlens=,
-                 block_table=, causal=True)             pages in random pool order
+                 block_table=, causal=True)             pages in random pool order, read
+                 through the block table in the native kernel
+    paged-gather the same call on attnkit's fallback path (each sequence's pages gathered
+                 into a contiguous copy, then attended): what runs without the kernel
     contiguous   the same call on contiguous (B, N_max, H_kv, D) caches
     gather+SDPA  write the new tokens into the pages, gather every sequence's pages into a
                  padded (B, H_kv, N_max, D) copy, torch SDPA with a padding mask (enable_gqa)
@@ -14,7 +17,11 @@ a mixed batch — 2 prefill chunks of ``--chunk`` over their own cache plus deco
 one ak.attention_varlen call on the paged pool vs one torch SDPA call per sequence on
 gathered keys; and ``--batch`` forks of a ``--prefix``-token prompt with ``--own`` tokens
 each: one decode step with the prefix attended once (cascade, ``shared_prefix=True``) vs
-per sequence (``shared_prefix=False``).
+per sequence (``shared_prefix=False``). Last, the peak memory of one paged decode step
+beyond the pool and the output: the growth of the peak resident set over the
+step, in a fresh child process whose inputs are built and whose kernel is loaded and warmed
+on a small call first (RSS sees the kernel's C++ buffers, which torch's allocator stats
+would not).
 
     .venv/bin/python benchmarks/bench_paged.py            # 16 sequences of 512–8192 keys
     .venv/bin/python benchmarks/bench_paged.py --quick    # a smoke run
@@ -23,16 +30,19 @@ per sequence (``shared_prefix=False``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import platform
 import statistics
 import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 
 import attnkit as ak
+import attnkit.serving as serving
 
 
 def cpu_name() -> str:
@@ -81,6 +91,73 @@ def gather_padded(pool: torch.Tensor, table: torch.Tensor, n_max: int) -> torch.
     return g.transpose(1, 2)
 
 
+@contextlib.contextmanager
+def gather_fallback() -> Iterator[None]:
+    """attnkit's paged calls on their fallback path (pages gathered, then attended), as
+    without the native kernel."""
+    real = serving._use_native
+    serving._use_native = lambda *a, **k: False  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        serving._use_native = real
+
+
+def fallback(fn: Callable[[], object]) -> Callable[[], object]:
+    def run() -> object:
+        with gather_fallback():
+            return fn()
+    return run
+
+
+def status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def reset_peak_rss() -> int:
+    """Reset the peak RSS (VmHWM) to the current RSS (Linux: ``5`` into clear_refs) → the
+    current RSS in bytes."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return status_kb("VmRSS") * 1024
+
+
+def rss_child(kind: str, args: argparse.Namespace) -> None:
+    """One paged decode step (the benchmark's first case) in this fresh process; prints the
+    growth of the peak RSS over the step in bytes."""
+    torch.manual_seed(0)
+    dtype = getattr(torch, args.dtype)
+    B, H, H_kv, D, bs = args.batch, args.heads, args.kv_heads, args.head_dim, args.block_size
+    lengths = torch.randint(args.min_len, args.max_len + 1, (B,)).tolist()
+    k_pages, v_pages, table = build(lengths, bs, H_kv, D, dtype)
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    q = torch.randn(B, 1, H, D).to(dtype)
+    k_new, v_new = torch.randn(B, 1, H_kv, D).to(dtype), torch.randn(B, 1, H_kv, D).to(dtype)
+    kw = dict(cache_seqlens=seqlens, block_table=table, causal=True)
+    ctx = gather_fallback() if kind == "gather" else contextlib.nullcontext()
+    with ctx:                                     # warm: kernel loaded, code paths run once
+        small = table[:, :2].contiguous()
+        ak.attention_with_kvcache(q, k_pages, v_pages, k_new, v_new,
+                                  cache_seqlens=torch.full((B,), bs), block_table=small,
+                                  causal=True)
+        before = reset_peak_rss()
+        out = ak.attention_with_kvcache(q, k_pages, v_pages, k_new, v_new, **kw)
+        after = status_kb("VmHWM") * 1024
+    del out
+    print(after - before)
+
+
+def peak_rss_step(kind: str) -> int:
+    """:func:`rss_child` in a fresh process (the same options) → bytes."""
+    cmd = [sys.executable, __file__, "--rss-child", kind, *sys.argv[1:]]
+    return int(subprocess.run(cmd, capture_output=True, text=True, check=True)
+               .stdout.split()[-1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=16)
@@ -96,10 +173,13 @@ def main() -> None:
     ap.add_argument("--own", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--quick", action="store_true", help="8 sequences of 256–2048, 3 repeats")
+    ap.add_argument("--rss-child", choices=["paged", "gather"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.quick:
         args.batch, args.min_len, args.max_len, args.repeats = 8, 256, 2048, 3
         args.prefix, args.chunk = 1024, 256
+    if args.rss_child:
+        return rss_child(args.rss_child, args)
     torch.manual_seed(0)
     dtype = getattr(torch, args.dtype)
     B, H, H_kv, D, bs = args.batch, args.heads, args.kv_heads, args.head_dim, args.block_size
@@ -139,15 +219,16 @@ def main() -> None:
     got = paged()
     want = gather_sdpa()
     err = (got.float() - want.float()).abs().max().item()
-    ms = median_ms({"paged": paged, "contiguous": contiguous, "gather+SDPA": gather_sdpa},
-                   args.repeats)
+    ms = median_ms({"paged": paged, "paged-gather": fallback(paged), "contiguous": contiguous,
+                    "gather+SDPA": gather_sdpa}, args.repeats)
     kv_bytes = 2 * sum(n + 1 for n in lengths) * H_kv * D * k_pages.element_size()
     print(f"  (paged vs gather+SDPA max |diff| {err:.2e})")
     print(f"{'variant':<14}{'median ms':>11}{'GB/s (K+V read)':>17}{'paged speed-up':>16}")
     for name, t in ms.items():
         print(f"{name:<14}{t:>11.2f}{kv_bytes / t / 1e6:>17.1f}{t / ms['paged']:>15.2f}x")
     print(f"paged vs contiguous: {ms['contiguous'] / ms['paged']:.2f}x (target >= 0.9x); "
-          f"paged vs gather+SDPA: {ms['gather+SDPA'] / ms['paged']:.2f}x (target >= 2x)")
+          f"paged vs gather+SDPA: {ms['gather+SDPA'] / ms['paged']:.2f}x (target >= 2x); "
+          f"paged vs paged-gather: {ms['paged-gather'] / ms['paged']:.2f}x")
 
     # ---- mixed batch: 2 prefill chunks (own cache of len) + decodes, one varlen call
     n_pre = min(2, B)
@@ -176,7 +257,8 @@ def main() -> None:
         return torch.cat(outs)
 
     err = (varlen().float() - per_seq_sdpa().float()).abs().max().item()
-    ms = median_ms({"varlen": varlen, "per-seq SDPA": per_seq_sdpa}, args.repeats)
+    ms = median_ms({"varlen": varlen, "varlen-gather": fallback(varlen),
+                    "per-seq SDPA": per_seq_sdpa}, args.repeats)
     print(f"\nmixed batch: {n_pre} prefill chunks of {args.chunk} + {B - n_pre} decodes "
           f"(max |diff| {err:.2e})")
     for name, t in ms.items():
@@ -205,14 +287,20 @@ def main() -> None:
                                          shared_prefix=shared)
 
     err = (step(True).float() - step(False).float()).abs().max().item()
-    ms = median_ms({"prefix once": lambda: step(True), "per sequence": lambda: step(False)},
-                   args.repeats)
+    ms = median_ms({"prefix once": lambda: step(True), "per sequence": lambda: step(False),
+                    "once, gather": fallback(lambda: step(True))}, args.repeats)
     print(f"\nshared prefix: {B} sequences sharing a {prefix}-token prefix, {own} own tokens "
           f"each, decode step (max |diff| {err:.2e})")
     for name, t in ms.items():
         print(f"{name:<14}{t:>11.2f} ms")
     print(f"prefix once (cascade) vs per sequence: "
           f"{ms['per sequence'] / ms['prefix once']:.2f}x (target >= 3x)")
+
+    # ---- peak memory of a paged decode step beyond the pool and the output
+    paged_b, gather_b = peak_rss_step("paged"), peak_rss_step("gather")
+    print(f"\npeak memory of one paged decode step beyond the pool and the output (peak RSS "
+          f"growth, fresh process): in-kernel {paged_b / 2**20:.1f} MB (target <= 16 MB), "
+          f"gather fallback {gather_b / 2**20:.1f} MB")
 
 
 if __name__ == "__main__":

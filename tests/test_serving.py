@@ -384,8 +384,15 @@ def test_shared_prefix_is_attended_once_and_equals_the_reference(opts, n_q, monk
         keys_read.extend(ns_)                         # one call for all single-query rows
         return real_many(qs_, kvs_, ns_, *a, **kw)
 
+    real_paged = serving._native.paged_attention
+
+    def counting_paged(q_, kp_, vp_, table_, cu_, kv_lengths, **kw):
+        keys_read.extend(kv_lengths)                  # the native call: each sequence's keys
+        return real_paged(q_, kp_, vp_, table_, cu_, kv_lengths, **kw)
+
     monkeypatch.setattr(serving, "_attend_one", counting)
     monkeypatch.setattr(serving, "_attend_single_queries", counting_many)
+    monkeypatch.setattr(serving._native, "paged_attention", counting_paged)
     out, lse = ak.attention_with_kvcache(q, cache.k_pages, cache.v_pages, kn, vn,
                                          cache_seqlens=lens, block_table=table,
                                          return_softmax_lse=True, **opts)

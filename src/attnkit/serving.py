@@ -20,40 +20,46 @@ Shape legend (flash-attn's layout: batch, sequence, heads, dim)::
     causal / window: query i of b sees keys j with
         i + N_k(b) − N_q − left <= j <= i + N_k(b) − N_q + right     (bottom-right aligned)
 
-How it is computed today: each sequence's pages are read through the block table
-(``index_select`` of the pages it holds — a gathered copy of that sequence's keys) and
-attended by :func:`attnkit.attention`. Sequences with one query (decoding) and no
-position-dependent term (ALiBi, a left window) go to the engine together in one call, their
-gathered keys padded and masked by ``masks.padding`` (a contiguous cache: views, no copy);
-the others one call each, with the closed-form masks of :mod:`attnkit.masks` (``window``,
-bottom-right) and ALiBi as a score term with its spec — ``backend="auto"`` picks the decode
-engine for few queries and the tiled / native engine for prefill chunks. Sequences forked
-from one prompt (the same leading pool pages) attend to those pages once, in one call over
-all their queries, merged with each one's own keys by LSE (cascade; ``shared_prefix``).
+How it is computed: with the native kernel (CPU, ``backend`` "auto" or "native"), a paged
+call is ONE kernel call that reads the pages through the block table — no gathered copy
+(:func:`attnkit.backends.native.paged_attention`): every sequence's queries over its keys,
+decodes and prefill chunks together, bottom-right causal / window, soft-cap and ALiBi per
+sequence, the work split over the cores (a long sequence's keys in several items, merged by
+LSE; the threads take items one at a time). Sequences forked from one prompt (the same
+leading pool pages) attend to those pages once — one sequence of the call holding all their
+queries — merged with each one's own keys by LSE (cascade; ``shared_prefix``).
+
+Without it (``ATTNKIT_NATIVE=0``, no compiler, another device, a query requiring grad) each
+sequence's pages are read in Python (``index_select`` of the pages it holds — a gathered
+copy) and attended by :func:`attnkit.attention`: single-query rows with no
+position-dependent term (ALiBi, a left window) together in one call, their gathered keys
+padded and masked by ``masks.padding``; the others one call each, with the closed-form masks
+of :mod:`attnkit.masks` (``window``, bottom-right) and ALiBi as a score term with its spec.
+A contiguous cache always takes that route (views, no copy).
 
 Caution
 -------
-- The block table is read in Python, one sequence at a time, and each sequence's pages are
-  gathered into a contiguous copy before the engine runs: the in-kernel block-table read
-  (no gathered copy; the native decode and forward loops walking the pages) is the next step.
-  Until then a paged step costs about what "gather, then attend" costs.
+- The block table is validated in Python before anything is written (``.tolist()`` of
+  it, a check per sequence): a few hundred µs for a large batch.
+- Fallback only: batched decode rows are gathered into a workspace kept per pool (a
+  PagedKVCache's, or one held while a raw pool tensor lives), as large as the largest
+  batch's padded keys; and one engine call per sequence with several queries (on a small
+  or oversubscribed CPU the per-call cost can exceed the work of a short sequence).
 - Differences from flash-attn: see :func:`attention_with_kvcache` (a row with no key gets
   LSE −∞, not +inf; ``rotary_*``, ``cache_batch_idx``, ``cache_leftpad`` are refused;
   ``num_splits`` is accepted and ignored; block_size may be any size; D_v may differ from D;
   float64 is accepted).
-- Batched decode rows are gathered into a workspace kept per pool (a PagedKVCache's, or
-  one held while a raw pool tensor lives): as large as the largest batch's padded keys.
-- One engine call per sequence with several queries (plus one per shared prefix, one for
-  all single-query rows): on a small or oversubscribed CPU the per-call cost (thread
-  wake-ups) can exceed the work of a short sequence.
 - Inference only: the caches are written in place outside autograd (as flash-attn's).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
+import os
 import weakref
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -62,6 +68,7 @@ import torch
 from . import backends as _backends
 from . import masks as _masks
 from .api import attention
+from .backends import native as _native
 from .backends.base import compute_dtype, merge_partials
 from .layers.paged import pool_owner
 from .scores import Alibi, ScoreTerm
@@ -212,19 +219,17 @@ def _check_pages(block_table: Any, batch: int, num_blocks: int, block_size: int,
                              "needs a page of its own")
         pages.append(row)
     if starts is not None:
-        readers: dict[int, list[int]] = {}
-        for b, row in enumerate(pages):
-            for p in row:
-                readers.setdefault(p, []).append(b)
+        readers = Counter(itertools.chain.from_iterable(pages))      # page -> rows using it
         for b, row in enumerate(pages):
             if starts[b] >= lengths[b]:
                 continue
             for p in row[starts[b] // block_size:]:
-                if len(readers[p]) > 1:
+                if readers[p] > 1:
+                    others = [c for c, r in enumerate(pages) if c != b and p in r]
                     raise ValueError(
                         f"page {p} is written by sequence {b} (new tokens from position "
                         f"{starts[b]}) and also used by sequence(s) "
-                        f"{[c for c in readers[p] if c != b]} of this call: a page used by two "
+                        f"{others} of this call: a page used by two "
                         "sequences without a fork would have its keys overwritten. Give each "
                         "sequence its own page for the tokens it writes (PagedKVCache.fork and "
                         "reserve copy a shared page on the first write)")
@@ -250,9 +255,8 @@ def _write(pool: torch.Tensor, pages: list[list[int]] | None, starts: list[int],
             rows = torch.arange(new.shape[0], device=dev).unsqueeze(1).expand_as(pos)
             pool[rows, pos] = new
             return
-        width = max(map(len, pages))
-        table = torch.tensor([p + [0] * (width - len(p)) for p in pages], device=dev)
-        page = table.gather(1, pos // block_size)                                 # (B, N_new)
+        page = torch.tensor([[row[(s + t) // block_size] for t in range(n_new)]    # (B, N_new)
+                             for row, s in zip(pages, starts, strict=True)], device=dev)
         pool[page, pos % block_size] = new
 
 
@@ -329,14 +333,108 @@ def _attend_single_queries(qs: list[torch.Tensor], kvs: list[Any], ns: list[int]
     return [(out[r].transpose(0, 1), lse[r]) for r in range(len(qs))]
 
 
+def _shared_prefixes(qs: list[torch.Tensor], pages: list[list[int]], lengths: list[int],
+                     block_size: int, right: int) -> list[tuple[list[int], int]]:
+    """Groups of rows whose leading pages are the same pool pages (forks), each with how many
+    of those pages every query of every row in it sees → ``[(rows, n_pages), ...]``."""
+    groups: dict[int, list[int]] = {}
+    for b, row in enumerate(pages):
+        if row and lengths[b] >= block_size and qs[b].shape[0] > 0:
+            groups.setdefault(row[0], []).append(b)
+    found = []
+    for rows in groups.values():
+        if len(rows) < 2:
+            continue
+        # keys every query of every row sees: bottom-right, query 0 sees j <= N_k − N_q + r
+        cap = min(lengths[b] if right == -1 else
+                  min(lengths[b], lengths[b] - qs[b].shape[0] + 1 + right) for b in rows)
+        most = cap // block_size                   # whole pages every query sees
+        # the rows' common leading pages (commonprefix compares lists element-wise)
+        n_pages = min(most, len(os.path.commonprefix([pages[b][:most] for b in rows])))
+        if n_pages:
+            found.append((rows, n_pages))
+    return found
+
+
+def _use_native(qs: list[torch.Tensor], k_pool: torch.Tensor, backend: str) -> bool:
+    """Whether a paged call runs in the native kernel through the block table: a CPU pool of
+    a dtype it takes, ``backend`` "auto" or "native", the kernel built and on (not
+    ``ATTNKIT_NATIVE=0``), and no gradient asked for (the paged kernel has no backward)."""
+    if backend not in ("auto", "native") or k_pool.device.type != "cpu" \
+            or k_pool.dtype not in _native.DTYPES:
+        return False
+    if torch.is_grad_enabled() and any(q.requires_grad for q in qs):
+        return False
+    return _native.available()
+
+
+def _attend_rows_native(qs: list[torch.Tensor], k_pool: torch.Tensor, v_pool: torch.Tensor,
+                        pages: list[list[int]], lengths: list[int],
+                        groups: list[tuple[list[int], int]], table: torch.Tensor | None, *,
+                        scale: float | None, window: tuple[int, int], softcap: float,
+                        slopes: torch.Tensor | None,
+                        ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`_attend_rows` in ONE native call that reads the pages through the block table
+    (no gathered copy): each shared prefix is one sequence of the call holding all its
+    rows' queries (placed after the prefix, so each sees all of it), each row (or its own
+    suffix, merged after by LSE) another. ``table``: the caller's block table, used as it is
+    when no prefix is shared (row b = sequence b)."""
+    bs = k_pool.shape[1]
+    # the call's sequences: (queries, pages, keys, position of the first query, row | None)
+    seqs: list[tuple[torch.Tensor, list[int], int, int, int | None]] = []
+    start: dict[int, int] = {}                     # row -> its pages' first key (a suffix)
+    for rows, n_pages in groups:
+        n_pre = n_pages * bs
+        seqs.append((torch.cat([qs[b] for b in rows]), pages[rows[0]][:n_pages], n_pre,
+                     n_pre - 1, None))
+        start.update(dict.fromkeys(rows, n_pages))
+    for b, q in enumerate(qs):
+        n_k = lengths[b] - start.get(b, 0) * bs
+        seqs.append((q, pages[b][start.get(b, 0):], n_k, n_k - q.shape[0], b))
+    if not groups and table is not None:
+        tab = table
+    else:
+        width = max([1, *(len(p) for _, p, _, _, _ in seqs)])
+        tab = torch.tensor([p + [0] * (width - len(p)) for _, p, _, _, _ in seqs],
+                           dtype=torch.int64)
+    cu = [0]
+    for q, *_ in seqs:
+        cu.append(cu[-1] + q.shape[0])
+    # (slopes (B, H_q) are per row = per sequence: no prefix is shared with ALiBi)
+    out, lse = _native.paged_attention(
+        torch.cat([q for q, *_ in seqs]) if len(seqs) > 1 else seqs[0][0], k_pool, v_pool,
+        tab, cu, [n for _, _, n, _, _ in seqs], q_positions=[p for _, _, _, p, _ in seqs],
+        scale=scale, softcap=softcap or None, alibi_slopes=slopes, window=window)
+    parts = [(out[a:e], lse[a:e].t()) for a, e in zip(cu, cu[1:], strict=False)]
+    results = {seq[4]: part for seq, part in zip(seqs, parts, strict=True)
+               if seq[4] is not None}
+    for gi, (rows, _) in enumerate(groups):        # a group's rows: prefix + own, by LSE
+        o_pre, lse_pre = parts[gi]                 # (n, H_q, D_v), (H_q, n): rows in order
+        o_own = torch.cat([results[b][0] for b in rows])
+        lse_own = torch.cat([results[b][1] for b in rows], 1)
+        o, lse_g = merge_partials([(o_pre.transpose(0, 1), lse_pre),
+                                   (o_own.transpose(0, 1), lse_own)])
+        o = o.transpose(0, 1).to(o_pre.dtype)
+        at = 0
+        for b in rows:
+            n = qs[b].shape[0]
+            results[b] = (o[at: at + n], lse_g[:, at: at + n])
+            at += n
+    return [results[b] for b in range(len(qs))]
+
+
 def _attend_rows(qs: list[torch.Tensor], k_pool: torch.Tensor, v_pool: torch.Tensor,
                  pages: list[list[int]] | None, lengths: list[int], *, scale: float | None,
                  window: tuple[int, int], softcap: float, slopes: torch.Tensor | None,
-                 backend: str, shared_prefix: bool,
+                 backend: str, shared_prefix: bool, table: torch.Tensor | None = None,
                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Every row b: ``qs[b] (N_q(b), H_q, D)`` over its first ``lengths[b]`` keys — the pages
     ``pages[b]`` of the pools, or row b of a contiguous cache (``pages`` None) →
     ``(out (N_q(b), H_q, D_v), lse (H_q, N_q(b)))``.
+
+    Paged, with the native kernel available: one call reading the pages through the block
+    table (:func:`_attend_rows_native`). Otherwise (the fallback) each row's pages are
+    gathered and attended by :func:`attnkit.attention`, as below.
 
     Shared prefixes (cascade): rows whose leading pages are the same pool pages (forks) and
     whose queries all see those keys attend to them once, in one call over all their
@@ -346,43 +444,31 @@ def _attend_rows(qs: list[torch.Tensor], k_pool: torch.Tensor, v_pool: torch.Ten
     Rows (or suffixes) with one query and no such term go to the engine together, in one
     call with a padding mask; the rest one call each."""
     opts: dict[str, Any] = dict(scale=scale, softcap=softcap, backend=backend)
-    right = window[1]
     plain = slopes is None and window[0] == -1         # no term that depends on positions
+    groups: list[tuple[list[int], int]] = []
+    if pages is not None and shared_prefix and plain:
+        groups = _shared_prefixes(qs, pages, lengths, k_pool.shape[1], window[1])
+    if pages is not None and qs and _use_native(qs, k_pool, backend):
+        return _attend_rows_native(qs, k_pool, v_pool, pages, lengths, groups, table,
+                                   scale=scale, window=window, softcap=softcap, slopes=slopes)
     # jobs: (row, queries, keys: page list | contiguous row, key count); prefix per row
     jobs: list[tuple[int, torch.Tensor, Any, int]] = []
     prefix_of: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     grouped: set[int] = set()
-    if pages is not None and shared_prefix and plain:
-        bs = k_pool.shape[1]
-        groups: dict[int, list[int]] = {}
-        for b, row in enumerate(pages):
-            if row and lengths[b] >= bs and qs[b].shape[0] > 0:
-                groups.setdefault(row[0], []).append(b)
-        for rows in groups.values():
-            if len(rows) < 2:
-                continue
-            # keys every query of every row sees: bottom-right, query 0 sees j <= N_k − N_q + r
-            cap = min(lengths[b] if right == -1 else
-                      min(lengths[b], lengths[b] - qs[b].shape[0] + 1 + right) for b in rows)
-            n_pages = 0
-            while (n_pages + 1) * bs <= cap and all(
-                    len(pages[b]) > n_pages and pages[b][n_pages] == pages[rows[0]][n_pages]
-                    for b in rows):
-                n_pages += 1
-            if n_pages == 0:
-                continue
-            n_pre = n_pages * bs
-            prefix = pages[rows[0]][:n_pages]
-            kp, vp = _read_pages(k_pool, prefix, n_pre), _read_pages(v_pool, prefix, n_pre)
-            o_pre, lse_pre = _attend_one(torch.cat([qs[b] for b in rows]), kp, vp,
-                                         window=(-1, -1), slopes=None, **opts)
-            at = 0
-            for b in rows:
-                n = qs[b].shape[0]
-                prefix_of[b] = (o_pre[at: at + n], lse_pre[:, at: at + n])
-                jobs.append((b, qs[b], pages[b][n_pages:], lengths[b] - n_pre))
-                grouped.add(b)
-                at += n
+    for rows, n_pages in groups:
+        assert pages is not None
+        n_pre = n_pages * k_pool.shape[1]
+        prefix = pages[rows[0]][:n_pages]
+        kp, vp = _read_pages(k_pool, prefix, n_pre), _read_pages(v_pool, prefix, n_pre)
+        o_pre, lse_pre = _attend_one(torch.cat([qs[b] for b in rows]), kp, vp,
+                                     window=(-1, -1), slopes=None, **opts)
+        at = 0
+        for b in rows:
+            n = qs[b].shape[0]
+            prefix_of[b] = (o_pre[at: at + n], lse_pre[:, at: at + n])
+            jobs.append((b, qs[b], pages[b][n_pages:], lengths[b] - n_pre))
+            grouped.add(b)
+            at += n
     for b, q in enumerate(qs):
         if b not in grouped:
             jobs.append((b, q, pages[b] if pages is not None else b, lengths[b]))
@@ -570,7 +656,7 @@ def attention_with_kvcache(
         assert v is not None
         _write(k_cache, pages, starts, k, block_size)
         _write(v_cache, pages, starts, v, block_size)
-    res = _attend_rows(list(q.unbind(0)), k_cache, v_cache, pages, lengths,
+    res = _attend_rows(list(q.unbind(0)), k_cache, v_cache, pages, lengths, table=block_table,
                        scale=softmax_scale, window=window, softcap=float(softcap),
                        slopes=slopes, backend=backend, shared_prefix=shared_prefix)
     outs, lses = [o for o, _ in res], [lse for _, lse in res]
@@ -663,7 +749,8 @@ def attention_varlen(
             owner.check_block_table(block_table, len_k)
     qs = [q[cu_q[b]: cu_q[b + 1]] for b in range(batch)]
     if pages is not None:
-        res = _attend_rows(qs, k, v, pages, len_k, scale=softmax_scale, window=window,
+        res = _attend_rows(qs, k, v, pages, len_k, table=block_table, scale=softmax_scale,
+                           window=window,
                            softcap=float(softcap), slopes=slopes, backend=backend,
                            shared_prefix=shared_prefix)
     else:

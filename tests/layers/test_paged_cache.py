@@ -269,9 +269,11 @@ def test_pickle_round_trip_keeps_pages_and_tables():
     assert pool_owner(back.k_pages) is back
 
 
-def test_reused_gather_workspace_never_leaks_stale_keys():
-    """Decode steps reuse the cache's workspace: a short row after a long one sees only its
+def test_reused_gather_workspace_never_leaks_stale_keys(monkeypatch: pytest.MonkeyPatch):
+    """Decode steps on the gather path (no native kernel: it reads pages in place and needs
+    no workspace) reuse the cache's workspace: a short row after a long one sees only its
     own keys (the stale tail is masked), and the workspace can be released."""
+    monkeypatch.setenv("ATTNKIT_NATIVE", "0")
     cache = ak.PagedKVCache(32, 3, 2, 4, dtype=DT)
     a, b, c = cache.new_sequence(), cache.new_sequence(), cache.new_sequence()
     cache.append(a, *_kv(20, 2, 4))

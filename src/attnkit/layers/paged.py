@@ -34,14 +34,17 @@ Caution
   are used by its next append; nothing already cached is changed.
 - :meth:`PagedKVCache.block_table` pads rows with ``-1`` (flash-attn never reads entries past
   a sequence's length; attnkit refuses a ``-1`` it would have to read).
-- Until the engines read pages in place, a decode step gathers each sequence's pages into a
-  workspace the cache keeps (as large as the largest batch's padded keys, K and V);
-  :meth:`PagedKVCache.release_workspace` frees it.
+- With the native kernel a step reads the pages in place (through the block table, no
+  copy). Without it (``ATTNKIT_NATIVE=0``, another device) a decode step gathers each
+  sequence's pages into a workspace the cache keeps (as large as the largest batch's padded
+  keys, K and V); :meth:`PagedKVCache.release_workspace` frees it.
 """
 
 from __future__ import annotations
 
+import itertools
 import weakref
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -436,18 +439,18 @@ class PagedKVCache:
         """
         bs = self.block_size
         rows = block_table.tolist()
-        uses: dict[int, list[int]] = {}
-        for b, n in enumerate(seqlens):
-            for p in rows[b][: -(-int(n) // bs)]:
-                uses.setdefault(p, []).append(b)
-        for p, bs_rows in uses.items():
+        read = [rows[b][: -(-int(n) // bs)] for b, n in enumerate(seqlens)]  # pages row b reads
+        uses = Counter(itertools.chain.from_iterable(read))                  # page -> rows
+        for p, count in uses.items():
+            if self._refs[p] == 0 or count > self._refs[p]:
+                bs_rows = [b for b, r in enumerate(read) for q in r if q == p]
             if self._refs[p] == 0:
                 raise ValueError(
                     f"block_table row {bs_rows[0]} references page {p}, which is free in this "
                     "PagedKVCache (its sequence was freed, or it was never allocated): a freed "
                     "page may be handed to another sequence at any time. Rebuild the table "
                     "with cache.block_table(seqs)")
-            if len(bs_rows) > self._refs[p]:
+            if count > self._refs[p]:
                 raise ValueError(
                     f"page {p} is used by block_table rows {bs_rows} but held by "
                     f"{self._refs[p]} sequence(s) of this PagedKVCache: a page used by two "

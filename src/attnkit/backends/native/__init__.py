@@ -11,7 +11,9 @@ tiles they fill skip the mask, and a band's edge tiles run their GEMMs as 32-key
 over only the rows that see them, forward and backward); any other mask is a dense bool
 tensor. Decoding (a few
 queries over a long cache) splits the keys across cores and merges the splits by LSE; K/V
-in float16/bfloat16 are read as such and converted in registers.
+in float16/bfloat16 are read as such and converted in registers. :func:`paged_attention`
+(``paged.h``) runs the same loops over a paged KV cache, reading the pages through the block
+table (no gathered copy), for a ragged batch of sequences in one call (serving.py).
 
 Shape legend (the Problem layout of ``backends/base.py``)::
 
@@ -105,6 +107,7 @@ from .score_mod import CompiledScoreMod, compile_score_mod, for_problem
 
 __all__ = ["available", "why_unavailable", "forward", "decode", "supports", "forward_problem",
            "backward_problem", "compile_score_mod", "CompiledScoreMod", "low_precision_paths",
+           "paged_attention",
            "DTYPES", "DECODE_MAX_QUERIES", "DENSE_MASK_LIMIT"]
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -459,6 +462,87 @@ def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: object,
     options.setdefault("block_q", q.shape[2])
     return forward(q, k, v, **options)  # type: ignore[arg-type]
 
+
+def _int64(x: object, name: str) -> torch.Tensor:
+    t = torch.as_tensor(x)
+    if t.dtype.is_floating_point or t.dtype == torch.bool or t.is_complex():
+        raise ValueError(f"native.paged_attention: {name} must be integer, got {t.dtype}")
+    return t.to(device="cpu", dtype=torch.int64).contiguous()
+
+
+def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+                    block_table: object, cu_seqlens_q: object, kv_lengths: object, *,
+                    q_positions: object | None = None, scale: float | None = None,
+                    softcap: float | None = None, alibi_slopes: torch.Tensor | None = None,
+                    window: tuple[int, int] = (-1, -1), split_len: int | None = None,
+                    block_q: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of a ragged batch of sequences over a paged KV cache, the pages read through
+    the block table inside the kernel (no gathered copy) → ``(out, lse)``.
+
+    Shapes (flash-attn's layout)::
+
+        q            (total_q, H_q, D)    sequence s: rows cu_seqlens_q[s] .. [s+1] − 1
+        k_pages      (num_blocks, block_size, H_kv, D)     v_pages: the same with D_v
+        block_table  (S, max_pages) int   key t of s: page block_table[s, t // block_size]
+        kv_lengths   (S,) int             keys of sequence s
+        q_positions  (S,) int             position of s's first query among its keys;
+                                          default kv_lengths − N_q(s) (bottom-right)
+        alibi_slopes (S, H_q) or (H_q,)   − slope · |p − t| added after the soft-cap
+        → out (total_q, H_q, D_v) in q's dtype,  lse (total_q, H_q) float32 (float64 in),
+          −∞ for a query with no key (its output is 0)
+
+    Query i of sequence s sits at ``p = q_positions[s] + i`` and sees key ``t <
+    kv_lengths[s]`` when ``p − left <= t <= p + right`` (``window``; −1 = unbounded; causal
+    is ``(left, 0)``). ``split_len`` (keys per work item, rounded up to 128) and ``block_q``
+    (queries per work item when a sequence has more than 16) are chosen when not given.
+    A block-table entry a sequence reads that is not a page of the pool raises ValueError
+    before anything runs; nothing is written either way.
+    """
+    ops = _ops()
+    for name, t in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
+        if not isinstance(t, torch.Tensor) or t.dim() != (3 if name == "q" else 4):
+            raise ValueError(f"native.paged_attention: {name} must be a "
+                             f"{3 if name == 'q' else 4}-D tensor, got "
+                             f"{getattr(t, 'shape', type(t).__name__)}")
+    if not (q.dtype == k_pages.dtype == v_pages.dtype) or q.dtype not in DTYPES:
+        raise TypeError(f"native.paged_attention: q and the pages must share one dtype of "
+                        f"float32 / float64 / bfloat16 / float16, got {q.dtype}, "
+                        f"{k_pages.dtype}, {v_pages.dtype}")
+    cu = _int64(cu_seqlens_q, "cu_seqlens_q").reshape(-1)
+    kl = _int64(kv_lengths, "kv_lengths").reshape(-1)
+    S = cu.numel() - 1
+    n_q = cu[1:] - cu[:-1]
+    qp = kl - n_q if q_positions is None else _int64(q_positions, "q_positions").reshape(-1)
+    table = _int64(block_table, "block_table")
+    cdt = _compute_dtype(q.dtype)
+    slopes = None
+    if alibi_slopes is not None:
+        slopes = torch.as_tensor(alibi_slopes).detach().to("cpu", cdt)
+        if slopes.dim() == 1:
+            slopes = slopes.expand(S, -1)
+        slopes = slopes.contiguous()
+    left, right = window
+    lo = -math.inf if right < 0 else -float(right)              # lo <= p − t <= hi
+    hi = math.inf if left < 0 else float(left)
+    if softcap is not None and not softcap >= 0:
+        raise ValueError(f"softcap must be >= 0 (0 = off), got {softcap}")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k_pages.stride(-1) != 1 or v_pages.stride(-1) != 1:
+        raise ValueError("native.paged_attention: the pages' last dim must be contiguous")
+    G = q.shape[1] // max(1, k_pages.shape[2])
+    rows = block_q or max(1, _ROWS_PER_ITEM // max(1, G))
+    try:
+        return ops.paged_attend(  # type: ignore[attr-defined, no-any-return]
+            q, k_pages, v_pages, table, cu, kl, qp,
+            float(q.shape[-1] ** -0.5 if scale is None else scale), float(softcap or 0.0),
+            slopes, lo, hi, int(split_len or 0), int(rows))
+    except RuntimeError as e:
+        msg = str(e)
+        if "attnkit native paged:" in msg:
+            raise ValueError(msg.split("attnkit native paged:", 1)[1].split("\n")[0]
+                             .strip()) from None
+        raise
 
 # ------------------------------------------------------------------ Problem → options
 def _alibi_of(p: Problem) -> tuple[torch.Tensor, int] | None:

@@ -28,6 +28,7 @@
 
 #include "backward.h"
 #include "forward.h"
+#include "paged.h"
 
 namespace attnkit_native {
 namespace {
@@ -193,6 +194,159 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> attend_backward(
   return {dq, dk, dv, dtab, dslope, dbias};
 }
 
+// ------------------------------------------------------------------ paged (paged.h)
+// The sequences of a paged call, checked: cu_q (S+1,), kv_len (S,), q_pos (S,) int64
+// contiguous; every block-table entry a sequence reads is a page of the pool.
+std::vector<PagedSeq> paged_sequences(i64 total_q, i64 num_blocks, i64 block_size,
+                                      const Tensor& table, const Tensor& cu_q,
+                                      const Tensor& kv_len, const Tensor& q_pos) {
+  for (const auto* t : {&table, &cu_q, &kv_len, &q_pos})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->device().is_cpu(),
+                "attnkit native paged: block_table, cu_seqlens_q, kv_lengths and q_positions "
+                "must be int64 CPU tensors");
+  TORCH_CHECK(cu_q.dim() == 1 && cu_q.is_contiguous() && cu_q.numel() >= 1,
+              "attnkit native paged: cu_seqlens_q must be contiguous (S+1,)");
+  const i64 S = cu_q.numel() - 1;
+  TORCH_CHECK(kv_len.dim() == 1 && kv_len.numel() == S && kv_len.is_contiguous() &&
+                  q_pos.dim() == 1 && q_pos.numel() == S && q_pos.is_contiguous(),
+              "attnkit native paged: kv_lengths and q_positions must be contiguous (S,) = (",
+              S, ",)");
+  TORCH_CHECK(table.dim() == 2 && table.size(0) == S,
+              "attnkit native paged: block_table must be (S, max_pages) with S = ", S,
+              ", got ", table.sizes());
+  const i64* cu = cu_q.data_ptr<i64>();
+  const i64* kl = kv_len.data_ptr<i64>();
+  const i64* qp = q_pos.data_ptr<i64>();
+  const i64* tab = table.data_ptr<i64>();
+  TORCH_CHECK(cu[0] == 0 && cu[S] == total_q,
+              "attnkit native paged: cu_seqlens_q must run from 0 to total_q = ", total_q,
+              ", got ", cu[0], " .. ", cu[S]);
+  std::vector<PagedSeq> seqs(S);
+  for (i64 s = 0; s < S; ++s) {
+    TORCH_CHECK(cu[s + 1] >= cu[s], "attnkit native paged: cu_seqlens_q decreases at ", s);
+    TORCH_CHECK(kl[s] >= 0, "attnkit native paged: kv_lengths[", s, "] = ", kl[s], " < 0");
+    const i64 need = (kl[s] + block_size - 1) / block_size;
+    TORCH_CHECK(need <= table.size(1), "attnkit native paged: sequence ", s, " has ", kl[s],
+                " keys, which need ", need, " pages of ", block_size, ", but its block_table "
+                "row holds only ", table.size(1));
+    for (i64 j = 0; j < need; ++j) {
+      const i64 p = tab[s * table.stride(0) + j * table.stride(1)];
+      TORCH_CHECK(p >= 0 && p < num_blocks, "attnkit native paged: block_table[", s, ", ", j,
+                  "] = ", p, " is out of range: the pool has ", num_blocks, " pages (0..",
+                  num_blocks - 1, ")");
+    }
+    seqs[s] = PagedSeq{cu[s], cu[s + 1] - cu[s], kl[s], qp[s], 0, 0, 0, -1};
+  }
+  return seqs;
+}
+
+// Rows per item, key splits and the work items of each sequence (paged.h); returns the
+// number of partial rows the splits need.
+template <typename A>
+i64 plan_paged(const Args<A>& a, std::vector<PagedSeq>& seqs, std::vector<PagedItem>& items,
+               i64 split_len, i64 block_q) {
+  const i64 threads = std::max(1, at::get_num_threads());
+  i64 total = 0;                                           // (key, query block) visits
+  for (auto& s : seqs) {
+    s.rows = s.nq <= 16 ? std::max<i64>(1, s.nq) : std::max<i64>(1, block_q);
+    s.nqb = (s.nq + s.rows - 1) / s.rows;
+    total += a.Hkv * s.nqb * s.nk;
+  }
+  if (split_len <= 0)                                      // items of <= 1/8 a thread's share
+    split_len = std::max<i64>(2 * BK, (total + 8 * threads - 1) / (8 * threads));
+  split_len = round_up(split_len, BK);                     // splits on the tile grid
+  i64 parts = 0;
+  for (i64 si = 0; si < i64(seqs.size()); ++si) {
+    PagedSeq& s = seqs[si];
+    s.splits = std::max<i64>(1, (s.nk + split_len - 1) / split_len);
+    if (s.splits > 1) {
+      s.part0 = parts;
+      parts += a.Hkv * s.nqb * s.splits * a.G * s.rows;
+    }
+    for (i64 h = 0; h < a.Hkv; ++h)
+      for (i64 qb = 0; qb < s.nqb; ++qb)
+        for (i64 c = 0; c < s.splits; ++c) {
+          PagedItem pi{si, h, qb, c, Item{si, h, s.pos + qb * s.rows,
+                                          std::min(s.rows, s.nq - qb * s.rows), 0, 0}};
+          key_range(a, pi.it, c * split_len, std::min(s.nk, (c + 1) * split_len));
+          items.push_back(pi);
+        }
+  }
+  return parts;
+}
+
+// Attention through a block table: (out (total_q, H_q, D_v) in q's dtype, lse (total_q,
+// H_q) in A). See paged.h for the legend.
+std::tuple<Tensor, Tensor> paged_attend(
+    const Tensor& q, const Tensor& k_pool, const Tensor& v_pool, const Tensor& block_table,
+    const Tensor& cu_q, const Tensor& kv_len, const Tensor& q_pos, double scale,
+    double softcap, const std::optional<Tensor>& alibi, double band_lo, double band_hi,
+    int64_t split_len, int64_t block_q) {
+  TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 4 && v_pool.dim() == 4,
+              "attnkit native paged: q must be (total_q, H_q, D), the pools (num_blocks, "
+              "block_size, H_kv, D)");
+  TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && q.scalar_type() == v_pool.scalar_type(),
+              "attnkit native paged: q and the pools must share one dtype");
+  TORCH_CHECK(q.device().is_cpu() && k_pool.device().is_cpu() && v_pool.device().is_cpu(),
+              "attnkit native paged: CPU tensors only");
+  TORCH_CHECK((q.stride(2) == 1 || q.size(2) == 1) && (k_pool.stride(3) == 1 || k_pool.size(3) == 1) &&
+                  (v_pool.stride(3) == 1 || v_pool.size(3) == 1),
+              "attnkit native paged: the last dim of q and the pools must be contiguous");
+  const i64 Hq = q.size(1), Hkv = k_pool.size(2);
+  TORCH_CHECK(k_pool.size(3) == q.size(2) && v_pool.size(0) == k_pool.size(0) &&
+                  v_pool.size(1) == k_pool.size(1) && v_pool.size(2) == Hkv && Hkv > 0 &&
+                  Hq % Hkv == 0 && k_pool.size(1) > 0,
+              "attnkit native paged: shapes q ", q.sizes(), ", k_pool ", k_pool.sizes(),
+              ", v_pool ", v_pool.sizes(), " do not fit (total_q, H_q, D), (num_blocks, "
+              "block_size, H_kv, D), (num_blocks, block_size, H_kv, D_v), H_q a multiple of "
+              "H_kv");
+  std::vector<PagedSeq> seqs = paged_sequences(q.size(0), k_pool.size(0), k_pool.size(1),
+                                               block_table, cu_q, kv_len, q_pos);
+  Tensor out, lse;
+  ATTNKIT_DISPATCH(q.scalar_type(), {
+    using A = compute_t<T>;
+    constexpr at::ScalarType kA = c10::CppTypeToScalarType<A>::value;
+    Args<A> a{};
+    a.B = i64(seqs.size()); a.Hq = Hq; a.Hkv = Hkv; a.G = Hq / Hkv;
+    a.Dk = q.size(2); a.Dv = v_pool.size(3);
+    a.DKP = round_up(a.Dk, W); a.DVP = round_up(a.Dv, W);
+    a.scale = A(scale); a.softcap = A(softcap);
+    a.band_lo = band_lo; a.band_hi = band_hi;
+    a.NKP = BK;                                            // kt: one tile (no head cache)
+    const A* slopes = nullptr;
+    if (alibi.has_value()) {
+      TORCH_CHECK(alibi->scalar_type() == kA && alibi->is_contiguous() && alibi->dim() == 2 &&
+                      alibi->size(0) == a.B && alibi->size(1) == Hq,
+                  "attnkit native paged: alibi must be contiguous ", kA, " (S, H_q) = (", a.B,
+                  ", ", Hq, "), got ", alibi->scalar_type(), " ", alibi->sizes());
+      slopes = alibi->data_ptr<A>();
+    }
+    std::vector<PagedItem> items;
+    const i64 parts = plan_paged(a, seqs, items, split_len, block_q);
+    // the GEMM loop's converted tiles cached per thread when all copies fit in 64 MB and
+    // some sequence has several query blocks to reuse them (paged.h: TileCache)
+    i64 tiles = 0;
+    bool reuse = false;
+    for (const auto& s : seqs)
+      if (a.G * std::min(s.rows, s.nq) >= 16) {
+        tiles = std::max(tiles, (s.nk + BK - 1) / BK);
+        reuse = reuse || s.nqb > 1;
+      }
+    const i64 bytes = tiles * BK * (a.Dk + a.DVP) * i64(sizeof(A));
+    a.cache_kt = reuse && bytes * std::max(1, at::get_num_threads()) <= (64 << 20);
+    Pages<T> pg{k_pool.data_ptr<T>(), v_pool.data_ptr<T>(), k_pool.size(1), k_pool.size(0),
+                {k_pool.stride(0), k_pool.stride(1), k_pool.stride(2)},
+                {v_pool.stride(0), v_pool.stride(1), v_pool.stride(2)},
+                block_table.data_ptr<i64>(), {block_table.stride(0), block_table.stride(1)}};
+    const i64 sq[2] = {q.stride(0), q.stride(1)};
+    out = at::empty({q.size(0), Hq, a.Dv}, q.options());
+    lse = at::empty({q.size(0), Hq}, q.options().dtype(kA));
+    run_paged(a, pg, q.data_ptr<T>(), sq, seqs, items, parts, slopes, out.data_ptr<T>(),
+              lse.data_ptr<A>());
+  });
+  return {out, lse};
+}
+
 std::string vector_width() { return std::to_string(W * 32) + "-bit"; }
 
 // Which GEMMs a forward call with dtype "bfloat16" / "float16" inputs runs now, and why.
@@ -220,6 +374,11 @@ TORCH_LIBRARY(attnkit_native, m) {
         "int score_mod_caps, bool alibi_grad, bool bias_grad) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
         &attend_backward);
+  m.def("paged_attend(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_table, "
+        "Tensor cu_seqlens_q, Tensor kv_lengths, Tensor q_positions, float scale, "
+        "float softcap, Tensor? alibi, float band_lo, float band_hi, int split_len, "
+        "int block_q) -> (Tensor, Tensor)",
+        &paged_attend);
   m.def("vector_width() -> str", &vector_width);
   m.def("lowp_gemm_path(str dtype) -> str", &lowp_gemm_path);
 }

@@ -1,0 +1,451 @@
+// Attention through a block table: K/V read from pages of a pool where they lie, no gathered
+// copy (see attention.cpp for the forward's legend; serving.py for the calls that use this).
+//
+// Shape legend:
+//   q        (total_q, H_q, D_k)    sequence s's queries: rows cu_q[s] .. cu_q[s+1] - 1
+//   k_pool   (num_blocks, block_size, H_kv, D_k)    v_pool (num_blocks, block_size, H_kv, D_v)
+//   table    (S, max_pages) int64   key t of sequence s: page table[s, t / block_size],
+//                                   slot t % block_size
+//   kv_len   (S,)  keys of sequence s        q_pos (S,)  position of s's first query, in key
+//                                            coordinates (bottom-right: kv_len - n_q)
+//   alibi    (S, H_q) slopes or none
+//   out      (total_q, H_q, D_v) q's dtype   lse (total_q, H_q) in A (-inf: no key)
+// Query i of sequence s sits at position p = q_pos[s] + i and sees key t when
+// band_lo <= p - t <= band_hi and t < kv_len[s]; ALiBi adds -slope * |p - t|.
+//
+// A work item is (sequence, K/V head, query block, key split): the forward's Item with its
+// query positions absolute (q0 = q_pos + first query), so the closed-form band, the tile
+// walk and the fused row pass of forward.h run on it unchanged. Per key tile (BK keys on
+// the sequence's grid) the K/V row addresses come from the block table (rows_of_tile);
+// the dot loops (few rows: decode) read those rows as they lie, in T; the GEMM path (16
+// rows or more: chunks, shared prefixes) transposes K and converts V per tile into the
+// thread's buffers. A long sequence is split into several items (each about 1/8 of a
+// thread's share of the keys), which the threads take one at a time, so one long sequence
+// does not leave a core idle; a sequence's splits are merged by LSE.
+#pragma once
+#include <array>
+#include <atomic>
+
+#include "forward.h"
+
+namespace attnkit_native {
+namespace {
+
+// The pools and the block table.
+template <typename T> struct Pages {
+  const T* k; const T* v;
+  i64 block_size, num_blocks;
+  i64 sk[3], sv[3];                 // strides (block, slot, head) of k / v; last dim is 1
+  const i64* table; i64 st[2];      // (S, max_pages)
+};
+
+// One sequence of the call and where its items and partials are.
+struct PagedSeq {
+  i64 q_first, nq, nk, pos;         // rows [q_first, + nq) of q; keys [0, nk); q position
+  i64 rows, nqb, splits;            // queries per item, query blocks, key splits
+  i64 part0;                        // first partial slot (splits > 1), else -1
+};
+
+// One work item: sequence s, K/V head, query block, split, and its rows and keys.
+struct PagedItem {
+  i64 s, kvh, qb, c;
+  Item it;                          // absolute query positions, key range [kb, ke)
+};
+
+constexpr i64 TILE_PTRS = BK + AHEAD;  // a tile's rows and the ones prefetched after it
+
+// krow[j], vrow[j] <- the K/V rows (head kvh) of keys k0 + j of sequence s, j in [0, n).
+template <typename T>
+void rows_of_tile(const Pages<T>& pg, i64 s, i64 kvh, i64 k0, i64 n, const T** krow,
+                  const T** vrow) {
+  const i64* tab = pg.table + s * pg.st[0];
+  for (i64 j = 0; j < n;) {                                // one page run at a time
+    const i64 t = k0 + j, p = t / pg.block_size, slot = t - p * pg.block_size;
+    const i64 page = tab[p * pg.st[1]];
+    const T* kp = pg.k + page * pg.sk[0] + kvh * pg.sk[2];
+    const T* vp = pg.v + page * pg.sv[0] + kvh * pg.sv[2];
+    const i64 run = std::min(n - j, pg.block_size - slot);
+    for (i64 u = 0; u < run; ++u) {
+      krow[j + u] = kp + (slot + u) * pg.sk[1];
+      vrow[j + u] = vp + (slot + u) * pg.sv[1];
+    }
+    j += run;
+  }
+}
+
+// S (R, BK) <- q_r . k_j for the tile's n keys (rows krow), four keys at a time; K rows
+// `AHEAD` on (up to n_ptr) and this tile's V rows are prefetched.
+template <typename A, typename T>
+void scores_dot_rows(const Args<A>& a, const T* const* krow, const T* const* vrow, i64 n,
+                     i64 n_ptr, i64 R, Buffers<A>& buf) {
+  using V = vec<A>;
+  constexpr int L = lanes<A>;
+  A* tmp = buf.tmp4.data();                                // (4, DKP) converted K rows
+  i64 j = 0;
+  for (; j + 4 <= n; j += 4) {
+    const T* src[4];
+    for (int u = 0; u < 4; ++u) {
+      if (j + u + AHEAD < n_ptr) prefetch_row(krow[j + u + AHEAD], a.Dk);
+      prefetch_row(vrow[j + u], a.Dv);
+      src[u] = krow[j + u];
+    }
+    as_rows4(src, a.Dk, a.DKP, tmp, [&](const auto& kj) {
+      dot4(buf.q.data(), R, a.DKP, kj, buf.s.data() + j);
+    });
+  }
+  for (; j < n; ++j) {
+    const A* kj = as_compute(krow[j], tmp, a.Dk, a.DKP);  // k_j (DKP,)
+    for (i64 r = 0; r < R; ++r) {
+      const A* qr = buf.q.data() + r * a.DKP;
+      V acc = splat(A(0));
+      for (i64 d = 0; d < a.DKP; d += L) acc += load(qr + d) * load(kj + d);
+      buf.s[r * BK + j] = hsum(acc);
+    }
+  }
+}
+
+// acc (R, D_v) += P[:, j] v_j for one key, rows with P == 0 skipped (V read only when used).
+template <typename A, typename T>
+inline void value_one_row(const Args<A>& a, const T* vj_src, i64 j, i64 R, Buffers<A>& buf) {
+  const A* vj = nullptr;
+  for (i64 r = 0; r < R; ++r) {
+    const A p = buf.s[r * BK + j];
+    if (p == A(0)) continue;
+    if (!vj) vj = as_compute(vj_src, buf.tmp4.data(), a.Dv, a.DVP);
+    A* ar = buf.acc.data() + r * a.DVP;
+    const vec<A> vp = splat(p);
+    for (i64 d = 0; d < a.DVP; d += lanes<A>) store(ar + d, load(ar + d) + vp * load(vj + d));
+  }
+}
+
+// acc (R, D_v) += P (R, n) . V_tile (rows vrow), four keys per pass where all their P are
+// nonzero, else key by key (a key with P == 0 is never read).
+template <typename A, typename T>
+void values_axpy_rows(const Args<A>& a, const T* const* vrow, i64 n, i64 n_ptr, i64 R,
+                      Buffers<A>& buf) {
+  A* tmp = buf.tmp4.data();
+  i64 j = 0;
+  for (; j + 4 <= n; j += 4) {
+    bool dense = true;
+    for (i64 r = 0; r < R && dense; ++r)
+      for (int u = 0; u < 4; ++u) dense = dense && buf.s[r * BK + j + u] != A(0);
+    if (!dense) {
+      for (int u = 0; u < 4; ++u) value_one_row(a, vrow[j + u], j + u, R, buf);
+      continue;
+    }
+    const T* src[4];
+    for (int u = 0; u < 4; ++u) {
+      if (j + u + AHEAD < n_ptr) prefetch_row(vrow[j + u + AHEAD], a.Dv);
+      src[u] = vrow[j + u];
+    }
+    as_rows4(src, a.Dv, a.DVP, tmp, [&](const auto& vj) {
+      axpy4(buf.s.data() + j, R, a.DVP, vj, buf.acc.data());
+    });
+  }
+  for (; j < n; ++j) value_one_row(a, vrow[j], j, R, buf);
+}
+
+// Eight floats at p, converted in registers (the 8 x 8 transpose's loads).
+typedef float v8f __attribute__((vector_size(32)));
+inline v8f load8(const float* p) {
+  v8f v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline v8f load8(const at::BFloat16* p) {                 // bfloat16 = a float's top half
+  typedef uint16_t v8h __attribute__((vector_size(16)));
+  typedef uint32_t v8u __attribute__((vector_size(32)));
+  v8h h;
+  std::memcpy(&h, p, sizeof h);
+  return (v8f)(__builtin_convertvector(h, v8u) << 16);
+}
+inline v8f load8(const at::Half* p) {
+#if defined(__F16C__)
+  return (v8f)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  v8f v;
+  for (int i = 0; i < 8; ++i) v[i] = float(p[i]);
+  return v;
+#endif
+}
+
+// dst + i * ld (8,) <- column i of the 8 x 8 block r (rows r[0..7]), in registers
+// (unpack pairs, then quads, then halves).
+inline void transpose8_store(const v8f (&r)[8], float* dst, i64 ld) {
+  v8f t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = __builtin_shufflevector(r[2 * i], r[2 * i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+    t[2 * i + 1] = __builtin_shufflevector(r[2 * i], r[2 * i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+  }
+  for (int h = 0; h < 2; ++h)                              // rows 0-3 (h = 0), 4-7 (h = 1)
+    for (int i = 0; i < 2; ++i) {
+      const v8f a = t[4 * h + i], b = t[4 * h + 2 + i];
+      u[4 * h + 2 * i] = __builtin_shufflevector(a, b, 0, 1, 8, 9, 4, 5, 12, 13);
+      u[4 * h + 2 * i + 1] = __builtin_shufflevector(a, b, 2, 3, 10, 11, 6, 7, 14, 15);
+    }
+  for (int i = 0; i < 4; ++i) {                            // u[i]: columns i, i + 4 of 0-3
+    const v8f lo = __builtin_shufflevector(u[i], u[4 + i], 0, 1, 2, 3, 8, 9, 10, 11);
+    const v8f hi = __builtin_shufflevector(u[i], u[4 + i], 4, 5, 6, 7, 12, 13, 14, 15);
+    std::memcpy(dst + i * ld, &lo, sizeof lo);
+    std::memcpy(dst + (i + 4) * ld, &hi, sizeof hi);
+  }
+}
+
+// kt (D_k, BK) <- the n rows krow transposed, in A: float by 8 x 8 blocks in registers
+// (converted as loaded); the edges (and double) through t8 (8, D_k), eight rows converted
+// at a time, then written eight keys per d. K rows AHEAD on (up to n_ptr) and the block's
+// V rows (vrow, when given) are prefetched: the first read of the keys is a DRAM miss.
+template <typename A, typename T>
+void transpose_rows(const Args<A>& a, const T* const* krow, i64 n, A* kt, A* t8,
+                    const T* const* vrow = nullptr, i64 n_ptr = 0) {
+  for (i64 j0 = 0; j0 < n; j0 += 8) {
+    const i64 m = std::min<i64>(8, n - j0);
+    for (i64 u = 0; u < 8; ++u) {
+      if (j0 + u + AHEAD < n_ptr) prefetch_row(krow[j0 + u + AHEAD], a.Dk);
+      if (vrow && u < m) prefetch_row(vrow[j0 + u], a.Dv);
+    }
+    i64 d0 = 0;
+    if constexpr (std::is_same_v<A, float>) {
+      if (m == 8)
+        for (; d0 + 8 <= a.Dk; d0 += 8) {
+          v8f r[8];
+          for (int u = 0; u < 8; ++u) r[u] = load8(krow[j0 + u] + d0);
+          transpose8_store(r, kt + d0 * BK + j0, BK);
+        }
+    }
+    if (d0 == a.Dk) continue;
+    for (i64 u = 0; u < 8; ++u) {                          // t8 (8, D_k): rows j0 .. j0 + 7
+      if (u < m) row_to_compute(krow[j0 + u], t8 + u * a.Dk, a.Dk, a.Dk);
+      else std::fill_n(t8 + u * a.Dk, a.Dk, A(0));
+    }
+    for (i64 d = d0; d < a.Dk; ++d) {
+      A* dst = kt + d * BK + j0;
+      for (int u = 0; u < 8; ++u) dst[u] = t8[u * a.Dk + d];
+    }
+  }
+}
+
+// A thread's converted tiles of one (sequence, K/V head), for the GEMM loop: Kᵀ (D_k, BK)
+// and V (BK, DVP) per tile of BK keys, converted once and reused by every query block of
+// that head (a prefill chunk's blocks all read the same keys). Used when every thread's
+// copy fits in 64 MB (Args::cache_kt), else a tile is converted per use.
+template <typename A> struct TileCache {
+  std::unique_ptr<A[]> kt, v;
+  std::vector<char> state;          // per tile: 0 = not yet, 1 = finite V, 2 = V has inf/NaN
+  i64 s = -1, h = -1;
+};
+
+// A thread's buffers on the paged loops.
+template <typename A, typename T> struct PagedBuffers {
+  std::vector<const T*> krow, vrow;                        // (TILE_PTRS,) row addresses
+  std::vector<A> t8;                                       // (8, D_k) rows being transposed
+  TileCache<A> cache;
+  i64 tiles;                                               // tiles a cache holds
+  PagedBuffers(const Args<A>& a, i64 max_tiles)
+      : krow(TILE_PTRS), vrow(TILE_PTRS), t8(8 * a.Dk), tiles(max_tiles) {}
+};
+
+// The tile [k0, k0 + n) of the item on the GEMM loop: Kᵀ and V converted (from the thread's
+// cache when on, filled there on first use with all the tile's keys), and whether V is
+// finite; krow / vrow hold the rows of keys [k0, k0 + filled).
+template <typename A, typename T>
+void gemm_tile(const Args<A>& a, const Pages<T>& pg, const PagedSeq& seq, const PagedItem& pi,
+               i64 k0, i64 n, Buffers<A>& buf, PagedBuffers<A, T>& pb, const A*& kt,
+               const A*& vt, bool& finite, i64& filled) {
+  const i64 n_ptr = std::min(TILE_PTRS, pi.it.ke - k0);
+  if (!a.cache_kt) {
+    rows_of_tile(pg, pi.s, pi.kvh, k0, n_ptr, pb.krow.data(), pb.vrow.data());
+    filled = n_ptr;
+    A* k_buf = buf.kt_buffer(a);
+    transpose_rows(a, pb.krow.data(), n, k_buf, pb.t8.data(), pb.vrow.data(), n_ptr);
+    for (i64 j = 0; j < n; ++j)
+      row_to_compute(pb.vrow[j], buf.v.data() + j * a.DVP, a.Dv, a.DVP);
+    kt = k_buf;
+    vt = buf.v.data();
+    finite = all_finite(vt, n * a.DVP);
+    return;
+  }
+  TileCache<A>& c = pb.cache;
+  if (!c.kt) {
+    c.kt.reset(new A[pb.tiles * a.Dk * BK]);
+    c.v.reset(new A[pb.tiles * BK * a.DVP]);
+    c.state.assign(pb.tiles, 0);
+  }
+  if (c.s != pi.s || c.h != pi.kvh) {
+    std::fill(c.state.begin(), c.state.end(), 0);
+    c.s = pi.s;
+    c.h = pi.kvh;
+  }
+  const i64 t = k0 / BK, n_all = std::min<i64>(BK, seq.nk - k0);  // the tile's keys
+  filled = std::max(n_ptr, n_all);
+  rows_of_tile(pg, pi.s, pi.kvh, k0, filled, pb.krow.data(), pb.vrow.data());
+  A* kt_t = c.kt.get() + t * a.Dk * BK;
+  A* v_t = c.v.get() + t * BK * a.DVP;
+  if (!c.state[t]) {
+    transpose_rows(a, pb.krow.data(), n_all, kt_t, pb.t8.data(), pb.vrow.data(), filled);
+    for (i64 j = 0; j < n_all; ++j) row_to_compute(pb.vrow[j], v_t + j * a.DVP, a.Dv, a.DVP);
+    c.state[t] = all_finite(v_t, n_all * a.DVP) ? 1 : 2;
+  }
+  kt = kt_t;
+  vt = v_t;
+  finite = c.state[t] == 1;     // (a NaN past the item's keys only costs the exact path)
+}
+
+// The tile on the GEMM loop: S <- Qs . Kᵀ, the row pass, acc += P . V (by the tile's
+// sub-blocks); a tile whose V holds inf/NaN takes the P == 0-skipping path for P . V.
+template <typename A, typename T>
+void gemm_tile_pass(const Args<A>& a, const Pages<T>& pg, const PagedSeq& seq,
+                    const PagedItem& pi, i64 k0, i64 n, i64 npad, TileKind kind,
+                    const Sub* subs, int count, Buffers<A>& buf, PagedBuffers<A, T>& pb) {
+  const Item& it = pi.it;
+  const A *kt, *vt;
+  bool finite;
+  i64 filled;
+  gemm_tile(a, pg, seq, pi, k0, n, buf, pb, kt, vt, finite, filled);
+  if (count > 1) zero_skipped(subs, count, a.G, it.nr, buf.s.data());
+  for_each_block(subs, count, a.G, it.nr, [&](i64 r0, i64 m, i64 j0, i64 nj) {
+    gemm(m, nj, a.Dk, a.DKP, BK, BK, false, buf.q.data() + r0 * a.DKP, kt + j0,
+         buf.s.data() + r0 * BK + j0);
+  });
+  rows_pass(a, it, k0, n, npad, kind, buf);
+  if (!finite) return values_axpy_rows(a, pb.vrow.data(), n, filled, a.G * it.nr, buf);
+  for_each_block(subs, count, a.G, it.nr, [&](i64 r0, i64 m, i64 j0, i64 nj) {
+    gemm(m, a.Dv, nj, BK, a.DVP, a.DVP, true, buf.s.data() + r0 * BK + j0, vt + j0 * a.DVP,
+         buf.acc.data() + r0 * a.DVP);
+  });
+}
+
+// Qs (R, DKP) <- the item's query rows (token q_first + qb * rows + i, head kvh * G + g).
+template <typename A, typename T>
+void gather_q_packed(const Args<A>& a, const T* q, const i64 (&sq)[2], const PagedSeq& sq_,
+                     const PagedItem& pi, Buffers<A>& buf) {
+  for (i64 g = 0; g < a.G; ++g)
+    for (i64 i = 0; i < pi.it.nr; ++i) {
+      const i64 tok = sq_.q_first + pi.qb * sq_.rows + i;
+      const T* src = q + tok * sq[0] + (pi.kvh * a.G + g) * sq[1];
+      row_to_compute(src, buf.q.data() + (g * pi.it.nr + i) * a.DKP, a.Dk, a.DKP);
+    }
+}
+
+// One item over its keys through the block table: acc, m, l in buf (R = G * nr rows).
+template <typename A, typename T>
+void attend_paged_item(const Args<A>& a, const Pages<T>& pg, const T* q, const i64 (&sq)[2],
+                       const PagedSeq& seq, const PagedItem& pi, Buffers<A>& buf,
+                       PagedBuffers<A, T>& pb) {
+  const Item& it = pi.it;
+  const i64 R = a.G * it.nr;
+  const bool by_gemm = R >= 16;                            // brgemm pays off from 16 rows
+  std::fill(buf.acc.begin(), buf.acc.begin() + R * a.DVP, A(0));
+  std::fill(buf.m.begin(), buf.m.begin() + R, A(NEG_INF));
+  std::fill(buf.l.begin(), buf.l.begin() + R, A(0));
+  if (it.ke <= it.kb || it.nr <= 0) return;
+  gather_q_packed(a, q, sq, seq, pi, buf);
+  for_each_tile(a, it, by_gemm, [&](i64 k0, i64 n, i64 npad, TileKind kind, const Sub* subs,
+                                     int count) {
+    if (by_gemm) return gemm_tile_pass(a, pg, seq, pi, k0, n, npad, kind, subs, count, buf, pb);
+    const i64 n_ptr = std::min(TILE_PTRS, it.ke - k0);   // this tile and the prefetched rows
+    rows_of_tile(pg, pi.s, pi.kvh, k0, n_ptr, pb.krow.data(), pb.vrow.data());
+    scores_dot_rows(a, pb.krow.data(), pb.vrow.data(), n, n_ptr, R, buf);
+    rows_pass(a, it, k0, n, npad, kind, buf);
+    values_axpy_rows(a, pb.vrow.data(), n, n_ptr, R, buf);
+  });
+}
+
+// The partials of one (sequence, K/V head, query block) merged by LSE into out / lse (the
+// rules of merge_splits: an empty split adds nothing, NaN in any split's LSE -> NaN).
+template <typename A, typename O>
+void merge_paged(const Args<A>& a, const PagedSeq& seq, i64 kvh, i64 qb, const A* po,
+                 const A* pl, O* out, A* lse, A* accv) {
+  const i64 nr = std::min(seq.rows, seq.nq - qb * seq.rows), slot_rows = a.G * seq.rows;
+  const i64 base = seq.part0 + (kvh * seq.nqb + qb) * seq.splits * slot_rows;
+  for (i64 g = 0; g < a.G; ++g)
+    for (i64 i = 0; i < nr; ++i) {                         // row (head kvh * G + g, query i)
+      const i64 r = g * nr + i;
+      A M = NEG_INF;
+      bool nan = false;
+      for (i64 c = 0; c < seq.splits; ++c) {
+        const A x = pl[base + c * slot_rows + r];
+        nan = nan || x != x;
+        M = std::max(M, x);
+      }
+      std::fill(accv, accv + a.Dv, A(0));
+      A s = 0;
+      for (i64 c = 0; c < seq.splits; ++c) {
+        const A x = pl[base + c * slot_rows + r];
+        if (x == NEG_INF || x != x) continue;
+        const A w = std::exp(x - M);
+        s += w;
+        const A* o = po + (base + c * slot_rows + r) * a.Dv;
+        for (i64 d = 0; d < a.Dv; ++d) accv[d] += w * o[d];
+      }
+      if (nan) s = std::numeric_limits<A>::quiet_NaN();
+      const i64 flat = (seq.q_first + qb * seq.rows + i) * a.Hq + kvh * a.G + g;
+      O* orow = out + flat * a.Dv;
+      if (s == A(0)) {
+        for (i64 d = 0; d < a.Dv; ++d) orow[d] = O(A(0));
+        lse[flat] = NEG_INF;
+      } else {
+        for (i64 d = 0; d < a.Dv; ++d) orow[d] = O(accv[d] / s);
+        lse[flat] = M + std::log(s);
+      }
+    }
+}
+
+// The sequences' items, taken by the threads one at a time; then the splits merged.
+// alibi: (S, H_q) slopes in A, or null.
+template <typename A, typename T>
+void run_paged(const Args<A>& a, const Pages<T>& pg, const T* q, const i64 (&sq)[2],
+               const std::vector<PagedSeq>& seqs, const std::vector<PagedItem>& items,
+               i64 n_part_rows, const A* alibi, T* out, A* lse) {
+  std::vector<A> po(n_part_rows * a.Dv), pl(n_part_rows);
+  const i64 n_items = i64(items.size());
+  const i64 T_ = std::max<i64>(1, std::min<i64>(at::get_num_threads(), n_items));
+  // each thread takes the next item when done with one (a thread slowed by other load, or
+  // given the dear items, does not leave the others idle); items are small (plan_paged)
+  std::atomic<i64> next{0};
+  i64 max_rows = 1, max_tiles = 1;
+  for (const auto& s : seqs) {
+    max_rows = std::max(max_rows, s.rows);
+    if (a.G * std::min(s.rows, s.nq) >= 16) max_tiles = std::max(max_tiles, (s.nk + BK - 1) / BK);
+  }
+  at::parallel_for(0, T_, 1, [&](i64, i64) {
+    Buffers<A> buf(a, a.G * max_rows);
+    PagedBuffers<A, T> pb(a, max_tiles);
+    Args<A> as = a;                                        // this sequence's ALiBi slopes
+    for (i64 i = next++; i < n_items; i = next++) {
+      const PagedItem& pi = items[i];
+      const PagedSeq& seq = seqs[pi.s];
+      as.alibi = alibi ? alibi + pi.s * a.Hq : nullptr;
+      attend_paged_item(as, pg, q, sq, seq, pi, buf, pb);
+      const i64 nr = pi.it.nr, slot_rows = a.G * seq.rows;
+      for (i64 g = 0; g < a.G; ++g)
+        for (i64 r_i = 0; r_i < nr; ++r_i) {
+          const i64 r = g * nr + r_i;
+          const A* acc = buf.acc.data() + r * a.DVP;
+          if (seq.splits == 1) {
+            const i64 flat = (seq.q_first + pi.qb * seq.rows + r_i) * a.Hq + pi.kvh * a.G + g;
+            finish_row(acc, buf.m[r], buf.l[r], a.Dv, out + flat * a.Dv, lse + flat);
+          } else {
+            const i64 slot = seq.part0 + ((pi.kvh * seq.nqb + pi.qb) * seq.splits + pi.c) *
+                                             slot_rows + r;
+            finish_row(acc, buf.m[r], buf.l[r], a.Dv, po.data() + slot * a.Dv, pl.data() + slot);
+          }
+        }
+    }
+  });
+  if (n_part_rows == 0) return;
+  std::vector<std::array<i64, 3>> groups;                  // (sequence, kv head, query block)
+  for (i64 s = 0; s < i64(seqs.size()); ++s)
+    if (seqs[s].splits > 1)
+      for (i64 h = 0; h < a.Hkv; ++h)
+        for (i64 qb = 0; qb < seqs[s].nqb; ++qb) groups.push_back({s, h, qb});
+  at::parallel_for(0, i64(groups.size()), 1, [&](i64 g0, i64 g1) {
+    std::vector<A> accv(a.Dv);
+    for (i64 gi = g0; gi < g1; ++gi)
+      merge_paged(a, seqs[groups[gi][0]], groups[gi][1], groups[gi][2], po.data(), pl.data(),
+                  out, lse, accv.data());
+  });
+}
+
+}  // namespace
+}  // namespace attnkit_native

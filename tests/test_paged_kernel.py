@@ -1,0 +1,253 @@
+"""The native kernel's attention through a block table (native.paged_attention, paged.h)
+against the float64 reference on the gathered contiguous equivalent: awkward block sizes,
+pages in random pool order, sequences of length 0 and 1, chunks whose queries and keys cross
+page boundaries, GQA / MQA, causal / window / softcap / ALiBi, key splits merged by LSE,
+the dot (decode) and GEMM (chunk) loops, fp64 / fp32 / bf16 / fp16; NaN in unused pool
+pages and past a sequence's length stays out; bad block tables are refused with nothing
+written; serving's paged calls take this path (no gathered copy) and fall back without it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnkit as ak
+from attnkit.backends import native
+from conftest import assert_low_precision_close, oracle
+
+pytestmark = pytest.mark.skipif(not native.available(),
+                                reason=f"native kernel unavailable: {native.why_unavailable()}")
+
+DT = torch.float64
+
+
+def _reference(q, k, v, pos, *, window=(-1, -1), softcap=0.0, slopes=None, scale=None,
+               dtype=DT):
+    """One sequence by the formula: q (N_q, H_q, D), k (N_k, H_kv, D); query i at position
+    pos + i sees key t when pos + i − left <= t <= pos + i + right; ALiBi −slope·|p − t|.
+    → out (N_q, H_q, D_v), lse (N_q, H_q)."""
+    n_q, n_k = q.shape[0], k.shape[0]
+    p = torch.arange(n_q)[:, None] + pos
+    t = torch.arange(n_k)[None, :]
+    allowed = torch.ones(n_q, n_k, dtype=torch.bool)
+    left, right = window
+    if left >= 0:
+        allowed &= t >= p - left
+    if right >= 0:
+        allowed &= t <= p + right
+    bias = None
+    if slopes is not None:
+        bias = -slopes.to(DT)[:, None, None] * (p - t).abs().to(DT)         # (H_q, N_q, N_k)
+    out, lse, _ = oracle(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                         allowed=allowed, bias=bias, scale=scale, softcap=softcap or None,
+                         dtype=dtype)
+    return out.transpose(0, 1), lse.transpose(0, 1)
+
+
+def _pool(lengths, block_size, h_kv, d, d_v, dtype, *, poison=True):
+    """Pools whose pages are in random order, a block table (-1 past each row's pages), each
+    row's gathered keys; unused pages and the slots past a row's length hold NaN."""
+    need = [-(-n // block_size) for n in lengths]
+    n_blocks = sum(need) + 3
+    k_pages = torch.randn(n_blocks, block_size, h_kv, d).to(dtype)
+    v_pages = torch.randn(n_blocks, block_size, h_kv, d_v).to(dtype)
+    perm = torch.randperm(n_blocks).tolist()
+    table = torch.full((len(lengths), max(need, default=0) + 1), -1, dtype=torch.int32)
+    rows, at = [], 0
+    for b in range(len(lengths)):
+        rows.append(perm[at: at + need[b]])
+        table[b, : need[b]] = torch.tensor(rows[-1], dtype=torch.int32)
+        at += need[b]
+    if poison:
+        for page in perm[at:]:                                 # pages no row holds
+            k_pages[page] = float("nan")
+            v_pages[page] = float("nan")
+        for b, n in enumerate(lengths):                        # slots past the row's length
+            if n % block_size:
+                k_pages[rows[b][-1], n % block_size:] = float("nan")
+                v_pages[rows[b][-1], n % block_size:] = float("nan")
+    ks = [k_pages[torch.tensor(r, dtype=torch.long)].flatten(0, 1)[:n]
+          for r, n in zip(rows, lengths, strict=True)]
+    vs = [v_pages[torch.tensor(r, dtype=torch.long)].flatten(0, 1)[:n]
+          for r, n in zip(rows, lengths, strict=True)]
+    return k_pages, v_pages, table, ks, vs
+
+
+OPTIONS = [
+    {},
+    {"window": (-1, 0)},                                       # causal (bottom-right)
+    {"window": (4, 2)},
+    {"window": (7, 0), "softcap": 3.0},
+    {"softcap": 5.0, "scale": 0.7},
+    {"alibi": True},
+    {"alibi": True, "window": (-1, 0), "softcap": 2.0},
+]
+LENGTHS = [0, 1, 37, 150]        # keys per sequence (150: two splits of 128)
+N_Q = [2, 1, 20, 3]              # queries: none see a key (0, and 1 causal), a chunk of 20
+
+
+def _check(dtype, block_size, opts, *, split_len, block_q, h_q=8, h_kv=2, d=16, d_v=24,
+           n_q=N_Q, lengths=LENGTHS, q_positions=None):
+    k_pages, v_pages, table, ks, vs = _pool(lengths, block_size, h_kv, d, d_v, dtype)
+    cu = torch.tensor([0, *torch.tensor(n_q).cumsum(0).tolist()])
+    q = torch.randn(int(cu[-1]), h_q, d).to(dtype)
+    o = dict(opts)
+    slopes = torch.rand(len(lengths), h_q) if o.pop("alibi", False) else None
+    pools = (k_pages.clone(), v_pages.clone())
+    out, lse = native.paged_attention(q, k_pages, v_pages, table, cu, lengths,
+                                      q_positions=q_positions, alibi_slopes=slopes,
+                                      split_len=split_len, block_q=block_q, **o)
+    assert out.shape == (q.shape[0], h_q, d_v) and out.dtype == dtype
+    assert torch.isfinite(out).all(), "NaN from an unused page or slot leaked"
+    assert torch.equal(k_pages.nan_to_num(7.0), pools[0].nan_to_num(7.0))    # nothing written
+    for b in range(len(lengths)):
+        pos = lengths[b] - n_q[b] if q_positions is None else q_positions[b]
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        kw = dict(window=o.get("window", (-1, -1)), softcap=o.get("softcap", 0.0),
+                  slopes=None if slopes is None else slopes[b], scale=o.get("scale"))
+        want, want_lse = _reference(q[rows], ks[b], vs[b], pos, **kw)
+        if dtype == DT:
+            torch.testing.assert_close(out[rows], want, rtol=1e-10, atol=1e-10)
+            torch.testing.assert_close(lse[rows], want_lse, rtol=1e-10, atol=1e-10)
+        elif dtype == torch.float32:
+            torch.testing.assert_close(out[rows].double(), want, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(lse[rows].double(), want_lse, rtol=1e-5, atol=1e-5)
+        else:
+            naive, _ = _reference(q[rows], ks[b], vs[b], pos, dtype=dtype, **kw)
+            assert_low_precision_close(out[rows], naive, want, what=f"paged {dtype} seq {b}")
+
+
+@pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: ",".join(o) or "plain")
+@pytest.mark.parametrize("block_size", [5, 16])
+@pytest.mark.parametrize("split_len", [None, 128])
+def test_matches_reference_float64(opts, block_size, split_len):
+    # block_q 4: the chunk of 20 queries runs as 5 items of G·4 = 16 rows (the GEMM loop)
+    _check(DT, block_size, opts, split_len=split_len, block_q=4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("opts", [{"window": (-1, 0)}, {"alibi": True, "softcap": 4.0}],
+                         ids=lambda o: ",".join(o))
+def test_low_precision(dtype, opts):
+    _check(dtype, 16, opts, split_len=128, block_q=4, d=32, d_v=32)
+
+
+@pytest.mark.parametrize("h_q,h_kv", [(4, 4), (6, 1), (8, 2)])
+def test_heads_mha_mqa_gqa_and_wide_rows(h_q, h_kv):
+    # one long sequence split across items, a single-key one, a chunk of 17 > 16 queries
+    _check(DT, 7, {"window": (-1, 0)}, split_len=None, block_q=None, h_q=h_q, h_kv=h_kv,
+           d=8, d_v=8, n_q=[17, 1, 1], lengths=[700, 1, 130])
+
+
+def test_explicit_query_positions():
+    # every query placed after all keys (a shared prefix's call) sees every key
+    _check(DT, 5, {"window": (-1, 0)}, split_len=128, block_q=4, n_q=[3, 16],
+           lengths=[12, 300], q_positions=[11, 299])
+
+
+def test_splits_merge_equals_one_pass():
+    k_pages, v_pages, table, _, _ = _pool([1000, 3], 16, 2, 8, 8, DT, poison=False)
+    q = torch.randn(2, 4, 8, dtype=DT)
+    one = native.paged_attention(q, k_pages, v_pages, table, [0, 1, 2], [1000, 3],
+                                 split_len=1024)
+    many = native.paged_attention(q, k_pages, v_pages, table, [0, 1, 2], [1000, 3],
+                                  split_len=128)
+    torch.testing.assert_close(many[0], one[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(many[1], one[1], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("entry,match", [(-1, r"block_table\[1, 2\] = -1 is out of range"),
+                                         (99, r"block_table\[1, 2\] = 99 is out of range")])
+def test_block_table_entry_out_of_range_is_refused(entry, match):
+    k_pages, v_pages, table, _, _ = _pool([20, 40], 16, 2, 8, 8, DT, poison=False)
+    table[1, 2] = entry
+    before = k_pages.clone(), v_pages.clone()
+    q = torch.randn(2, 4, 8, dtype=DT)
+    with pytest.raises(ValueError, match=match):
+        native.paged_attention(q, k_pages, v_pages, table, [0, 1, 2], [20, 40])
+    assert torch.equal(k_pages, before[0]) and torch.equal(v_pages, before[1])
+
+
+def test_bad_lengths_and_table_shape_are_refused():
+    k_pages, v_pages, table, _, _ = _pool([20, 40], 16, 2, 8, 8, DT, poison=False)
+    q = torch.randn(2, 4, 8, dtype=DT)
+    with pytest.raises(ValueError, match="need 4 pages of 16, but its block_table row holds"):
+        native.paged_attention(q, k_pages, v_pages, table[:, :3], [0, 1, 2], [20, 50])
+    with pytest.raises(ValueError, match="cu_seqlens_q must run from 0 to total_q = 2"):
+        native.paged_attention(q, k_pages, v_pages, table, [0, 1, 3], [20, 40])
+    with pytest.raises(ValueError, match="kv_lengths\\[0\\] = -1 < 0"):
+        native.paged_attention(q, k_pages, v_pages, table, [0, 1, 2], [-1, 40])
+    with pytest.raises(TypeError, match="share one dtype"):
+        native.paged_attention(q.float(), k_pages, v_pages, table, [0, 1, 2], [20, 40])
+
+
+# --------------------------------------------------------------------------- serving wiring
+def _no_gather(monkeypatch):
+    import attnkit.serving as serving
+
+    def refuse(*a, **k):
+        raise AssertionError("a paged call gathered pages into a contiguous copy")
+
+    monkeypatch.setattr(serving, "_read_pages", refuse)
+    monkeypatch.setattr(serving, "_gather_padded", refuse)
+
+
+def test_serving_paged_calls_read_pages_in_the_kernel(monkeypatch):
+    _no_gather(monkeypatch)
+    cache = ak.PagedKVCache(40, 5, 2, 8, dtype=DT)
+    root = cache.new_sequence()
+    cache.append(root, torch.randn(23, 2, 8, dtype=DT), torch.randn(23, 2, 8, dtype=DT))
+    seqs = [cache.fork(root) for _ in range(3)] + [cache.new_sequence()]
+    for s, n in zip(seqs, [0, 4, 9, 6], strict=True):
+        if n:
+            cache.append(s, torch.randn(n, 2, 8, dtype=DT), torch.randn(n, 2, 8, dtype=DT))
+    cache.reserve(seqs, 2)
+    q = torch.randn(4, 2, 4, 8, dtype=DT)
+    kn, vn = torch.randn(4, 2, 2, 8, dtype=DT), torch.randn(4, 2, 2, 8, dtype=DT)
+    for shared in (True, False):                               # cascade, and each row alone
+        out, lse = ak.attention_with_kvcache(
+            q, cache.k_pages, cache.v_pages, kn, vn, cache_seqlens=cache.seqlens(seqs),
+            block_table=cache.block_table(seqs), causal=True, shared_prefix=shared,
+            return_softmax_lse=True)
+        for b, s in enumerate(seqs):
+            n = cache.length(s) + 2
+            idx = torch.tensor(cache.pages(s), dtype=torch.long)
+            kk = cache.k_pages[idx].flatten(0, 1)[:n]
+            vv = cache.v_pages[idx].flatten(0, 1)[:n]
+            want, want_lse = _reference(q[b], kk, vv, n - 2, window=(-1, 0))
+            torch.testing.assert_close(out[b], want, rtol=1e-10, atol=1e-10)
+            torch.testing.assert_close(lse[b], want_lse.transpose(0, 1), rtol=1e-10,
+                                       atol=1e-10)
+
+
+def test_serving_falls_back_to_gathering_without_the_kernel(monkeypatch):
+    k_pages, v_pages, table, ks, vs = _pool([9, 30], 4, 2, 8, 8, DT)
+    q = torch.randn(2, 1, 4, 8, dtype=DT)
+    got = ak.attention_with_kvcache(q, k_pages, v_pages, cache_seqlens=[9, 30],
+                                    block_table=table, causal=True)
+    monkeypatch.setenv("ATTNKIT_NATIVE", "0")
+    off = ak.attention_with_kvcache(q, k_pages, v_pages, cache_seqlens=[9, 30],
+                                    block_table=table, causal=True)
+    torch.testing.assert_close(got, off, rtol=1e-10, atol=1e-10)
+    for b in range(2):
+        want, _ = _reference(q[b], ks[b], vs[b], ks[b].shape[0] - 1)
+        torch.testing.assert_close(got[b], want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("block_q", [4, 32])          # GEMM loop: cached tiles, per-tile
+def test_nan_in_a_key_outside_the_window_stays_out_on_the_gemm_loop(block_q):
+    lengths = [200]                                    # 20 queries at positions 180 .. 199
+    k_pages, v_pages, table, ks, vs = _pool(lengths, 16, 2, 8, 8, DT)
+    for key in (150, 178):                             # 178 is seen by the queries at 180..182
+        page, slot = table[0, key // 16], key % 16
+        k_pages[page, slot, 0] = float("nan")
+        v_pages[page, slot, 0] = float("nan")
+    ks[0][150, 0] = ks[0][178, 0] = float("nan")
+    vs[0][150, 0] = vs[0][178, 0] = float("nan")
+    q = torch.randn(20, 8, 8, dtype=DT)
+    out, _ = native.paged_attention(q, k_pages, v_pages, table, [0, 20], lengths,
+                                    window=(4, 0), block_q=block_q)
+    want, _ = _reference(q, ks[0], vs[0], 180, window=(4, 0))
+    assert torch.isnan(out[:3, :4]).all(), "a NaN key that is seen propagates"
+    torch.testing.assert_close(out[:3, 4:], want[:3, 4:], rtol=1e-10, atol=1e-10)  # head 1
+    torch.testing.assert_close(out[3:], want[3:], rtol=1e-10, atol=1e-10)          # finite
