@@ -79,6 +79,24 @@ def test_noise_verdict_busy_and_steady():
     assert nz["busy"] and "machine busy: ratios uncertain by ±40%" in nz["verdict"]
 
 
+def test_the_run_names_the_cpu_and_the_kernels_isa_level(tiny_run):
+    """BENCHMARKS.md keeps one table per CPU: the run says which CPU (model name and family /
+    model from /proc/cpuinfo where there is one) and which ISA level the kernel was built for."""
+    out, _, data, _ = tiny_run
+    from attnkit.backends.native import loader
+
+    cpu = data["meta"]["cpu"]
+    assert f"CPU: {cpu}\n" in out
+    assert cpu.endswith(f"native kernel built for {loader.cpu_flags()[0]}"), cpu
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            name = next(line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return
+    assert cpu.startswith(name), (cpu, name)
+
+
 def test_json_rows_are_flat_records_for_tracking(tiny_run):
     _, _, data, _ = tiny_run
     rows = data["rows"]

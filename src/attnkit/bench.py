@@ -453,6 +453,36 @@ def _format_rows(c: Case) -> list[tuple[str, str]]:
     return rows
 
 
+def cpu_description() -> str:
+    """The CPU as a benchmark table names it: its model name (with family / model, which
+    tell CPU generations apart where a hypervisor shortens the name), the vector flags that
+    matter here and the ISA level the native kernel is built for."""
+    info: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "cpu family", "model", "flags") and key not in info:
+                    info[key] = value.strip()
+                if not line.strip() and info:
+                    break
+    except OSError:
+        pass
+    name = info.get("model name") or platform.processor() or platform.machine()
+    if "cpu family" in info:
+        name += f" (family {info['cpu family']}, model {info.get('model', '?')})"
+    flags = set(info.get("flags", "").split())
+    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16") if f in flags]
+    try:
+        from .backends.native import loader
+
+        level = loader.cpu_flags()[0]
+    except Exception:  # noqa: BLE001 — the description must not fail the bench
+        level = "unknown"
+    return f"{name}; {' '.join(isa) or 'no AVX2'}; native kernel built for {level}"
+
+
 def _cases(size: str) -> list[Case]:
     """The target rows of the CPU-engine issue at ``size``: "full" (~10 min), "quick" (smaller
     N, < 1 min) or "tiny" (a smoke test of the command itself, seconds; not a measurement)."""
@@ -675,8 +705,9 @@ def run_cli(argv: list[str]) -> int:
     t_start = time.perf_counter()
     date = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
     print(f"attnkit bench{' --quick' if args.quick else ''} — {date}")
+    cpu = cpu_description()
+    print(f"CPU: {cpu}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"{platform.processor() or platform.machine()}, "
           f"cpu capability {torch.backends.cpu.get_cpu_capability()}, python "
           f"{sys.version.split()[0]}")
     lowp = _low_precision_paths()
@@ -740,7 +771,7 @@ def run_cli(argv: list[str]) -> int:
     meta = {"date": date, "command": "attnkit bench " + " ".join(argv),
             "attnkit": sys.modules["attnkit"].__version__, "torch": torch.__version__,
             "threads": torch.get_num_threads(), "python": sys.version.split()[0],
-            "cpu": platform.processor() or platform.machine(),
+            "cpu": cpu,
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "low_precision": lowp,
             "yardsticks": {"sgemm_flops": flops_s, "read_bw": bw}, "noise": nz,
