@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
 
@@ -22,19 +21,9 @@ import torch
 
 import attnkit as ak
 from attnkit.backends import native
+from attnkit.bench import cpu_description
 
 SWITCH = "ATTNKIT_NATIVE_LOWP_GEMM"
-
-
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-    except OSError:
-        return "unknown CPU"
-    for line in out.splitlines():
-        if line.startswith("Model name:"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
 
 
 def seconds(fn: Callable[[], object]) -> float:
@@ -93,7 +82,7 @@ def main() -> None:
     args = ap.parse_args()
     if not native.available():
         raise SystemExit(f"the native kernel is not available: {native.why_unavailable()}")
-    print(f"CPU: {cpu_name()}, torch {torch.__version__}, capability "
+    print(f"CPU: {cpu_description()}, torch {torch.__version__}, capability "
           f"{torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads")
     for dt, why in native.low_precision_paths().items():
         print(f"  {dt}: {why}")

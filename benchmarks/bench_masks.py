@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
 
@@ -24,17 +23,7 @@ import torch
 import torch.nn.functional as F
 
 import attnkit as ak
-
-
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-    except OSError:
-        return "unknown CPU"
-    for line in out.splitlines():
-        if line.startswith("Model name:"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
+from attnkit.bench import cpu_description
 
 
 def masks(b: int, n: int) -> dict[str, torch.Tensor | None]:
@@ -57,7 +46,7 @@ def main() -> None:
     args = ap.parse_args()
     b, h, n, d = (int(x) for x in args.shape.split(","))
     dtype = getattr(torch, args.dtype)
-    print(f"CPU: {cpu_name()}; torch {torch.__version__}, capability "
+    print(f"CPU: {cpu_description()}; torch {torch.__version__}, capability "
           f"{torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads; "
           f"shape {(b, h, n, d)} {args.dtype}{' fwd+bwd' if args.backward else ' fwd'}")
     g = torch.Generator().manual_seed(1)

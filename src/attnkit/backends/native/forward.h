@@ -338,37 +338,48 @@ inline void finish_row(const A* acc, A m, A l, i64 Dv, O* out, A* lse) {
   *lse = m + std::log(l);
 }
 
+// One row merged from C partials by log-sum-exp weights: partial c has LSE lses[c * ls] and
+// output row outs + c * os (D_v,); an empty partial (LSE -inf) adds nothing, NaN in any
+// partial's LSE gives NaN. accv: (D_v,) scratch.
+template <typename A, typename O>
+inline void merge_row(const A* lses, i64 ls, const A* outs, i64 os, i64 C, i64 Dv, A* accv,
+                      O* orow, A* lse) {
+  A M = NEG_INF;
+  bool nan = false;
+  for (i64 c = 0; c < C; ++c) {
+    const A x = lses[c * ls];
+    nan = nan || x != x;
+    M = std::max(M, x);
+  }
+  std::fill(accv, accv + Dv, A(0));
+  A s = 0;
+  for (i64 c = 0; c < C; ++c) {                            // partial c's share
+    const A x = lses[c * ls];
+    if (x == NEG_INF || x != x) continue;
+    const A w = std::exp(x - M);
+    s += w;
+    const A* o = outs + c * os;
+    for (i64 d = 0; d < Dv; ++d) accv[d] += w * o[d];
+  }
+  if (nan) s = std::numeric_limits<A>::quiet_NaN();
+  if (s == A(0)) {
+    for (i64 d = 0; d < Dv; ++d) orow[d] = O(A(0));
+    *lse = NEG_INF;
+  } else {
+    for (i64 d = 0; d < Dv; ++d) orow[d] = O(accv[d] / s);
+    *lse = M + std::log(s);
+  }
+}
+
 // Partials (B, H_q, N_q, C, D_v) / (B, H_q, N_q, C) -> out, lse by log-sum-exp weights.
 template <typename A, typename O>
 void merge_splits(const Args<A>& a, const A* po, const A* pl, O* out, A* lse) {
   const i64 C = a.splits, rows = a.B * a.Hq * a.Nq;
   at::parallel_for(0, rows, 16, [&](i64 begin, i64 end) {
     std::vector<A> accv(a.Dv);
-    for (i64 r = begin; r < end; ++r) {                    // r = flat (b, h, qi)
-      const A* lr = pl + r * C;
-      A M = NEG_INF;
-      for (i64 c = 0; c < C; ++c) M = std::max(M, lr[c]);
-      std::fill(accv.begin(), accv.end(), A(0));
-      A s = 0;
-      bool nan = false;
-      for (i64 c = 0; c < C; ++c) {
-        if (lr[c] != lr[c]) nan = true;
-        if (lr[c] == NEG_INF) continue;                    // an empty split adds nothing
-        const A w = std::exp(lr[c] - M);
-        s += w;
-        const A* o = po + (r * C + c) * a.Dv;
-        for (i64 d = 0; d < a.Dv; ++d) accv[d] += w * o[d];
-      }
-      if (nan) s = std::numeric_limits<A>::quiet_NaN();
-      O* orow = out + r * a.Dv;
-      if (s == A(0)) {
-        for (i64 d = 0; d < a.Dv; ++d) orow[d] = O(A(0));
-        lse[r] = NEG_INF;
-      } else {
-        for (i64 d = 0; d < a.Dv; ++d) orow[d] = O(accv[d] / s);
-        lse[r] = M + std::log(s);
-      }
-    }
+    for (i64 r = begin; r < end; ++r)                      // r = flat (b, h, qi)
+      merge_row(pl + r * C, 1, po + r * C * a.Dv, a.Dv, C, a.Dv, accv.data(), out + r * a.Dv,
+                lse + r);
   });
 }
 

@@ -352,7 +352,7 @@ void attend_paged_item(const Args<A>& a, const Pages<T>& pg, const T* q, const i
 }
 
 // The partials of one (sequence, K/V head, query block) merged by LSE into out / lse (the
-// rules of merge_splits: an empty split adds nothing, NaN in any split's LSE -> NaN).
+// rules of merge_row: an empty split adds nothing, NaN in any split's LSE -> NaN).
 template <typename A, typename O>
 void merge_paged(const Args<A>& a, const PagedSeq& seq, i64 kvh, i64 qb, const A* po,
                  const A* pl, O* out, A* lse, A* accv) {
@@ -361,33 +361,9 @@ void merge_paged(const Args<A>& a, const PagedSeq& seq, i64 kvh, i64 qb, const A
   for (i64 g = 0; g < a.G; ++g)
     for (i64 i = 0; i < nr; ++i) {                         // row (head kvh * G + g, query i)
       const i64 r = g * nr + i;
-      A M = NEG_INF;
-      bool nan = false;
-      for (i64 c = 0; c < seq.splits; ++c) {
-        const A x = pl[base + c * slot_rows + r];
-        nan = nan || x != x;
-        M = std::max(M, x);
-      }
-      std::fill(accv, accv + a.Dv, A(0));
-      A s = 0;
-      for (i64 c = 0; c < seq.splits; ++c) {
-        const A x = pl[base + c * slot_rows + r];
-        if (x == NEG_INF || x != x) continue;
-        const A w = std::exp(x - M);
-        s += w;
-        const A* o = po + (base + c * slot_rows + r) * a.Dv;
-        for (i64 d = 0; d < a.Dv; ++d) accv[d] += w * o[d];
-      }
-      if (nan) s = std::numeric_limits<A>::quiet_NaN();
       const i64 flat = (seq.q_first + qb * seq.rows + i) * a.Hq + kvh * a.G + g;
-      O* orow = out + flat * a.Dv;
-      if (s == A(0)) {
-        for (i64 d = 0; d < a.Dv; ++d) orow[d] = O(A(0));
-        lse[flat] = NEG_INF;
-      } else {
-        for (i64 d = 0; d < a.Dv; ++d) orow[d] = O(accv[d] / s);
-        lse[flat] = M + std::log(s);
-      }
+      merge_row(pl + base + r, slot_rows, po + (base + r) * a.Dv, slot_rows * a.Dv, seq.splits,
+                a.Dv, accv, out + flat * a.Dv, lse + flat);
     }
 }
 
