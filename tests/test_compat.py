@@ -90,5 +90,9 @@ def test_torch_function_disabled_hides_calls_from_a_mode():
 
 def test_hf_builtin_attention_names():
     pytest.importorskip("transformers")
-    names = _compat.hf_builtin_attention_names()
-    assert {"sdpa", "eager"} <= names and "attnkit" not in names
+    names = _compat.hf_builtin_attention_names()       # the live mapping: ours once registered
+    assert {"sdpa", "eager"} <= names
+    from attnkit.integrations import transformers as integration
+
+    builtin = integration._BUILTIN_NAMES                  # taken before attnkit registers
+    assert {"sdpa", "eager"} <= builtin and "attnkit" not in builtin
