@@ -30,7 +30,7 @@ from attnkit.backends.native import loader, score_mod
 
 pytestmark = pytest.mark.skipif(
     sys.platform == "win32" or loader.compiler() is None or loader._unsupported_platform()
-    is not None or loader._ensure_ninja() is not None,
+    is not None or loader._find_ninja()[0] is not None,
     reason="needs a C++ compiler and ninja on a platform the native kernel builds on")
 
 TINY = 'extern "C" int attnkit_tiny_build(void) { return 42; }\n'
@@ -527,3 +527,17 @@ def test_keyboard_interrupt_in_load_propagates(monkeypatch, tmp_path) -> None:  
     finally:
         loader._state.update(saved)
 
+
+
+def test_the_build_environment_is_given_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CXX and PATH are set for torch's extension builder during a build only."""
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setenv("PATH", "/usr/bin")
+    with loader._build_environment("/opt/cc/g++", "/opt/ninja/bin"):
+        assert os.environ["CXX"] == "/opt/cc/g++"
+        assert os.environ["PATH"] == "/opt/ninja/bin" + os.pathsep + "/usr/bin"
+    assert "CXX" not in os.environ and os.environ["PATH"] == "/usr/bin"
+    monkeypatch.setenv("CXX", "clang++")
+    with pytest.raises(RuntimeError), loader._build_environment("g++", None):
+        raise RuntimeError("a failed build")
+    assert os.environ["CXX"] == "clang++" and os.environ["PATH"] == "/usr/bin"

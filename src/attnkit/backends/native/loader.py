@@ -318,17 +318,37 @@ def _unsupported_platform() -> str | None:
     return None
 
 
-def _ensure_ninja() -> str | None:
-    """Put PyPI ninja's binary on PATH when it is installed but not on PATH."""
+def _find_ninja() -> tuple[str | None, str | None]:
+    """``(reason it cannot build, or None; a folder to put on PATH for the build, or None)``:
+    ninja on PATH, or PyPI ninja's binary when it is installed but not on PATH."""
     if shutil.which("ninja"):
-        return None
+        return None, None
     try:
         import ninja  # type: ignore[import-not-found]
-
-        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     except ImportError:
-        return "ninja is not installed: `pip install ninja` (needed to build the native kernel)"
-    return None if shutil.which("ninja") else "ninja is installed but cannot be run"
+        return ("ninja is not installed: `pip install ninja` (needed to build the native "
+                "kernel)"), None
+    if shutil.which("ninja", path=ninja.BIN_DIR) is None:
+        return "ninja is installed but cannot be run", None
+    return None, ninja.BIN_DIR
+
+
+@contextlib.contextmanager
+def _build_environment(compiler: str, ninja_dir: str | None) -> Iterator[None]:
+    """``CXX`` (and ``PATH``, for ninja) as torch's extension builder reads them, for the
+    build only: the process's environment is given back as it was (under the build lock)."""
+    saved = {name: os.environ.get(name) for name in ("CXX", "PATH")}
+    os.environ["CXX"] = compiler
+    if ninja_dir is not None:
+        os.environ["PATH"] = ninja_dir + os.pathsep + (saved["PATH"] or "")
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _build() -> object:
@@ -346,7 +366,7 @@ def _build() -> object:
     if compiler is None:
         raise _Unavailable(f"no C++ compiler found (CXX={os.environ.get('CXX', 'c++')!r}): "
                            "install one (e.g. `apt-get install g++`) or point CXX at it")
-    missing = _ensure_ninja()
+    missing, ninja_dir = _find_ninja()
     if missing:
         raise _Unavailable(missing)
     key = build_key(flags, compiler)
@@ -366,14 +386,13 @@ def _build() -> object:
         print(f"attnkit: compiling the native CPU kernel ({level}) into {folder} "
               "(first use only, ~15 s)...", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
-        env_cxx = os.environ.get("CXX")
-        os.environ["CXX"] = compiler
         try:
-            cpp_extension.load(name=name, sources=[str(s) for s in SOURCES],
-                               extra_cflags=[*_OPT_FLAGS, *_OMP_FLAGS, *flags],
-                               extra_ldflags=list(_OMP_FLAGS),  # (torch appends to these)
-                               build_directory=str(staging),
-                               is_python_module=False, verbose=False)
+            with _build_environment(compiler, ninja_dir):
+                cpp_extension.load(name=name, sources=[str(s) for s in SOURCES],
+                                   extra_cflags=[*_OPT_FLAGS, *_OMP_FLAGS, *flags],
+                                   extra_ldflags=list(_OMP_FLAGS),  # (torch appends to these)
+                                   build_directory=str(staging),
+                                   is_python_module=False, verbose=False)
         except Exception as e:  # noqa: BLE001 — any build failure means "unavailable"
             text = str(e).strip()
             tail = " | ".join(text.splitlines()[-4:])[-600:]
@@ -385,11 +404,6 @@ def _build() -> object:
             with contextlib.suppress(OSError):
                 failed.write_text(f"{why}\n\n{text[-8000:]}\n")
             raise _Unavailable(f"{why}; {_NO_RETRY.format(failed=failed)}") from e
-        finally:
-            if env_cxx is None:
-                os.environ.pop("CXX", None)
-            else:
-                os.environ["CXX"] = env_cxx
         loaded.append(name)
         print(f"attnkit: native CPU kernel built in {time.perf_counter() - t0:.1f} s",
               file=sys.stderr, flush=True)
