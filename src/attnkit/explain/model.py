@@ -46,6 +46,7 @@ import functools
 import math
 import re
 import warnings
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -151,7 +152,10 @@ def _korean_note(model: str, builtin: bool, tokens: list[str], counts: tuple[int
     return out
 
 
-_RECORD: list[dict[str, Any]] | None = None
+# The attention inputs of the model run in progress, per context (thread, asyncio task):
+# two explanations at once (threads, or one nested in another) each record their own.
+_RECORD: ContextVar[list[dict[str, Any]] | None] = ContextVar("attnkit_explain_record",
+                                                              default=None)
 
 
 def _attention_function() -> Any:
@@ -172,11 +176,12 @@ def _attention_function() -> Any:
         said = kwargs.get("is_causal")                    # the integration's rule for causality
         causal = attention_mask is None and query.shape[-2] > 1 and bool(
             said if said is not None else getattr(module, "is_causal", True))
-        if _RECORD is not None:
+        record = _RECORD.get()
+        if record is not None:
             mask = attention_mask
             if mask is not None and mask.dtype != torch.bool:            # float: −big = blocked
                 mask = mask > torch.finfo(mask.dtype).min / 2
-            _RECORD.append({"q": query.detach(), "k": key.detach(), "v": value.detach(),
+            record.append({"q": query.detach(), "k": key.detach(), "v": value.detach(),
                             "mask": None if mask is None else mask.detach(),
                             "causal": causal, "scale": scaling})
         if inner is not None:
@@ -482,7 +487,6 @@ def explain_model(model: Any = "minilm", text: str | None = None, *,
     """
     import torch
 
-    global _RECORD
     if isinstance(model, str) and model.lower() == TINY:
         if pad_to is not None:
             raise ModelError("tiny-ko reads one text as it is (a causal model: no padding); "
@@ -502,13 +506,13 @@ def explain_model(model: Any = "minilm", text: str | None = None, *,
     if pad_to is not None:
         kw.update(padding="max_length", max_length=int(pad_to))
     batch = tok([text], **kw)
-    _RECORD = []
+    record: list[dict[str, Any]] = []
+    recording = _RECORD.set(record)
     try:
         with torch.no_grad():
             result = net(**batch)
-        record = _RECORD
     finally:
-        _RECORD = None
+        _RECORD.reset(recording)
         if restore is not None:
             restore()
     if not record:
