@@ -492,12 +492,12 @@ def test_nan_value_behind_a_score_mod_minus_inf_reaches_the_output(backend, grad
 def test_kv_checked_up_front_only_under_a_python_score_mod(monkeypatch):
     """The up-front K/V read is for Python score_mods (their −∞ can hide a NaN V row from a
     kernel that skips P == 0); ALiBi and relative-bias tables are finite and skip it."""
-    from attnkit import api
+    from attnkit import eager
     from attnkit.scores import alibi, relative_bias
 
     calls = []
-    real = api._bad_kv_rows
-    monkeypatch.setattr(api, "_bad_kv_rows", lambda p: calls.append(1) or real(p))
+    real = eager._bad_kv_rows
+    monkeypatch.setattr(eager, "_bad_kv_rows", lambda p: calls.append(1) or real(p))
     q = randn(1, 2, 8, 4)
     table = torch.zeros(2, 7)
     minus_inf = table.clone()

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import attnkit as ak
-from attnkit import api, masks
+from attnkit import api, eager, masks
 from attnkit.backends import REGISTRY, native
 from attnkit.backends.base import Problem
 
@@ -149,15 +149,15 @@ def test_dtype_and_device_errors_repeat():
 # ============================================================ fast checks == full checks
 def _full_check_passes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """The full checks of _check_qkv alone (its fast accept switched off)."""
-    saved = api._qkv_fit
-    api._qkv_fit = lambda *a: False  # type: ignore[assignment]
+    saved = eager._qkv_fit
+    eager._qkv_fit = lambda *a: False  # type: ignore[assignment]
     try:
-        api._check_qkv(q, k, v)
+        eager._check_qkv(q, k, v)
         return True
     except (ValueError, TypeError):
         return False
     finally:
-        api._qkv_fit = saved  # type: ignore[assignment]
+        eager._qkv_fit = saved  # type: ignore[assignment]
 
 
 def test_fast_qkv_accept_never_accepts_what_the_full_check_refuses():
@@ -172,14 +172,14 @@ def test_fast_qkv_accept_never_accepts_what_the_full_check_refuses():
             k = torch.empty(*lead_k, h_kv, n_k_v[0], 4)
             v = torch.empty(*lead_k, h_kv, n_k_v[1], 5)
             full = _full_check_passes(q, k, v)
-            if api._qkv_fit(q, k, v):
+            if eager._qkv_fit(q, k, v):
                 assert full, (q.shape, k.shape, v.shape)
                 seen += 1
     assert seen > 20
     for q, k, v in [(torch.empty(3, 4), torch.empty(5, 4), torch.empty(5, 2)),
                     (torch.empty(3, 4), torch.empty(5, 3), torch.empty(5, 2)),
                     (torch.empty(2, 3, 4), torch.empty(1, 3, 4), torch.empty(1, 3, 4))]:
-        assert api._qkv_fit(q, k, v) == _full_check_passes(q, k, v)
+        assert eager._qkv_fit(q, k, v) == _full_check_passes(q, k, v)
 
 
 def test_sdpa_broadcast_is_torchs_broadcast():
@@ -213,7 +213,7 @@ def test_mask_broadcast_rule_is_torchs():
                 ok = len(s) <= 4 and torch.broadcast_shapes(s, target) == torch.Size(target)
             except RuntimeError:
                 ok = False
-            assert api._broadcasts_to(s, target) == ok, s
+            assert eager._broadcasts_to(s, target) == ok, s
 
 
 def test_native_fast_layout_accept_agrees_with_its_checks():
@@ -351,9 +351,9 @@ def test_validation_runs_once_per_signature_and_values_every_call(monkeypatch):
     """A repeat of a call signature skips prepare()'s checks (counted on _check_qkv), and a
     bool mask tensor of the same shape but other values gives its own answer every call."""
     calls: list[int] = []
-    real = api._check_qkv
-    monkeypatch.setattr(api, "_check_qkv", lambda *a: calls.append(1) or real(*a))
-    monkeypatch.setattr(api, "_FRAMES", {})
+    real = eager._check_qkv
+    monkeypatch.setattr(eager, "_check_qkv", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(eager, "_FRAMES", {})
     torch.manual_seed(0)
     q, k, v = torch.randn(3, 4, 1, 8), torch.randn(3, 2, 11, 8), torch.randn(3, 2, 11, 8)
     masks_ = [torch.rand(3, 1, 1, 11) > p for p in (0.2, 0.5, 0.8)]
@@ -395,11 +395,11 @@ def test_a_repeated_signature_gives_the_first_calls_answer_and_layout(shapes):
 
 
 def test_the_frames_are_bounded(monkeypatch):
-    monkeypatch.setattr(api, "_FRAMES", {})
-    for n in range(api._FRAMES_MAX + 10):
+    monkeypatch.setattr(eager, "_FRAMES", {})
+    for n in range(eager._FRAMES_MAX + 10):
         ak.attention(torch.randn(1, 1, 1, 4), torch.randn(1, 1, n + 1, 4),
                      torch.randn(1, 1, n + 1, 4))
-    assert 0 < len(api._FRAMES) <= api._FRAMES_MAX
+    assert 0 < len(eager._FRAMES) <= eager._FRAMES_MAX
 
 
 def test_a_bool_mask_is_read_as_given_with_the_evaluated_masks_result():

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import attnkit as ak
-from attnkit import api, ops
+from attnkit import api, eager, ops
 from attnkit.backends import native
 
 Tensor = torch.Tensor
@@ -209,7 +209,7 @@ def test_the_compiled_backward_calls_no_forward(monkeypatch):
             return fn(*a, **kw)
         return wrapper
 
-    for mod, attr, name in [(api, "_run", "eager engine"), (native, "_forward", "native forward"),
+    for mod, attr, name in [(eager, "_run", "eager engine"), (native, "_forward", "native forward"),
                             (ops, "_closed_form_forward", "closed-form forward"),
                             (native, "backward_problem", "native backward"),
                             (ops, "_closed_form_grads", "closed-form backward")]:

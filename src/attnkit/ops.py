@@ -56,21 +56,29 @@ Caution
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import warnings
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from . import masks as _masks
 from .backends.base import Problem, compute_dtype
+from .eager import (
+    Prepared,
+    _attends_to,
+    _bad_kv_rows,
+    _empty_result,
+    _is_empty,
+    attend,
+    check_inputs,
+    prepare,
+)
 from .reference import safe_softmax
 from .scores import soft_cap, soft_cap_grad
-
-if TYPE_CHECKING:
-    from .api import Prepared
 
 __all__ = ["OpArgs", "op_args", "rebuild_mask", "attention_op", "attention_backward_op",
            "eager_fallback", "attention_weights", "attention_weights_op",
@@ -119,20 +127,17 @@ def op_args(mask: Any, n_q: int, n_k: int) -> OpArgs | str:
         return a
     if not isinstance(mask, _masks.Mask):
         return f"mask of type {type(mask).__name__} is not a tensor or an attnkit Mask"
-    for term in mask.conjuncts():
-        spec = term.spec
-        if isinstance(spec, _masks.Band) and _band_mask(spec.lo, spec.hi,
-                                                        spec.bottom_right) is not None:
-            a.bands += [float(spec.lo), float(spec.hi), float(spec.bottom_right)]
-        elif isinstance(spec, _masks.Lengths) and a.kv_lengths is None:
-            a.kv_lengths, a.q_lengths = _masks.lengths_of(term)
-        elif isinstance(spec, _masks.Documents) and a.doc_ids is None \
-                and _masks.documents_of(term, n_q, n_k) is not None:
-            a.doc_ids, a.doc_kv_ids = _masks.documents_of(term, n_q, n_k)
-        else:
-            return (f"mask term {term.name} has no builder arguments an operator can carry "
-                    "(from_fn, |, ~, prefix_lm, a from_tensor Mask, or a second padding / "
-                    "document term)")
+    parts = _masks.decompose(mask, n_q, n_k)            # the one decomposition
+    if parts.rest is not None:
+        return (f"mask term {parts.rest.name} has no builder arguments an operator can carry "
+                "(from_fn, |, ~, prefix_lm, a from_tensor Mask, or a second document term)")
+    for spec in parts.bands:       # kept apart, alignment unfolded: N_q / N_k may be symbolic
+        if _band_mask(spec.lo, spec.hi, spec.bottom_right) is None:
+            return (f"mask band ({spec.lo}, {spec.hi}) has no builder arguments an operator "
+                    "can carry (its bounds are not whole numbers)")
+        a.bands += [float(spec.lo), float(spec.hi), float(spec.bottom_right)]
+    a.kv_lengths, a.q_lengths = parts.kv_lengths, parts.q_lengths
+    a.doc_ids, a.doc_kv_ids = parts.doc_ids, parts.kv_doc_ids
     return a
 
 
@@ -161,7 +166,6 @@ def _prepared(q: Tensor, k: Tensor, v: Tensor, tensor_mask: Tensor | None, bands
     """The operator's arguments as the eager call's :class:`~attnkit.api.Prepared` (the mask
     rebuilt from its builders' arguments), on detached inputs: an operator's implementation
     runs below autograd."""
-    from .api import prepare  # api imports this module
 
     mask = tensor_mask.detach() if tensor_mask is not None else \
         rebuild_mask(bands, kv_lengths, q_lengths, doc_ids, doc_kv_ids)
@@ -175,7 +179,7 @@ def _with_zero_bias(p: Problem) -> Problem:
     if p.bias is not None:
         return p
     zero = torch.zeros((1, 1, 1, 1), dtype=compute_dtype(p.dtype), device=p.device)
-    return Problem(**{**p.__dict__, "bias": zero})
+    return dataclasses.replace(p, bias=zero)
 
 
 def _in_user_layout(g: Tensor, like: Tensor, q: Tensor) -> Tensor:
@@ -327,19 +331,17 @@ def _eager(q: Tensor, k: Tensor, v: Tensor, tensor_mask: Tensor | None, bands: l
            backend: str) -> tuple[Tensor, Tensor]:
     """The eager :func:`attnkit.attention` (``return_lse=True``) of the operator's arguments
     (no dropout): validation, NaN screens and the backend's choice as eager."""
-    from .api import attention  # api imports this module
 
     mask = tensor_mask if tensor_mask is not None else \
         rebuild_mask(bands, kv_lengths, q_lengths, doc_ids, doc_kv_ids)
-    return attention(q, k, v, mask=mask, scale=scale, softcap=softcap, backend=backend,
-                     return_lse=True)
+    return attend(q, k, v, mask=mask, scale=scale, softcap=softcap, backend=backend,
+                  return_lse=True)
 
 
 def _non_finite_kv_rows(p: Problem) -> Tensor | None:
     """``(B, H_kv, N_k)`` True where a K or V row holds NaN or ±inf, or None when none does
     (one sum of K and of V decides that: a finite sum has no non-finite term; K/V broadcast
     over the batch are read once)."""
-    from .api import _bad_kv_rows
 
     k, v = p.k, p.v
     if k.shape[0] > 1 and k.stride(0) == 0 and v.stride(0) == 0:
@@ -354,8 +356,8 @@ def _non_finite_kv_rows(p: Problem) -> Tensor | None:
 def _without_rows(p: Problem, bad: Tensor) -> Problem:
     """``p`` with the K/V rows ``bad`` ``(B, H_kv, N_k)`` set to zero."""
     zero = torch.zeros((), dtype=p.dtype, device=p.device)
-    return Problem(**{**p.__dict__, "k": torch.where(bad[..., None], zero, p.k),
-                      "v": torch.where(bad[..., None], zero, p.v)})
+    return dataclasses.replace(p, k=torch.where(bad[..., None], zero, p.k),
+                               v=torch.where(bad[..., None], zero, p.v))
 
 
 def _dropout_forward(q: Tensor, k: Tensor, v: Tensor, tensor_mask: Tensor | None,
@@ -365,7 +367,6 @@ def _dropout_forward(q: Tensor, k: Tensor, v: Tensor, tensor_mask: Tensor | None
                      ) -> tuple[Tensor, Tensor]:
     """The operator's forward with dropout: the closed form with the pattern the backward
     redraws; NaN/inf K/V rows screened as the eager call screens them."""
-    from .api import _attends_to, _empty_result, _is_empty
 
     prep = _prepared(q, k, v, tensor_mask, bands, kv_lengths, q_lengths, doc_ids, doc_kv_ids,
                      scale, softcap, dropout_p)
@@ -404,7 +405,6 @@ def _attention_fake(q: Tensor, k: Tensor, v: Tensor, tensor_mask: Tensor | None,
                     doc_ids: Tensor | None, doc_kv_ids: Tensor | None, scale: float | None,
                     softcap: float | None, dropout_p: float, seed: Tensor | None,
                     backend: str) -> tuple[Tensor, Tensor]:
-    from .api import check_inputs
 
     check_inputs(q, k, v)               # shape / dtype / device errors at trace time
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))                 # (..., H_q, N_q, D_v)
@@ -431,7 +431,6 @@ def _problem_grads(p: Problem, out: Tensor, lse: Tensor, dout: Tensor, dlse: Ten
     LSE: the native kernel's own backward where the call runs on it, else the closed form.
     NaN/inf K/V rows are screened as the eager call's forward screens them (zeroed; the
     queries that see them had NaN outputs, which pass no gradient)."""
-    from .api import _attends_to, _is_empty
     from .backends import native
 
     if _is_empty(p):
@@ -536,9 +535,7 @@ attention_op.register_autograd(_backward, setup_context=_setup_context)
 @torch.compiler.disable
 def eager_fallback(q: Any, k: Any, v: Any, **options: Any) -> Any:
     """The plain eager :func:`attnkit.attention`, run outside any graph being traced."""
-    from .api import attention
-
-    return attention(q, k, v, **options)
+    return attend(q, k, v, **options)
 
 
 # ------------------------------------------------------------------ the attention weights
@@ -551,7 +548,6 @@ def _weights_shape(q: Tensor, k: Tensor) -> tuple[int, ...]:
 def _eager_weights(q: Tensor, k: Tensor, v: Tensor, **options: Any) -> Tensor:
     """The weights ``(B, H_q, N_q, N_k)`` of an :func:`attnkit.attention` call by the
     reference (dropout excluded), in q's dtype."""
-    from .api import prepare  # api imports this module
     from .reference import reference
 
     return reference(prepare(q, k, v, **options).problem).weights.to(q.dtype)
@@ -605,7 +601,6 @@ def _attention_weights_fake(q: Tensor, k: Tensor, tensor_mask: Tensor | None,
                             q_lengths: Tensor | None, doc_ids: Tensor | None,
                             doc_kv_ids: Tensor | None, scale: float | None,
                             softcap: float | None) -> Tensor:
-    from .api import check_inputs
 
     check_inputs(q, k, k)
     return q.new_empty(_weights_shape(q, k))                       # (B, H_q, N_q, N_k)

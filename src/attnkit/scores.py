@@ -49,12 +49,13 @@ import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 __all__ = ["ScoreMod", "ScoreTerm", "Alibi", "RelativeBias", "soft_cap", "alibi_slopes", "alibi",
-           "relative_bias", "per_element", "flex_semantics", "checked_score_mod", "fn_name"]
+           "relative_bias", "per_element", "flex_semantics", "checked_score_mod", "fn_name",
+           "unwrap", "ScoreTerms", "score_terms", "NO_SCORE_TERMS"]
 
 ScoreMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
                     torch.Tensor]
@@ -159,6 +160,46 @@ def relative_bias(table: torch.Tensor, max_distance: int) -> ScoreTerm:
 
     return ScoreTerm(score_mod, f"relative_bias(table {tuple(table.shape)}, {max_distance})",
                      table.shape[0], (table,), spec=RelativeBias(table, max_distance))
+
+
+# ----------------------------------------------------------- what a score mod is, as data
+def unwrap(score_mod: Any) -> Any:
+    """The function a call's score mod stands for: the user's function (or
+    :class:`ScoreTerm`) under the checker :func:`checked_score_mod` or :func:`per_element`
+    wrapped it in; ``score_mod`` itself when it is not wrapped. The one reader of the
+    wrappers' ``__wrapped__``."""
+    return getattr(score_mod, "__wrapped__", score_mod)
+
+
+class ScoreTerms(NamedTuple):
+    """A call's score mod as kernels read it: exactly one of ``alibi`` (its
+    :class:`Alibi` spec), ``relative`` (its :class:`RelativeBias` spec) or ``user`` (a
+    Python function no spec describes: the call's score mod, to call or compile) is set, or
+    none without a score mod. ``fn`` is the unwrapped function (:func:`unwrap`)."""
+
+    alibi: Alibi | None = None
+    relative: RelativeBias | None = None
+    user: ScoreMod | None = None
+    fn: Any = None
+
+
+NO_SCORE_TERMS = ScoreTerms()
+
+
+def score_terms(score_mod: Any, heads: int) -> ScoreTerms:
+    """``score_mod`` of a call with ``heads`` query heads as :class:`ScoreTerms`: a spec is
+    read when it fits the call (one slope / table row per query head), else the function is
+    a ``user`` term (called as written)."""
+    if score_mod is None:
+        return NO_SCORE_TERMS
+    fn = unwrap(score_mod)
+    spec = getattr(fn, "spec", None)
+    if isinstance(spec, Alibi) and torch.as_tensor(spec.slopes).numel() == heads:
+        return ScoreTerms(alibi=spec, fn=fn)
+    if (isinstance(spec, RelativeBias) and spec.table.dim() == 2
+            and spec.table.shape[0] == heads):
+        return ScoreTerms(relative=spec, fn=fn)
+    return ScoreTerms(user=score_mod, fn=fn)
 
 
 # ----------------------------------------------------------- FlexAttention's semantics

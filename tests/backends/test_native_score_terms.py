@@ -129,7 +129,7 @@ def test_negative_scale_with_softcap_backward(shape: str, dtype: torch.dtype, sc
 
 
 # ---------------------------------------------------------------- scale / softcap overflows
-# each value is in range for the compute type on its own (api._check_in_range); the ratio
+# each value is in range for the compute type on its own (eager._check_in_range); the ratio
 # is not: float for float32 / bfloat16 / float16 inputs, double for float64
 HUGE = {torch.float32: (1e20, 1e-20), torch.bfloat16: (1e20, 1e-20),
         torch.float16: (1e20, 1e-20), torch.float64: (1e200, 1e-200)}

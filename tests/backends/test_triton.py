@@ -411,11 +411,11 @@ def test_mask_terms_go_to_the_cheapest_mechanism() -> None:
     tiles = plan.tiles(6, 6, 2, 2)
     assert tiles.shape == (2, 1, 3, 3) and tiles[0, 0, 0, 2] == M.EMPTY
 
-    mask = M.prefix_lm(2) & M.padding([3, 5]) & M.padding([4, 4])   # the 2nd padding: dense
+    mask = M.prefix_lm(2) & M.padding([3, 5]) & M.padding([4, 4])   # paddings intersect
     p = _problem(2, 3, 3, 6, 8, 4, 4, mask=mask)
     plan = tb._plan_mask(p)
-    assert plan.kv_len.tolist() == [3, 5] and plan.dense is not None
-    assert plan.dense.dtype == torch.uint8 and plan.dense.shape == (2, 1, 6, 8)
+    assert plan.kv_len.tolist() == [3, 4] and plan.dense is not None
+    assert plan.dense.dtype == torch.uint8 and plan.dense.shape == (1, 1, 6, 8)
     dense = plan.dense.bool() & (torch.arange(8) < plan.kv_len.view(2, 1, 1, 1))
     assert torch.equal(dense, mask.to_dense(6, 8, batch=2))
 

@@ -24,14 +24,15 @@ output and reruns the call with such K/V rows zeroed (see :mod:`attnkit.api`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-from ..masks import Mask
-from ..scores import ScoreMod
+from ..masks import NO_MASK, Mask, MaskParts, decompose
+from ..scores import NO_SCORE_TERMS, ScoreMod, ScoreTerms, score_terms
 
-__all__ = ["Problem", "Backend", "Capabilities", "compute_dtype", "softmax_shift", "finish",
-           "merge_partials", "merge_stacked", "refuse_double_backward"]
+__all__ = ["Problem", "Lowered", "Backend", "Capabilities", "compute_dtype", "softmax_shift",
+           "finish", "merge_partials", "merge_stacked", "refuse_double_backward"]
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -127,9 +128,26 @@ def refuse_double_backward(backend: str, *, what: str = "backend", fix: str | No
         )
 
 
+class Lowered(NamedTuple):
+    """A :class:`Problem` lowered once for every engine: its mask as closed-form parts and
+    a rest (:func:`attnkit.masks.decompose`, the one decomposition) and its score mod as
+    data (:func:`attnkit.scores.score_terms`: ALiBi, a relative-bias table, or a Python
+    function). Scale, soft-cap and bias are the Problem's own fields. Engines read this
+    instead of taking the mask or the score mod apart themselves."""
+
+    mask: MaskParts
+    terms: ScoreTerms
+
+
+_NOTHING_TO_LOWER = Lowered(NO_MASK, NO_SCORE_TERMS)
+
+
 @dataclass
 class Problem:
-    """One normalised attention call (see the module's shape legend)."""
+    """One normalised attention call (see the module's shape legend).
+
+    :attr:`lowered` is computed on first use and kept: a Problem is not changed once an
+    engine has read it (make a new one with ``dataclasses.replace``)."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -148,7 +166,7 @@ class Problem:
 
     def __post_init__(self) -> None:
         # where a mask first meets the call's sizes: refused here for every backend alike
-        # (also for engines that read Mask.spec directly instead of evaluating it)
+        # (also for engines that read its closed-form parts instead of evaluating it)
         if self.mask is not None:
             self.mask.check(self.q.shape[2], self.k.shape[2])
 
@@ -192,6 +210,25 @@ class Problem:
     @property
     def device(self) -> torch.device:
         return self.q.device
+
+    @property
+    def lowered(self) -> Lowered:
+        """The call lowered for the engines (see :class:`Lowered`), once per Problem (kept
+        in the instance's ``__dict__``, not a field: ``dataclasses.replace`` lowers anew)."""
+        low = self.__dict__.get("_lowered")
+        if low is None:
+            if self.mask is None and self.score_mod is None:
+                low = _NOTHING_TO_LOWER
+            else:
+                low = Lowered(decompose(self.mask, self.q.shape[2], self.k.shape[2]),
+                              score_terms(self.score_mod, self.q.shape[1]))
+            self.__dict__["_lowered"] = low
+        return low
+
+    def dense_mask_elements(self) -> int:
+        """Elements of the dense form of the mask's rest (0 when all of it is closed-form):
+        what an engine that reads the rest densely would evaluate."""
+        return self.lowered.mask.rest_elements(self.batch, self.heads_q, self.n_q, self.n_k)
 
     @property
     def requires_grad(self) -> bool:

@@ -64,7 +64,7 @@ from .base import (
     softmax_shift,
 )
 from .tiled import native_reasons
-from .tiled.plan import count
+from .tiled.counters import count
 
 __all__ = ["DecodeBackend", "MAX_QUERIES", "chunk_count"]
 

@@ -53,11 +53,10 @@ Caution
   dimension the term does not depend on (a call is refused above 2^31 elements). A bias
   that requires grad costs a float32 gradient of its own shape, summed with atomics (slow
   when many heads share one bias).
-- Recognising terms reads the parameters of the masks built by :func:`attnkit.masks.causal`,
-  :func:`~attnkit.masks.sliding_window`, :func:`~attnkit.masks.full`,
-  :func:`~attnkit.masks.padding` and :func:`~attnkit.masks.document` (and their ``&``) from
-  ``Mask.spec`` / ``Mask.conjuncts()``; any other mask (``|``, ``~``, ``from_fn``, tensors)
-  is treated as a dense term (correct, slower).
+- The mask is read as lowered once for every engine (``Problem.lowered``,
+  :func:`attnkit.masks.decompose`): bands, paddings and one document term in closed form;
+  any other term (``|``, ``~``, ``from_fn``, tensors) is evaluated as a dense term
+  (correct, slower).
 - Launch parameters (block sizes, warps, stages) are fixed heuristics, not autotuned; a GPU
   without the shared memory for them gets fewer stages, then smaller tiles.
 - Compiled kernels receive ``scale`` and ``softcap`` as float32 scalars, so float64 runs on
@@ -72,7 +71,6 @@ Caution
 from __future__ import annotations
 
 import importlib.util
-import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -172,74 +170,33 @@ class _MaskPlan:
         return self._tiles[bm, bn]
 
 
-def _and_all(terms: list[_masks.Mask]) -> _masks.Mask:
-    out = terms[0]
-    for t in terms[1:]:
-        out = out & t
-    return out
-
-
-def _split_terms(p: Problem) -> tuple[tuple[int, int] | None, list[_masks.Mask],
-                                      list[_masks.Mask]]:
-    """→ (band, [padding/document terms handled by index], [terms to evaluate densely])."""
-    if p.mask is None:
-        return None, [], []
-    lo, hi = -math.inf, math.inf
-    indexed: list[_masks.Mask] = []
-    dense: list[_masks.Mask] = []
-    found = False
-    kinds: set[str] = set()
-    for term in p.mask.conjuncts():
-        band = _masks.band_of(term, p.n_q, p.n_k)
-        if band is not None:
-            if band != (-math.inf, math.inf):
-                found = True
-                lo, hi = max(lo, band[0]), min(hi, band[1])
-        elif "padding" not in kinds and _masks.lengths_of(term) is not None:
-            kinds.add("padding")
-            indexed.append(term)
-        elif "document" not in kinds and _masks.documents_of(term, p.n_q, p.n_k) is not None:
-            kinds.add("document")
-            indexed.append(term)
-        else:
-            dense.append(term)
+def _plan_mask(p: Problem) -> _MaskPlan:
+    """The call's mask (lowered once: ``p.lowered.mask``) as the kernels' arguments: the
+    band as small ints, lengths and document ids as index tensors, the rest as uint8."""
+    parts = p.lowered.mask
     # beyond ±(N_q + N_k) a bound is the same as no bound; keep it a small int for the kernels
     lim = p.n_q + p.n_k + 1
-    band_out = (int(max(lo, -lim)), int(min(hi, lim))) if found else None
-    return band_out, indexed, dense
-
-
-def _dense_size(m: _masks.Mask, p: Problem) -> int:
-    b = p.batch if m.depends_on_batch else 1
-    h = p.heads_q if m.depends_on_heads else 1
-    return b * h * p.n_q * p.n_k
-
-
-def _plan_mask(p: Problem) -> _MaskPlan:
-    band, indexed, dense_terms = _split_terms(p)
+    band = None if parts.band is None else (int(max(parts.band[0], -lim)),
+                                            int(min(parts.band[1], lim)))
     plan = _MaskPlan(band=band, batch=p.batch, heads=p.heads_q, device=p.device)
     dev = p.device
-    summary_terms = list(dense_terms)
-    for term in indexed:
-        padding = _masks.lengths_of(term)
-        if padding is not None:
-            lim = max(p.n_q, p.n_k) + 1
-            plan.kv_len = padding[0].clamp(max=lim).to(device=dev, dtype=torch.int32)
-            if padding[1] is not None:
-                plan.q_len = padding[1].clamp(max=lim).to(device=dev, dtype=torch.int32)
-            continue
-        ids = _masks.documents_of(term, p.n_q, p.n_k)
-        assert ids is not None
-        plan.q_ids, plan.k_ids = (t.to(device=dev, dtype=torch.int64) for t in ids)
-        summary_terms.append(term)
-    if dense_terms:
-        d = _and_all(dense_terms).evaluate(p.n_q, p.n_k, batch=p.batch, heads=p.heads_q, device=dev)
+    if parts.kv_lengths is not None:
+        lim = max(p.n_q, p.n_k) + 1
+        plan.kv_len = parts.kv_lengths.clamp(max=lim).to(device=dev, dtype=torch.int32)
+        if parts.q_lengths is not None:
+            plan.q_len = parts.q_lengths.clamp(max=lim).to(device=dev, dtype=torch.int32)
+    if parts.documents is not None:
+        plan.q_ids, plan.k_ids = (t.to(device=dev, dtype=torch.int64)
+                                  for t in (parts.doc_ids, parts.kv_doc_ids))
+    if parts.rest is not None:
+        d = parts.rest.evaluate(p.n_q, p.n_k, batch=p.batch, heads=p.heads_q, device=dev)
         # keep broadcast (stride-0) dims at size 1 so that they cost no memory
         index = tuple(slice(0, 1) if (st == 0 and n > 1) else slice(None)
                       for st, n in zip(d.stride(), d.shape, strict=True))
         plan.dense = d[index].to(torch.uint8).contiguous()
-    if summary_terms:
-        plan.summary = _and_all(summary_terms)
+    summary = [m for m in (parts.rest, parts.documents) if m is not None]
+    if summary:
+        plan.summary = summary[0] if len(summary) == 1 else summary[0] & summary[1]
     return plan
 
 
@@ -528,15 +485,11 @@ class TritonBackend(Backend):
                     f"{f32.max:.3g}], and the compiled kernels take scale and softcap as "
                     "float32 scalars (it would become inf or 0): use backend='reference' "
                     "on the GPU (or 'tiled' on CPU tensors), or rescale q")
-        if p.mask is not None:
-            _band, _indexed, rest = _split_terms(p)
-            if rest:
-                general = _and_all(rest)
-                if _dense_size(general, p) > _MAX_DENSE_MASK:
-                    reasons.append(
-                        f"mask {p.mask.name} has terms that are not a band, padding or "
-                        f"document mask, and their dense form would hold "
-                        f"{_dense_size(general, p)} elements (limit {_MAX_DENSE_MASK})")
+        if p.mask is not None and p.dense_mask_elements() > _MAX_DENSE_MASK:
+            reasons.append(
+                f"mask {p.mask.name} has terms that are not a band, padding or document "
+                f"mask, and their dense form would hold {p.dense_mask_elements()} elements "
+                f"(limit {_MAX_DENSE_MASK})")
         return reasons
 
     def _launch(self, p: Problem) -> _Launch:

@@ -173,7 +173,8 @@ def _ring_band(mask: Any, score_mod: Any, is_causal: bool, n_q: int, n_k: int) -
     global ``n_q × n_k`` sequence, or None without one; a clear error for what the ring
     cannot take."""
     if score_mod is not None or (mask is not None and (
-            not isinstance(mask, _masks.Mask) or _masks.band_of(mask, n_q, n_k) is None)):
+            not isinstance(mask, _masks.Mask)
+            or _masks.decompose(mask, n_q, n_k).as_band() is None)):
         raise ValueError(
             "ring_attention: with strategy='ring' a mask must be a band over the global "
             "sequence (masks.causal, masks.sliding_window, masks.band, masks.window), and "
@@ -188,4 +189,4 @@ def _ring_band(mask: Any, score_mod: Any, is_causal: bool, n_q: int, n_k: int) -
             f"ring_attention: pass either is_causal=True or mask=, not both (got mask "
             f"{mask.name}): masks.sliding_window(w) is causal already, and is_causal=True is "
             "masks.causal()")
-    return _masks.band_of(mask, n_q, n_k)
+    return _masks.decompose(mask, n_q, n_k).as_band()

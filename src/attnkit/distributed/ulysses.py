@@ -63,18 +63,19 @@ def _local_score_mod(score_mod: Any, h0: int, hn: int, h_q: int) -> Any:
     table sliced, gradients flow to the table); any other function sees ``h + h0``."""
     if score_mod is None or (h0 == 0 and hn == h_q):
         return score_mod
-    spec = getattr(score_mod, "spec", None)
-    if isinstance(score_mod, _scores.ScoreTerm) and isinstance(spec, _scores.Alibi):
-        slopes, offset = spec.slopes[h0:h0 + hn], spec.offset
+    terms = _scores.score_terms(score_mod, h_q)
+    if terms.alibi is not None:
+        slopes, offset = terms.alibi.slopes[h0:h0 + hn], terms.alibi.offset
 
         def alibi(score, b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202
             s = slopes.to(device=score.device, dtype=score.dtype)[h]
             return score - s * (q_idx + offset - kv_idx).abs().to(score.dtype)
 
-        return _scores.ScoreTerm(alibi, f"{score_mod.name}[heads {h0}:{h0 + hn}]", hn,
-                                 spec=_scores.Alibi(slopes, offset))
-    if isinstance(score_mod, _scores.ScoreTerm) and isinstance(spec, _scores.RelativeBias):
-        return _scores.relative_bias(spec.table[h0:h0 + hn], spec.max_distance)
+        return _scores.ScoreTerm(alibi, f"{_scores.fn_name(terms.fn)}[heads {h0}:{h0 + hn}]",
+                                 hn, spec=_scores.Alibi(slopes, offset))
+    if terms.relative is not None:
+        return _scores.relative_bias(terms.relative.table[h0:h0 + hn],
+                                     terms.relative.max_distance)
 
     def shifted(score, b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202
         return score_mod(score, b, h + h0, q_idx, kv_idx)

@@ -26,6 +26,8 @@ What lives where::
     masks/core.py      Mask (evaluate, to_dense, block_map, algebra & | ~), the specs Band /
                        Lengths / Documents and their readers band_of / lengths_of / documents_of
     masks/builders.py  the builders above (public constructor only)
+    masks/parts.py     decompose: the one decomposition of a mask into closed-form parts
+                       (band, lengths, documents) and a rest, read by every engine
     masks/varlen.py    varlen and cache_lengths (their specs and closed-form block rules)
     masks/summary.py   sparsity (closed form for band, padding, documents) and drawing (exact
                        when small, a coarse block grid when large)
@@ -61,7 +63,9 @@ from .builders import (
 )
 from .core import *  # noqa: F403
 from .core import __all__ as _core_all
+from .parts import NO_MASK, MaskParts, decompose
 from .varlen import cache_lengths, varlen
 
 __all__ = [*_core_all, "causal", "sliding_window", "padding", "document", "prefix_lm",
-           "from_fn", "from_tensor", "full", "band", "window", "varlen", "cache_lengths"]
+           "from_fn", "from_tensor", "full", "band", "window", "varlen", "cache_lengths",
+           "MaskParts", "decompose", "NO_MASK"]

@@ -77,9 +77,10 @@ Caution
 - The first call in a fresh environment compiles the kernel (~15 s of one core on a quiet
   machine, up to ~40 s on a loaded one; see ``loader``); later processes load the cached
   build. ``ATTNKIT_NATIVE=0`` turns the kernel off.
-- ALiBi reaches :func:`forward_problem` as ``scores.alibi(H_q)`` or as any score_mod that
-  carries ``score_mod.spec`` with ``slopes`` (H_q,) (and optionally ``offset``); a
-  relative-bias table as ``scores.relative_bias(table, M)`` (its spec is read, the table's
+- :func:`forward_problem` reads the call as lowered once (``Problem.lowered``: the mask's
+  closed-form parts from ``masks.decompose``, the score mod as ``scores.score_terms``).
+  ALiBi reaches it as a score_mod whose spec is ``scores.Alibi`` (``scores.alibi(H_q)``);
+  a relative-bias table as ``scores.relative_bias(table, M)`` (its spec is read, the table's
   gradient flows); any other Python score_mod is traced and compiled into a small C++
   function the fused pass calls (:mod:`.score_mod`; forward and backward, gradients to
   q, k, v only); one it cannot compile is refused by :func:`supports` with the reason.
@@ -91,29 +92,50 @@ Caution
 
 from __future__ import annotations
 
+import contextlib
 import math
-import operator
-import weakref
-from functools import reduce
+from collections.abc import Iterator
+from contextvars import ContextVar
 from typing import NamedTuple
 
 import torch
 
-from ...masks import Band, Documents, Lengths, Mask, documents_of, lengths_of
-from ...scores import Alibi, RelativeBias
 from ..base import Problem, refuse_double_backward
 from . import loader
 from .score_mod import CompiledScoreMod, compile_score_mod, for_problem
 
 __all__ = ["available", "why_unavailable", "forward", "decode", "supports", "forward_problem",
            "backward_problem", "compile_score_mod", "CompiledScoreMod", "low_precision_paths",
-           "paged_attention",
+           "paged_attention", "KernelTerms", "plain_terms", "use_native", "native_enabled",
            "DTYPES", "DECODE_MAX_QUERIES", "DENSE_MASK_LIMIT"]
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 DECODE_MAX_QUERIES = 16
 DENSE_MASK_LIMIT = 4 * 2**20        # bytes of a mask supports() evaluates densely (the one limit)
 _ROWS_PER_ITEM = 128                # query rows (G heads × block_q) per work item
+
+
+# ------------------------------------------------------------------ the switch, per context
+_NATIVE: ContextVar[bool] = ContextVar("attnkit_native", default=True)
+
+
+@contextlib.contextmanager
+def use_native(enabled: bool) -> Iterator[None]:
+    """Let ``tiled`` and ``decode`` use the native kernel (``True``, the default, when it is
+    available and supports the call) or keep them on their Python engines (``False``), in
+    this context only — e.g. to count the Python engine's plan. ``ATTNKIT_NATIVE=0`` turns
+    the kernel off for the whole process."""
+    token = _NATIVE.set(bool(enabled))
+    try:
+        yield
+    finally:
+        _NATIVE.reset(token)
+
+
+def native_enabled() -> bool:
+    """False inside ``use_native(False)`` (the environment, ``ATTNKIT_NATIVE``, is the
+    loader's business)."""
+    return _NATIVE.get()
 
 
 def available() -> bool:
@@ -185,6 +207,38 @@ def _ids(x: object, B: int, n: int, what: str) -> torch.Tensor:
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The kernel's compute (and LSE) dtype for inputs of ``dtype``."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class KernelTerms(NamedTuple):
+    """The kernel's score-term and mask arguments — one record, named and ordered as the
+    operators' schema (``attend`` and ``attend_backward`` take them between their tensors
+    and their launch / gradient flags; ``tests/test_lowering.py`` checks the names against
+    the built schema). Built by :func:`_common` from a call's options, checked."""
+
+    scale: float
+    softcap: float                      # 0 = none
+    alibi: torch.Tensor | None          # (H_q,) slopes, compute dtype
+    alibi_offset: float
+    rel_table: torch.Tensor | None      # (H_q, 2M' + 1), M' <= N: the columns a call reaches
+    rel_max_distance: int               # M'
+    bias: torch.Tensor | None           # (B|1, H_q|1, N_q|1, N_k|1), compute dtype
+    band_lo: float                      # allowed ⇔ band_lo <= q − k <= band_hi
+    band_hi: float
+    kv_len: torch.Tensor | None         # (B,) int64
+    q_len: torch.Tensor | None          # (B,) int64
+    q_doc: torch.Tensor | None          # (B|1, N_q) int64
+    k_doc: torch.Tensor | None          # (B|1, N_k) int64
+    mask: torch.Tensor | None           # (B|1, H_q|1, N_q|1, N_k|1) bool
+    score_mod: int                      # the compiled score_mod's address (0 = none)
+    score_mod_caps: int                 # its captured tensors' table
+
+
+def plain_terms(scale: float, softcap: float = 0.0,
+                band: tuple[float, float] = (-math.inf, math.inf)) -> KernelTerms:
+    """The record of a call with no score term and no mask but a band ``(lo, hi)``
+    (allowed ⇔ ``lo <= q − k <= hi``; none by default)."""
+    return KernelTerms(float(scale), float(softcap), None, 0.0, None, 0, None,
+                       float(band[0]), float(band[1]), None, None, None, None, None, 0, 0)
 
 
 def _auto_splits(items: int, n_k: int) -> int:
@@ -259,11 +313,8 @@ def _forward(ops: object, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     plain = (alibi_slopes is None and rel is None and bias is None and band is None
              and kv_lengths is None and q_lengths is None and doc_ids is None
              and kv_doc_ids is None and dense_mask is None and score_mod is None)
-    if plain:                                # no tensor options: the common tuple as is
-        common: tuple[object, ...] = (
-            float(Dk ** -0.5 if scale is None else scale), float(softcap or 0.0), None,
-            float(alibi_offset), None, 0, None, -math.inf, math.inf, None, None, None, None,
-            None, 0, 0)
+    if plain:                                # no tensor options: the record as is
+        common = plain_terms(Dk ** -0.5 if scale is None else scale, softcap or 0.0)
         call = None
     else:
         common, call = _common(q, k, v, B, Hq, Nq, Nk, Dk, cdt, scale, softcap, alibi_slopes,
@@ -289,7 +340,7 @@ def _common(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, B: int, Hq: int, 
             band: tuple[float, float] | None, kv_lengths: object | None,
             q_lengths: object | None, doc_ids: object | None, kv_doc_ids: object | None,
             dense_mask: torch.Tensor | None, score_mod: CompiledScoreMod | None,
-            ) -> tuple[tuple[object, ...], object | None]:
+            ) -> tuple[KernelTerms, object | None]:
     """The operator's score-term and mask arguments (everything between v and the launch),
     checked, and the score_mod's bound call (or None)."""
     shape4 = (B, Hq, Nq, Nk)
@@ -312,7 +363,7 @@ def _common(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, B: int, Hq: int, 
     if rel is not None:
         cut = max(0, int(rel_max_distance) - (max(Nq, Nk) - 1))  # type: ignore[arg-type]
     call = None if score_mod is None else score_mod.bind()  # this call's caps and error flag
-    common = (
+    common = KernelTerms(
         float(Dk ** -0.5 if scale is None else scale), float(softcap or 0.0),
         slopes, float(alibi_offset),
         None if rel is None else                              # (H_q, 2M' + 1), M' <= N
@@ -391,7 +442,7 @@ def _rel_table(table: torch.Tensor | None, max_distance: int | None, Hq: int,
 
 def _kernel_backward(ops: object, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
-                     dlse: torch.Tensor | None, common: tuple[object, ...], alibi_grad: bool,
+                     dlse: torch.Tensor | None, common: KernelTerms, alibi_grad: bool,
                      bias_grad: bool) -> tuple[torch.Tensor, ...]:
     """The kernel's backward call from a forward's ``out`` and ``lse`` (contiguous, in the
     compute dtype) → ``(dq, dk, dv, d rel_table, d alibi, d bias)`` (see ``attention.cpp``):
@@ -418,7 +469,7 @@ class _NativeAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.common = common
         ctx.rel_dtype = None if rel is None else rel.dtype
-        ctx.rel_cut = 0 if rel is None else (rel.shape[1] - common[4].shape[1]) // 2
+        ctx.rel_cut = 0 if rel is None else (rel.shape[1] - common.rel_table.shape[1]) // 2
         ctx.ali_like = None if ali is None else (ali.shape, ali.dtype)
         ctx.bias_like = None if bias is None else (bias.shape, bias.dtype)
         return out, lse
@@ -545,81 +596,6 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
         raise
 
 # ------------------------------------------------------------------ Problem → options
-def _alibi_of(p: Problem) -> tuple[torch.Tensor, int] | None:
-    """``(slopes (H_q,), offset)`` when ``p.score_mod`` is ALiBi, else None: read from the
-    score mod's spec — ``scores.alibi(H_q)`` carries ``scores.Alibi``, and any score mod
-    whose ``spec`` has ``slopes`` (and optionally ``offset``) is taken as ALiBi too."""
-    fn = getattr(p.score_mod, "__wrapped__", p.score_mod)    # api wraps it in a checker
-    spec = getattr(fn, "spec", None)
-    if isinstance(spec, Alibi) or (spec is not None and hasattr(spec, "slopes")):
-        slopes = torch.as_tensor(spec.slopes)
-        if slopes.numel() == p.heads_q:
-            return slopes, int(getattr(spec, "offset", 0))
-    return None
-
-
-def _relbias_of(p: Problem) -> tuple[torch.Tensor, int] | None:
-    """``(table (H_q, 2M+1), M)`` when ``p.score_mod`` is ``scores.relative_bias`` (its
-    :class:`~attnkit.scores.RelativeBias` spec) with one table row per query head, else None.
-    The table object itself is passed on, so its gradient flows."""
-    fn = getattr(p.score_mod, "__wrapped__", p.score_mod)    # api wraps it in a checker
-    spec = getattr(fn, "spec", None)
-    if isinstance(spec, RelativeBias) and spec.table.dim() == 2 and (
-            spec.table.shape[0] == p.heads_q):
-        return spec.table, int(spec.max_distance)
-    return None
-
-
-# The last Problem whose mask was decomposed, with the result: supports() and
-# forward_problem() of one call ask for the same Problem (a weak reference to it and its
-# mask object itself, so ``is`` is a sound test; forward_problem() empties the entry, so it
-# keeps no mask alive past its call). One immutable tuple, replaced whole: thread-safe
-# (another thread's call only replaces it).
-_NO_OPTIONS: tuple[object, ...] = (lambda: None, None, None)
-_LAST_OPTIONS = _NO_OPTIONS
-
-
-def _mask_options(p: Problem) -> tuple[dict[str, object], Mask | None]:
-    """Closed-form options from ``p.mask``'s conjuncts, and the rest (a Mask, or None).
-    The result is shared with the next caller for the same Problem: read it only."""
-    global _LAST_OPTIONS
-    mask = p.mask
-    if mask is None:
-        return {}, None
-    last = _LAST_OPTIONS
-    if last[1] is mask and last[0]() is p:  # type: ignore[operator]
-        return last[2]  # type: ignore[return-value]
-    got = _decompose(p)
-    _LAST_OPTIONS = (weakref.ref(p), mask, got)
-    return got
-
-
-def _decompose(p: Problem) -> tuple[dict[str, object], Mask | None]:
-    opts: dict[str, object] = {}
-    rest: list[Mask] = []
-    assert p.mask is not None
-    lo, hi = -math.inf, math.inf
-    for m in p.mask.conjuncts():
-        spec = m.spec
-        if isinstance(spec, Band):
-            off = spec.offset(p.n_q, p.n_k)
-            lo, hi = max(lo, spec.lo - off), min(hi, spec.hi - off)
-        elif isinstance(spec, Lengths) and lengths_of(m) is not None:
-            kv, ql = lengths_of(m)
-            old_kv, old_q = opts.get("kv_lengths"), opts.get("q_lengths")
-            opts["kv_lengths"] = kv if old_kv is None else torch.minimum(old_kv, kv)
-            if ql is not None:
-                opts["q_lengths"] = ql if old_q is None else torch.minimum(old_q, ql)
-        elif (isinstance(spec, Documents) and "doc_ids" not in opts
-              and documents_of(m, p.n_q, p.n_k) is not None):
-            opts["doc_ids"], opts["kv_doc_ids"] = documents_of(m, p.n_q, p.n_k)
-        else:
-            rest.append(m)
-    if (lo, hi) != (-math.inf, math.inf):
-        opts["band"] = (lo, hi)
-    return opts, (reduce(operator.and_, rest) if rest else None)
-
-
 def supports(p: Problem) -> list[str]:
     """Why the native kernel cannot run ``p`` (empty = it can)."""
     if loader.load() is None:
@@ -632,27 +608,18 @@ def supports(p: Problem) -> list[str]:
         out.append(f"dtype {p.dtype} is not supported (float32, float64, bfloat16, float16)")
     if p.dropout_p > 0.0:
         out.append(f"no dropout, got dropout_p={p.dropout_p}")
-    if p.mask is not None:
-        _, rest = _mask_options(p)
-        if rest is not None and not (rest is p.mask and p.mask_tensor is not None):
-            b = p.batch if rest.depends_on_batch else 1
-            h = p.heads_q if rest.depends_on_heads else 1
-            size = b * h * p.n_q * p.n_k
-            if size > DENSE_MASK_LIMIT:
-                out.append(f"mask {rest.name!r} has no closed form and its dense form would "
-                           f"take {size / 2**20:.0f} MB (limit {DENSE_MASK_LIMIT / 2**20:.0f} MB)")
-    if not out and p.score_mod is not None and _user_mod(p) is not None:
-        got = for_problem(p.score_mod, _compute_dtype(p.dtype))   # compiled only when it would run
+    low = p.lowered
+    rest = low.mask.rest
+    if rest is not None and not (rest is p.mask and p.mask_tensor is not None):
+        size = p.dense_mask_elements()
+        if size > DENSE_MASK_LIMIT:
+            out.append(f"mask {rest.name!r} has no closed form and its dense form would "
+                       f"take {size / 2**20:.0f} MB (limit {DENSE_MASK_LIMIT / 2**20:.0f} MB)")
+    if not out and low.terms.user is not None:
+        got = for_problem(low.terms.user, _compute_dtype(p.dtype))  # compiled when it would run
         if isinstance(got, str):
             out.append(f"the Python score_mod cannot be compiled natively: {got}")
     return out
-
-
-def _user_mod(p: Problem) -> object | None:
-    """``p.score_mod`` when it is a Python function no spec describes (ALiBi, table)."""
-    if p.score_mod is None or _alibi_of(p) is not None or _relbias_of(p) is not None:
-        return None
-    return p.score_mod
 
 
 class _Terms(NamedTuple):
@@ -672,33 +639,28 @@ class _Terms(NamedTuple):
 
 
 def _terms(p: Problem) -> _Terms:
-    """``p``'s mask decomposed (closed forms, the rest dense) and its score terms read, for
-    one kernel call (forward or backward). A mask part without closed form is evaluated
-    densely — or, when it is the bool tensor the call gave (``p.mask_tensor``), that tensor
-    is read as it is."""
-    global _LAST_OPTIONS
-    opts: dict[str, object] = {}
+    """``p`` lowered (:attr:`Problem.lowered`) as the kernel's options, for one kernel call
+    (forward or backward). The mask's rest is evaluated densely — or, when it is the bool
+    tensor the call gave (``p.mask_tensor``), that tensor is read as it is."""
+    low = p.lowered
+    parts, terms = low.mask, low.terms
     dense = None
-    if p.mask is not None:
-        opts, rest = _mask_options(p)
-        _LAST_OPTIONS = _NO_OPTIONS
-        if rest is not None:
-            if rest is p.mask and p.mask_tensor is not None:
-                dense = p.mask_tensor                     # (B|1, H_q|1, N_q|1, N_k|1) bool
-            else:
-                dense = rest.evaluate(p.n_q, p.n_k, batch=p.batch, heads=p.heads_q,
-                                      device=p.device)
-    ali = rel = mod = None
-    if p.score_mod is not None:
-        ali = _alibi_of(p)
-        rel = _relbias_of(p)
-        if _user_mod(p) is not None:
-            mod = for_problem(p.score_mod, _compute_dtype(p.dtype))
-    return _Terms(None if ali is None else ali[0], 0 if ali is None else ali[1],
-                  None if rel is None else rel[0], None if rel is None else rel[1],
-                  opts.get("band"), opts.get("kv_lengths"),  # type: ignore[arg-type]
-                  opts.get("q_lengths"), opts.get("doc_ids"), opts.get("kv_doc_ids"),
-                  dense, mod)  # type: ignore[arg-type]
+    if parts.rest is not None:
+        if parts.rest is p.mask and p.mask_tensor is not None:
+            dense = p.mask_tensor                         # (B|1, H_q|1, N_q|1, N_k|1) bool
+        else:
+            dense = parts.rest.evaluate(p.n_q, p.n_k, batch=p.batch, heads=p.heads_q,
+                                        device=p.device)
+    ali, rel = terms.alibi, terms.relative
+    mod = None
+    if terms.user is not None:
+        mod = for_problem(terms.user, _compute_dtype(p.dtype))
+    return _Terms(None if ali is None else torch.as_tensor(ali.slopes),
+                  0 if ali is None else int(ali.offset),
+                  None if rel is None else rel.table,
+                  None if rel is None else int(rel.max_distance),
+                  parts.band, parts.kv_lengths, parts.q_lengths, parts.doc_ids,
+                  parts.kv_doc_ids, dense, mod)  # type: ignore[arg-type]
 
 
 def forward_problem(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:

@@ -110,7 +110,7 @@ import torch
 import torch.fx as fx
 
 from ... import _compat
-from ...scores import ScoreTerm, fn_name
+from ...scores import ScoreTerm, fn_name, unwrap
 from . import loader
 from .codegen import Gen, Unsupported, source
 
@@ -446,13 +446,13 @@ def for_problem(score_mod: Any, dtype: torch.dtype = torch.float32,
     none — remembered per wrapper object (one per call) and dtype."""
     if torch.compiler.is_compiling():
         return "inside torch.compile (the score_mod runs on the Python path there)"
-    per_call = hasattr(score_mod, "__wrapped__")          # api's wrapper: one per call
+    per_call = unwrap(score_mod) is not score_mod         # api's wrapper: one per call
     got = None
     with _LOCK, contextlib.suppress(TypeError):           # not weak-referenceable
         got = _BY_CALL.get(score_mod, {}).get(dtype) if per_call else None
     if got is not None:
         return got
-    fn = getattr(score_mod, "__wrapped__", score_mod)
+    fn = unwrap(score_mod)
     user = fn.fn if isinstance(fn, ScoreTerm) else fn
     signed = _signature(user, dtype)
     key = None if signed is None else (getattr(user, "__code__", user), signed[0],

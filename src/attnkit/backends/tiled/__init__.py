@@ -15,9 +15,10 @@ a bool tensor the call passed is read in place).
 
 What lives where:
 
-- :mod:`.plan` — the plan: tile sizes, the block map → :class:`~.plan.Plan` of
-  :class:`~.plan.Block` s and :class:`~.plan.Run` s (coarsened blocks), debug counters,
-  tile helpers;
+- :mod:`.plan` — the plan: the block map → :class:`~.plan.Plan` of :class:`~.plan.Block` s
+  and :class:`~.plan.Run` s (coarsened blocks), tile helpers; :mod:`.sizes` — the tile
+  sizes; :mod:`.counters` — what the calls did, for tests (:func:`counting`);
+  :func:`use_native` is the native kernel's own per-context switch, re-exported here;
 - :mod:`.fused` — the fused-kernel engine (torch's fused CPU flash kernel per run) and its
   FlashAttention-2 backward; used without softcap / score_mod / dropout / a bias with grad;
 - :mod:`.windowed` — the windowed schedule of the fused engine: when every block's tiles lie
@@ -76,8 +77,9 @@ Caution
   band mask, whose interior blocks share one ``(bq, window)`` pattern (forward and
   backward); it is used only when the window is at most a quarter of N_k (and the tensor at
   most 2^24 elements).
-- Exact causal (one call) and the band masks' window patterns are recognised from
-  ``Mask.spec`` (:func:`attnkit.masks.band_of`); other masks are evaluated.
+- Exact causal (one call) and the band masks' window patterns are recognised from the
+  lowered call (``Problem.lowered.mask``, :func:`attnkit.masks.decompose`); other masks are
+  evaluated.
 - Dropout draws its mask from torch's global generator (reproducible with
   ``torch.manual_seed``) but in a different order than the reference does: results agree in
   distribution, not bit for bit.
@@ -100,22 +102,12 @@ import torch
 
 from .. import native
 from ..base import Backend, Capabilities, Problem, compute_dtype
+from ..native import native_enabled, use_native
+from .counters import COUNTERS, count, counting
 from .fused import fused_attention
 from .general import general_attention
-from .plan import (
-    COUNTERS,
-    Block,
-    Plan,
-    Run,
-    TileSizes,
-    count,
-    counting,
-    native_enabled,
-    plan,
-    sizes,
-    tile_sizes,
-    use_native,
-)
+from .plan import Block, Plan, Run, plan
+from .sizes import TileSizes, sizes, tile_sizes
 
 __all__ = ["TiledBackend", "tile_sizes", "sizes", "TileSizes", "counting", "COUNTERS", "plan",
            "Plan", "Block", "Run", "use_native", "native_reasons", "python_attention",

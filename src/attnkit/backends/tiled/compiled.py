@@ -20,7 +20,8 @@ them: Dynamo guards on what it captured), each key with its own copy of the temp
 object, so one key's recompiles never count against another's; at most ``_CACHE_SIZE`` keys
 are kept (least recently used dropped). Shapes are dynamic (``dynamic=True``): edge blocks
 and chunks do not recompile. A band mask (causal, sliding window) is fused in closed form
-from ``masks.band_of``; other masks are evaluated per tile (``Mask.evaluate``) and passed in.
+from the lowered call (``Problem.lowered``); other masks are evaluated per tile
+(``Mask.evaluate``) and passed in.
 
 When: ``ATTNKIT_COMPILE=0`` never; ``ATTNKIT_COMPILE=1`` always; otherwise (auto) for a call
 of at least ``AUTO_SCORES`` scores ``B·H_q·N_q·N_k`` (2^23: H=8, N=1024) — compiling costs
@@ -78,11 +79,11 @@ from typing import Any
 
 import torch
 
-from ... import masks as _masks
 from ... import scores as _scores
 from ..base import Problem, compute_dtype, finish, refuse_double_backward, softmax_shift
+from .counters import count
 from .matmul import add_tmm_, addmm_, mm
-from .plan import Plan, allowed_tile, backward_rows, bias_tile, count
+from .plan import Plan, allowed_tile, backward_rows, bias_tile
 
 __all__ = ["mode", "attention", "stats", "clear", "AUTO_SCORES"]
 
@@ -207,8 +208,8 @@ def _evaluate(p: Problem) -> tuple[Callable[..., Any], Any]:
     """The function the tiles call (broadcast call or FlexAttention's per-score call) and
     the cache key of its code."""
     sm = p.score_mod
-    user = getattr(sm, "__wrapped__", None)
-    if user is None:                                  # a raw broadcast score_mod
+    user = _scores.unwrap(sm)
+    if user is sm:                                    # a raw broadcast score_mod
         fn, per_score = sm, False
     elif isinstance(user, _scores.ScoreTerm):
         fn, per_score = user.fn, False
@@ -235,8 +236,7 @@ def _tiles(p: Problem) -> tuple[Callable[..., Any], _Tiles] | None:
             if m == "auto" and p.batch * p.heads_q * p.n_q * p.n_k < AUTO_SCORES:
                 return None
             _SERIAL[0] += 1
-            tiles = _CACHE[key] = _Tiles(_scores.fn_name(getattr(p.score_mod, "__wrapped__",
-                                                                 p.score_mod)),
+            tiles = _CACHE[key] = _Tiles(_scores.fn_name(_scores.unwrap(p.score_mod)),
                                          f"attnkit{_SERIAL[0]}")
             while len(_CACHE) > _CACHE_SIZE:
                 _CACHE.popitem(last=False)
@@ -251,7 +251,7 @@ def _band(p: Problem) -> tuple[torch.Tensor, torch.Tensor] | None:
     if p.mask is None:
         band: tuple[float, float] | None = (-big, big)
     else:
-        band = _masks.band_of(p.mask, p.n_q, p.n_k)
+        band = p.lowered.mask.as_band()
     if band is None:
         return None
     lo, hi = (int(max(-big, min(big, x))) for x in band)

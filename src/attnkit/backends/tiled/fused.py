@@ -30,19 +30,19 @@ import torch.nn.functional as F
 from ... import _compat
 from ..base import Problem, compute_dtype, merge_partials, refuse_double_backward
 from . import windowed
+from .counters import count
 from .plan import (
     Plan,
     Run,
     allowed_tile,
     band_is_tril,
     bias_tile,
-    count,
     plan,
-    sizes,
     tile_is_tril,
     tile_map,
     to_grouped,
 )
+from .sizes import sizes
 
 __all__ = ["Fused", "fused_attention"]
 

@@ -45,8 +45,10 @@ from torch.utils.checkpoint import checkpoint
 from ...scores import soft_cap, soft_cap_, soft_cap_grad
 from ..base import Problem, compute_dtype, finish, refuse_double_backward, softmax_shift
 from . import compiled
+from .counters import count
 from .matmul import add_tmm_, addmm_, mm, shared_kv
-from .plan import Block, Plan, allowed_tile, backward_rows, bias_tile, count, plan, sizes
+from .plan import Block, Plan, allowed_tile, backward_rows, bias_tile, plan
+from .sizes import sizes
 
 __all__ = ["general_attention"]
 

@@ -7,9 +7,10 @@ into *runs*: maximal ranges of consecutive non-empty tiles of one kind, each com
 kernel call. The plan is data (:class:`Plan` → :class:`Block` → :class:`Run`); the engines
 read it, they never recompute it.
 
-Also here, because every engine needs them: the tile sizes (:func:`tile_sizes`, per
-context), the debug counters (:func:`counting`, per context) and the small tile helpers
-(the mask on a tile, the bias on a tile, the grouped-rows layout, the causal-diagonal test).
+Also here, because every engine needs them: the small tile helpers (the mask on a tile, the
+bias on a tile, the grouped-rows layout, the causal-diagonal test). The tile sizes live in
+:mod:`.sizes`, the counters in :mod:`.counters`, the native kernel's switch with the kernel
+(:func:`attnkit.backends.native.use_native`).
 
 Shape legend::
 
@@ -20,12 +21,8 @@ Shape legend::
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import functools
 import math
-from collections.abc import Iterator
-from contextvars import ContextVar
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,106 +30,11 @@ import torch
 
 from ... import masks as _masks
 from ..base import Problem
+from .counters import count
+from .sizes import sizes
 
-__all__ = ["TileSizes", "tile_sizes", "sizes", "use_native", "native_enabled", "COUNTERS",
-           "counting", "count", "Run", "Block",
-           "TileMap", "Plan", "tile_map", "plan", "allowed_tile", "bias_tile", "backward_rows",
-           "to_grouped", "band_is_tril", "tile_is_tril"]
-
-
-# ---------------------------------------------------------------------------- tile sizes
-@dataclass(frozen=True)
-class TileSizes:
-    """Tunables (measured on a 2-core AVX2 machine, see BENCHMARKS.md): query rows per block,
-    key granularity of the block map, the general engine's key chunk and query block."""
-
-    block_q: int = 128
-    block_k: int = 128
-    chunk_k: int = 2048
-    general_block_q: int = 256
-
-
-_DEFAULT_SIZES = TileSizes()          # frozen: the context variable's default is immutable
-# Per context (thread, asyncio task): ``tile_sizes`` in one thread never changes another's.
-_SIZES: ContextVar[TileSizes] = ContextVar("attnkit_tiled_sizes", default=_DEFAULT_SIZES)
-_FIELDS = tuple(f.name for f in dataclasses.fields(TileSizes))
-
-
-def sizes() -> TileSizes:
-    """The tile sizes in effect in this context."""
-    return _SIZES.get()
-
-
-@contextlib.contextmanager
-def tile_sizes(**new: int) -> Iterator[None]:
-    """Temporarily change tile sizes (``block_q``, ``block_k``, ``chunk_k``,
-    ``general_block_q``) in this context only, e.g. tiny tiles to exercise tile edges."""
-    unknown = set(new) - set(_FIELDS)
-    if unknown:
-        raise ValueError(f"unknown tile size(s) {sorted(unknown)}: choose from {sorted(_FIELDS)}")
-    for k_, s in new.items():
-        if not isinstance(s, int) or s < 1:
-            raise ValueError(f"tile size {k_} must be a positive integer, got {s!r}")
-    token = _SIZES.set(dataclasses.replace(_SIZES.get(), **new))
-    try:
-        yield
-    finally:
-        _SIZES.reset(token)
-
-
-# ---------------------------------------------------------------------------- native switch
-_NATIVE: ContextVar[bool] = ContextVar("attnkit_tiled_native", default=True)
-
-
-@contextlib.contextmanager
-def use_native(enabled: bool) -> Iterator[None]:
-    """Let ``tiled`` and ``decode`` use the native kernel (``True``, the default, when it is
-    available and supports the call) or keep them on their Python engines (``False``), in
-    this context only — e.g. to count the Python engine's plan. ``ATTNKIT_NATIVE=0`` turns
-    the kernel off for the whole process."""
-    token = _NATIVE.set(bool(enabled))
-    try:
-        yield
-    finally:
-        _NATIVE.reset(token)
-
-
-def native_enabled() -> bool:
-    """False inside ``use_native(False)`` (the environment is the loader's business)."""
-    return _NATIVE.get()
-
-
-# ---------------------------------------------------------------------------- counters
-# What the calls did: block maps built, tiles seen / skipped, kernel calls. Tests read them.
-# ``native``: calls (tiled or decode) that ran on the native kernel — they plan nothing, so
-# the other counters stay 0 for them.
-COUNTERS = ("block_maps", "tiles", "empty", "full", "partial", "runs", "causal_runs",
-            "masked_runs", "windowed", "native")
-_COUNTS: ContextVar[dict[str, int] | None] = ContextVar("attnkit_tiled_counts", default=None)
-
-
-@contextlib.contextmanager
-def counting() -> Iterator[dict[str, int]]:
-    """Count what the tiled calls made inside the ``with`` block (this context only)::
-
-        with tiled.counting() as n:
-            attention(q, k, v, is_causal=True, backend="tiled")
-        n["runs"], n["block_maps"]
-    """
-    counts = dict.fromkeys(COUNTERS, 0)
-    token = _COUNTS.set(counts)
-    try:
-        yield counts
-    finally:
-        _COUNTS.reset(token)
-
-
-def count(**n: int) -> None:
-    """Add to the counters of the enclosing :func:`counting` block (no-op outside one)."""
-    counts = _COUNTS.get()
-    if counts is not None:
-        for k_, v in n.items():
-            counts[k_] += v
+__all__ = ["Run", "Block", "TileMap", "Plan", "tile_map", "plan", "allowed_tile", "bias_tile",
+           "backward_rows", "to_grouped", "band_is_tril", "tile_is_tril"]
 
 
 # ---------------------------------------------------------------------------- plan types
@@ -315,9 +217,9 @@ def to_grouped(t: torch.Tensor, g: int, heads_kv: int) -> torch.Tensor:
 
 def band_is_tril(p: Problem, q0: int, q1: int, k0: int, k1: int) -> bool:
     """True when a band mask (causal, sliding window) is exactly top-left causal on this
-    square tile — known from ``Mask.spec`` without evaluating the mask."""
+    square tile — known from the lowered mask without evaluating it."""
     assert p.mask is not None
-    band = _masks.band_of(p.mask, p.n_q, p.n_k)
+    band = p.lowered.mask.as_band()
     n = q1 - q0
     if band is None or n != k1 - k0:
         return False

@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from ... import _compat
-from ... import masks as _masks
 from ..base import Problem
-from .plan import Plan, count
+from .counters import count
+from .plan import Plan
 
 if TYPE_CHECKING:
     from .fused import Fused
@@ -115,7 +115,7 @@ def _kv(f: Fused, w: Window) -> tuple[torch.Tensor, torch.Tensor]:
 def _band_pattern(p: Problem, w: Window) -> torch.Tensor | None:
     """A band mask's pattern shared by every window: bool ``(bq, lw)``, or None."""
     assert p.mask is not None
-    band = _masks.band_of(p.mask, p.n_q, p.n_k)
+    band = p.lowered.mask.as_band()
     if band is None:
         return None
     lo, hi = band
@@ -179,7 +179,7 @@ def _split(f: Fused, w: Window) -> list[tuple[int, int, bool]] | None:
     """
     p = f.p
     if not (w.masked and p.mask is not None and f.bias is None
-            and _masks.band_of(p.mask, p.n_q, p.n_k) is not None):
+            and p.lowered.mask.as_band() is not None):
         return None
     i0 = min(w.nb, max(0, -(w.off // w.bq)))
     i1 = max(i0, min(w.nb, (p.n_k - w.off - w.lw) // w.bq + 1))
