@@ -17,7 +17,8 @@ Shape legend: as :func:`attnkit.attention` (user layout, any leading dims)::
     weights (B, H_q, N_q, N_k)  B = the leading dims of q flattened (1 without them)
     tensor_mask   the user's bool or float mask tensor, unchanged
     bands         flat [lo, hi, bottom_right] per band term (causal, windows, any band)
-    kv_lengths, q_lengths (B,)    padding term        doc_ids (B|1, N_q), doc_kv_ids (B|1, N_k)
+    kv_lengths, q_lengths (B,)    the padding terms (intersected: masks.decompose)
+    doc_ids (B|1, N_q), doc_kv_ids (B|1, N_k)    one document term
 
 To a tracer (Dynamo, AOTAutograd, export) the call is one opaque node with a fake-tensor
 implementation (output shapes only) and an autograd formula whose backward is a second

@@ -15,13 +15,14 @@ Shape legend::
 
 What runs in-kernel:
 
-- a mask is split into its ``&``-terms, and each term goes to the cheapest mechanism:
-  causal masks (both alignments), sliding windows and ``full()`` become one index band
-  ``BAND_LO <= q_idx - kv_idx <= BAND_HI``; one ``padding`` term becomes per-batch lengths;
-  one ``document`` term becomes per-position ids. These are evaluated from the indices, and
-  the band and the lengths bound the loops, so tiles outside them are never visited;
-- every other term (prefix-LM, ``from_fn``, bool tensors, ``|``, ``~``, a second padding or
-  document term) is evaluated once into a uint8 tensor ``(B|1, H_q|1, N_q|1, N_k|1)`` that
+- a mask is read as lowered once for every engine (``Problem.lowered``,
+  :func:`attnkit.masks.decompose`): causal masks (both alignments), sliding windows and
+  ``full()`` become one index band ``BAND_LO <= q_idx - kv_idx <= BAND_HI``; ``padding``
+  terms become per-batch lengths (intersected); one ``document`` term becomes per-position
+  ids. These are evaluated from the indices, and the band and the lengths bound the loops,
+  so tiles outside them are never visited;
+- every other term (prefix-LM, ``from_fn``, bool tensors, ``|``, ``~``, a second document
+  term) is evaluated once into a uint8 tensor ``(B|1, H_q|1, N_q|1, N_k|1)`` that
   the kernels read a tile at a time (broadcast dimensions cost no memory);
 - for document and dense terms the kernels also read the mask's block map
   (:meth:`attnkit.masks.Mask.block_map`) and skip tiles in which no pair is allowed;
@@ -141,7 +142,7 @@ class _MaskPlan:
     """How the kernels apply a mask: each ``&``-term of it goes to the cheapest mechanism.
 
     band      (BAND_LO, BAND_HI), inclusive, from causal / sliding-window terms
-    kv_len    int32 (B|1,), q_len int32 (B|1,) or None — one padding term
+    kv_len    int32 (B|1,), q_len int32 (B|1,) or None — the padding terms' lengths
     q_ids     int64 (B|1, N_q), k_ids int64 (B|1, N_k) — one document term
     dense     uint8 (B|1, H_q|1, N_q|1, N_k|1) — every other term, evaluated once
     summary   the mask of the non-band, non-padding terms, whose block map lets the kernels

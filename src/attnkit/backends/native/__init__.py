@@ -46,8 +46,8 @@ Score terms, in attnkit's fixed order: ``x = s·scale → softcap·tanh(x/softca
 x − slope_h·|q + alibi_offset − k| → x + rel_table[h, clamp(k − q, −M, M) + M] → x + bias →
 mask`` (``M = rel_max_distance``; the table term is ``scores.relative_bias(rel_table, M)``).
 All masks given are ANDed:
-``band=(lo, hi)`` allows ``lo <= q − k <= hi`` (``masks.band_of`` gives it with the alignment
-folded in); ``kv_lengths``/``q_lengths`` allow ``k < kv_len[b]`` and ``q < q_len[b]``;
+``band=(lo, hi)`` allows ``lo <= q − k <= hi`` (``masks.decompose(...).band`` gives it with
+the alignment folded in); ``kv_lengths``/``q_lengths`` allow ``k < kv_len[b]`` and ``q < q_len[b]``;
 ``doc_ids``/``kv_doc_ids`` allow equal ids; ``dense_mask`` is True where allowed.
 
 Caution
