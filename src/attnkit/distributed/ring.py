@@ -212,19 +212,7 @@ def _native_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: _Opti
             return None
         if tiled.native_reasons(blk):
             return None
-    ops = native._ops()
-    try:        # the operator this module calls by name: its schema, argument by argument
-        names = tuple(a.name for a in ops.attend_backward.default._schema.arguments)
-    except (AttributeError, RuntimeError):
-        return None
-    return ops if names == _KERNEL_BACKWARD_ARGS else None      # else: the autograd path
-
-
-# torch.ops.attnkit_native.attend_backward's arguments, as this module passes them
-_KERNEL_BACKWARD_ARGS = (
-    "q", "k", "v", "dout", "lse", "delta", "scale", "softcap", "alibi", "alibi_offset",
-    "rel_table", "rel_max_distance", "bias", "band_lo", "band_hi", "kv_len", "q_len", "q_doc",
-    "k_doc", "mask", "score_mod", "score_mod_caps", "alibi_grad", "bias_grad")
+    return native._ops()
 
 
 def _kernel_block_grads(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -237,13 +225,12 @@ def _kernel_block_grads(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     graph, no O(N_q·N_k) buffer."""
     acc = d_out.dtype
     q, k, v = (t.to(acc).contiguous() for t in (q, k, v))     # a copy only for half inputs
+    from ..backends import native
+
+    terms = native.plain_terms(o.scale, o.softcap or 0.0, band)   # the kernel's one record
     dq, dk, dv, *_ = ops.attend_backward(
-        q, k, v, d_out.contiguous(), lse.contiguous(), delta.contiguous(),
-        scale=float(o.scale), softcap=float(o.softcap or 0.0), alibi=None, alibi_offset=0.0,
-        rel_table=None, rel_max_distance=0, bias=None,
-        band_lo=float(band[0]), band_hi=float(band[1]), kv_len=None, q_len=None,
-        q_doc=None, k_doc=None, mask=None, score_mod=0, score_mod_caps=0, alibi_grad=False,
-        bias_grad=False)
+        q, k, v, d_out.contiguous(), lse.contiguous(), delta.contiguous(), *terms,
+        False, False)                                            # alibi_grad, bias_grad
     return dq, dk, dv
 
 
