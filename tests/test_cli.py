@@ -15,7 +15,7 @@ import pytest
 
 from attnkit.cli import main
 from attnkit.explain.inputs import MESSAGES
-from explain.textparse import all_close, parse
+from helpers.textparse import all_close, parse
 
 Q = np.array([[1.0, 0, 1, 0], [0, 1, 0, 1]])
 K = np.array([[1.0, 0, 1, 0], [1, 1, 1, 1]])

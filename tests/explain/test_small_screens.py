@@ -17,22 +17,17 @@ import sys
 from pathlib import Path
 
 import pytest
-from webpage import needs_chromium, shared_driver
 
 from attnkit.explain.common import fmt
 from attnkit.explain.examples import EXAMPLES
 from attnkit.explain.html import render_html
 from attnkit.explain.strings import STRINGS
+from helpers.webpage import needs_chromium
 
 pytestmark = needs_chromium
 
 ROOT = Path(__file__).resolve().parents[2]
 PHONE = 360
-
-
-@pytest.fixture(scope="module")
-def browser(tmp_path_factory):  # noqa: ANN201
-    return shared_driver(str(tmp_path_factory.getbasetemp() / "chromium-profile"))
 
 
 def shoot(browser, tmp_path: Path, name: str) -> None:  # noqa: ANN001
