@@ -13,7 +13,11 @@ nothing imports this module).
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -98,3 +102,20 @@ def fresh_compile() -> Any:
     with torch._inductor.config.patch(force_disable_caches=True):
         yield
     torch._dynamo.reset()
+
+
+@pytest.fixture(scope="session")
+def docs_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The documentation site, built strict once for the run: `make test` has just built it
+    into build/site (it says so with ATTNKIT_DOCS_BUILT=1); otherwise it is built here."""
+    root = Path(__file__).resolve().parents[1]
+    if os.environ.get("ATTNKIT_DOCS_BUILT") == "1" and (root / "build" / "site").is_dir():
+        return root / "build" / "site"
+    if importlib.util.find_spec("mkdocs") is None:
+        pytest.skip("MkDocs not installed")
+    out = tmp_path_factory.mktemp("site")
+    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet",
+                        "--site-dir", str(out)], cwd=root, capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    return out

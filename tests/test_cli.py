@@ -163,9 +163,7 @@ def test_version(capsys):
         main(["--version"])
     assert e.value.code == 0
     assert capsys.readouterr().out.strip() == f"attnkit {version('attnkit')}"
-    r = subprocess.run([sys.executable, "-m", "attnkit", "--version"], capture_output=True,
-                       text=True, timeout=120)
-    assert r.returncode == 0 and r.stdout.strip() == f"attnkit {version('attnkit')}"
+    # `python -m attnkit` runs this same main() (a real process each: the two tests below)
 
 
 def test_model_options_need_model(capsys):
