@@ -9,6 +9,9 @@ nothing imports this module).
   so nothing runs twice on the Python engine — and ``tiled[python]`` / ``decode[python]``
   run with ``ATTNKIT_NATIVE=0`` (the Python engines, every call). Elsewhere ``tiled`` and
   ``decode`` are what users get: native where it can run, the Python engine otherwise.
+- ``fresh_compile``: a hermetic ``torch.compile`` (modules that compile use it);
+  ``docs_site``: the documentation site, built strict once per run.
+- autouse: ``_seed`` (``torch.manual_seed(0)``) and ``_engine_mode`` (the modes above).
 """
 
 from __future__ import annotations

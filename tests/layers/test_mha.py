@@ -18,7 +18,7 @@ from helpers.oracle import oracle
     dict(d_model=12, n_heads=6, n_kv_heads=1, head_dim=5, v_head_dim=3, bias=True),
     dict(d_model=16, n_heads=2, kv_dim=10, v_head_dim=7),
 ])
-def test_forward_matches_hand_written_formula(cfg):
+def test_forward_matches_the_float64_oracle(cfg):
     m = ak.MultiHeadAttention(**cfg).to(DT)
     x = torch.randn(2, 5, cfg["d_model"], dtype=DT)
     ctx = torch.randn(2, 9, cfg.get("kv_dim", cfg["d_model"]), dtype=DT)
