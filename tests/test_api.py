@@ -1,6 +1,6 @@
 """``attnkit.attention``: input forms, options, and every backend against the float64 oracle.
 
-Tests that take the ``backend`` fixture run once per registered backend (see conftest) and
+Tests that take the ``backend`` fixture run once per registered backend (see conftest.py) and
 skip with the backend's own reasons where it cannot run a call.
 """
 
@@ -17,17 +17,10 @@ import attnkit as ak
 from attnkit import masks
 from attnkit.api import prepare
 from attnkit.scores import alibi, relative_bias
-from conftest import (
-    assert_low_precision_close,
-    assert_low_precision_grad_close,
-    max_err,
-    naive_low_precision,
-    oracle,
-    randn,
-    run_backend,
-    skip_unless_supported,
-)
-from recorders import OpOutputs
+from helpers.oracle import naive_low_precision, oracle, randn
+from helpers.recorders import OpOutputs
+from helpers.running import run_backend, skip_unless_supported
+from helpers.tolerance import assert_low_precision_close, assert_low_precision_grad_close, max_err
 
 TOL = {"rtol": 1e-10, "atol": 1e-10}
 

@@ -18,7 +18,8 @@ import torch
 import attnkit as ak
 from attnkit import masks
 from attnkit.scores import alibi, flex_semantics, relative_bias
-from conftest import oracle, randn, run_backend, skip_unless_supported
+from helpers.oracle import oracle, randn
+from helpers.running import run_backend, skip_unless_supported
 
 TOL = {"rtol": 1e-10, "atol": 1e-10}
 

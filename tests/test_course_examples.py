@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import attnkit as ak
-from conftest import run_backend
+from helpers.running import run_backend
 
 
 def T(rows) -> torch.Tensor:  # noqa: ANN001

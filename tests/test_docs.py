@@ -135,34 +135,17 @@ def test_a_notebook_page_is_the_notebook_with_its_saved_outputs():
     assert "array([[0.9933" in md                            # an expression's value
 
 
-@pytest.fixture(scope="module")
-def site(tmp_path_factory):
-    """The built site: `make test` has just built it into build/site (strict); else build it
-    here, strict, once for this module."""
-    if os.environ.get("ATTNKIT_DOCS_BUILT") == "1":
-        return ROOT / "build" / "site"
-    if importlib.util.find_spec("mkdocs") is None:
-        pytest.skip("MkDocs not installed")
-    out = tmp_path_factory.mktemp("site")
-    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
-    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet",
-                        "--site-dir", str(out)], cwd=ROOT, capture_output=True,
-                       text=True, timeout=300, env=env)
-    assert r.returncode == 0, r.stdout + r.stderr
-    return out
+def test_site_builds_strict(docs_site):
+    assert (docs_site / "masks" / "index.html").exists()
 
 
-def test_site_builds_strict(site):
-    assert (site / "masks" / "index.html").exists()
-
-
-def test_built_site_has_the_notebook_pages_with_their_outputs(site):
-    ko = (site / "notebook-ko" / "index.html").read_text("utf-8")
-    en = (site / "notebook" / "index.html").read_text("utf-8")
+def test_built_site_has_the_notebook_pages_with_their_outputs(docs_site):
+    ko = (docs_site / "notebook-ko" / "index.html").read_text("utf-8")
+    en = (docs_site / "notebook" / "index.html").read_text("utf-8")
     for page in (ko, en):
         assert "0.506" in page and "<iframe srcdoc=" in page and 'class="nb-output"' in page
     assert '<div lang="ko">' in ko and "강의 노트북" in ko
-    assert "attnkit lesson" in (site / "cli" / "index.html").read_text("utf-8")
+    assert "attnkit lesson" in (docs_site / "cli" / "index.html").read_text("utf-8")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("mkdocs") is None, reason="MkDocs not installed")

@@ -15,20 +15,14 @@ import torch
 import attnkit as ak
 from attnkit import ops
 from attnkit.backends.native import loader
-from recorders import OpOutputs
+from helpers.recorders import OpOutputs
 
 # Inductor compiles C++ on CPU: without a compiler torch.compile itself cannot run
 needs_inductor = pytest.mark.skipif(loader.compiler() is None,
                                     reason="torch.compile (Inductor) needs a C++ compiler")
 
 
-@pytest.fixture(autouse=True)
-def _fresh_compile():
-    torch._dynamo.reset()
-    # hermetic: no compiled artefact from another run of this machine is reused
-    with torch._inductor.config.patch(force_disable_caches=True):
-        yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_compile")   # conftest: no cached graphs
 
 
 B, N, D = 2, 12, 32

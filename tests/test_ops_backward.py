@@ -29,14 +29,7 @@ from attnkit.backends import native
 Tensor = torch.Tensor
 
 
-@pytest.fixture(autouse=True)
-def _fresh_compile():
-    torch._dynamo.reset()
-    # hermetic: no compiled artefact from another run of this machine is reused (a cached
-    # backward graph may hold an older operator schema)
-    with torch._inductor.config.patch(force_disable_caches=True):
-        yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_compile")   # conftest: no cached graphs
 
 
 # ------------------------------------------------------------------ the cases

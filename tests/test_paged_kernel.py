@@ -13,7 +13,8 @@ import torch
 
 import attnkit as ak
 from attnkit.backends import native
-from conftest import assert_low_precision_close, oracle
+from helpers.oracle import oracle
+from helpers.tolerance import assert_low_precision_close
 
 pytestmark = pytest.mark.skipif(not native.available(),
                                 reason=f"native kernel unavailable: {native.why_unavailable()}")

@@ -13,7 +13,8 @@ from attnkit import masks
 from attnkit.api import prepare
 from attnkit.backends.base import compute_dtype
 from attnkit.reference import reference, safe_softmax
-from conftest import oracle, randn, run_backend
+from helpers.oracle import oracle, randn
+from helpers.running import run_backend
 
 TOL = {"rtol": 1e-12, "atol": 1e-12}
 

@@ -9,7 +9,7 @@ import torch
 
 import attnkit as ak
 from attnkit.scores import alibi, alibi_slopes, relative_bias, soft_cap
-from conftest import oracle, randn
+from helpers.oracle import oracle, randn
 
 
 def test_soft_cap_values_and_range():

@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import attnkit as ak
+from attnkit import api
+from helpers.recorders import OpOutputs, floating
 
 SDPA = ak.scaled_dot_product_attention
 
@@ -195,9 +197,31 @@ def test_dropout_statistics_match_torch():
     same(SDPA(q, k, v, dropout_p=1.0), F.scaled_dot_product_attention(q, k, v, dropout_p=1.0))
 
 
-def test_kv_batch_one_is_not_copied():
-    q, k, v = rnd(8, 2, 3, 4), rnd(1, 2, 300, 4), rnd(1, 2, 300, 4)
-    same(SDPA(q, k, v), F.scaled_dot_product_attention(q, k, v))
+def test_kv_batch_one_is_not_copied(monkeypatch):
+    """K/V of batch 1 under a batch-8 query reach attention() as the caller's own tensors, and
+    no buffer the size of K or V copied per batch element is made on the way (the logits,
+    (8, 2, 3, 300), are smaller than that)."""
+    q = rnd(8, 2, 3, 4, dtype=torch.float32)
+    k, v = rnd(1, 2, 300, 4, dtype=torch.float32), rnd(1, 2, 300, 4, dtype=torch.float32)
+    seen = []
+    attention = api.attention
+
+    def spy(q_, k_, v_, **kw):  # noqa: ANN001, ANN003, ANN202
+        seen.append((k_.data_ptr() == k.data_ptr(), v_.data_ptr() == v.data_ptr(),
+                     k_.shape[0] == 1 or k_.stride(0) == 0))
+        return attention(q_, k_, v_, **kw)
+
+    monkeypatch.setattr(api, "attention", spy)
+    with OpOutputs(big=8 * k.numel(), keep=floating) as rec:
+        out = SDPA(q, k, v)
+    assert seen == [(True, True, True)]
+    assert rec.hits == []
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v),
+                               atol=1e-6, rtol=1e-5)
+    # the recorder does see a copy, where one is made
+    with OpOutputs(big=8 * k.numel(), keep=floating) as rec:
+        k.expand(8, -1, -1, -1).contiguous()
+    assert [h.split(" -> ")[1] for h in rec.hits] == ["(8, 2, 300, 4)"]
 
 
 @pytest.mark.parametrize("case", [

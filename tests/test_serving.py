@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import attnkit as ak
-from conftest import assert_low_precision_close, oracle
+from helpers.oracle import oracle
+from helpers.tolerance import assert_low_precision_close
 
 DT = torch.float64
 

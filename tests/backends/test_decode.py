@@ -11,8 +11,9 @@ import attnkit as ak
 from attnkit import backends
 from attnkit.api import prepare
 from attnkit.backends import decode, native, tiled
-from conftest import assert_low_precision_close, naive_low_precision
-from recorders import OpOutputs, floating
+from helpers.oracle import naive_low_precision
+from helpers.recorders import OpOutputs, floating
+from helpers.tolerance import assert_low_precision_close
 
 M = ak.masks
 F64 = torch.float64

@@ -17,19 +17,15 @@ import warnings
 
 import pytest
 import torch
-from native_checks import check
 
 import attnkit as ak
 from attnkit.api import prepare
 from attnkit.backends import native
 from attnkit.backends.native import loader
 from attnkit.scores import alibi, alibi_slopes
-from conftest import (
-    assert_low_precision_close,
-    assert_low_precision_grad_close,
-    naive_low_precision,
-    oracle,
-)
+from helpers.native_checks import check
+from helpers.oracle import naive_low_precision, oracle
+from helpers.tolerance import assert_low_precision_close, assert_low_precision_grad_close
 
 NATIVE = native.available()
 needs_native = pytest.mark.skipif(not NATIVE, reason=f"native kernel unavailable: "

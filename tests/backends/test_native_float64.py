@@ -21,7 +21,7 @@ import torch
 import attnkit as ak
 from attnkit.backends import native, tiled
 from attnkit.scores import relative_bias
-from conftest import oracle
+from helpers.oracle import oracle
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernel unavailable: "
                                                                f"{native.why_unavailable()}")

@@ -16,16 +16,12 @@ import math
 
 import pytest
 import torch
-from native_checks import check
 
 from attnkit.backends import native
 from attnkit.scores import alibi, alibi_slopes
-from conftest import (
-    assert_low_precision_grad_close,
-    max_err,
-    oracle,
-    rounding_floor,
-)
+from helpers.native_checks import check
+from helpers.oracle import oracle
+from helpers.tolerance import assert_low_precision_grad_close, max_err, rounding_floor
 
 NATIVE = native.available()
 pytestmark = pytest.mark.skipif(not NATIVE, reason=f"native kernel unavailable: "

@@ -20,7 +20,8 @@ import attnkit as ak
 from attnkit.backends import native
 from attnkit.masks import band_of
 from attnkit.scores import relative_bias
-from conftest import assert_low_precision_close, assert_low_precision_grad_close, oracle
+from helpers.oracle import oracle
+from helpers.tolerance import assert_low_precision_close, assert_low_precision_grad_close
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernel unavailable: "
                                                                f"{native.why_unavailable()}")

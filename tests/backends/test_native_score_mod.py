@@ -22,7 +22,7 @@ from attnkit.api import prepare
 from attnkit.backends import native
 from attnkit.backends.native import score_mod as sm
 from attnkit.backends.tiled import counting, native_reasons
-from conftest import assert_low_precision_close, assert_low_precision_grad_close
+from helpers.tolerance import assert_low_precision_close, assert_low_precision_grad_close
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernel unavailable: "
                                                                f"{native.why_unavailable()}")

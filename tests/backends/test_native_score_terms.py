@@ -25,13 +25,8 @@ import torch
 
 import attnkit as ak
 from attnkit.backends import decode, native, tiled
-from conftest import (
-    assert_low_precision_close,
-    assert_low_precision_grad_close,
-    max_err,
-    naive_low_precision,
-    oracle,
-)
+from helpers.oracle import naive_low_precision, oracle
+from helpers.tolerance import assert_low_precision_close, assert_low_precision_grad_close, max_err
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native kernel unavailable: "
                                 f"{native.why_unavailable()}")

@@ -30,7 +30,7 @@ import attnkit as ak
 from attnkit.api import prepare
 from attnkit.backends import native
 from attnkit.backends.tiled import counting
-from conftest import assert_low_precision_close, assert_low_precision_grad_close
+from helpers.tolerance import assert_low_precision_close, assert_low_precision_grad_close
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernel unavailable: "
                                                                f"{native.why_unavailable()}")

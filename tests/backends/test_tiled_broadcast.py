@@ -13,12 +13,12 @@ import math
 
 import pytest
 import torch
-from eager_tiles import EagerTiles
 
 import attnkit as ak
 from attnkit.backends import tiled
 from attnkit.backends.tiled import compiled
-from recorders import OpOutputs, floating
+from helpers.eager_tiles import EagerTiles
+from helpers.recorders import OpOutputs, floating
 
 M = ak.masks
 F64 = torch.float64

@@ -16,13 +16,14 @@ import warnings
 
 import pytest
 import torch
-from eager_tiles import EagerTiles
 
 import attnkit as ak
 from attnkit.backends import native
 from attnkit.backends.native import loader
 from attnkit.backends.tiled import compiled, counting, tile_sizes, use_native
-from conftest import max_err, oracle
+from helpers.eager_tiles import EagerTiles
+from helpers.oracle import oracle
+from helpers.tolerance import max_err
 
 M = ak.masks
 F64 = torch.float64

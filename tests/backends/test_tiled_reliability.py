@@ -11,7 +11,8 @@ import torch
 
 import attnkit as ak
 from attnkit.backends import tiled
-from conftest import assert_low_precision_close, assert_low_precision_grad_close, oracle
+from helpers.oracle import oracle
+from helpers.tolerance import assert_low_precision_close, assert_low_precision_grad_close
 
 M = ak.masks
 F64 = torch.float64

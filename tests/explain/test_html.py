@@ -2,7 +2,7 @@
 
 The browser tests need Debian's chromium and chromium-driver (``.ci/setup-system`` installs
 them) and selenium (requirements-dev.txt); they skip only where chromium is absent. They share
-one driver (``browser``: webpage.shared_driver).
+one driver (``browser``: helpers.webpage.shared_driver).
 """
 
 from __future__ import annotations
@@ -15,18 +15,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from webpage import FLAGS, find_chromium, needs_chromium, shared_driver
 
 import attnkit as ak
 from attnkit.explain.common import fmt
 from attnkit.explain.examples import EXAMPLES
 from attnkit.explain.html import render_html
-
-
-@pytest.fixture(scope="module")
-def browser(tmp_path_factory):
-    """The run's one headless Chromium (webpage.shared_driver)."""
-    return shared_driver(str(tmp_path_factory.getbasetemp() / "chromium-profile"))
+from helpers.webpage import FLAGS, find_chromium, needs_chromium
 
 
 def cells(page: str, step: str) -> list[list[str]]:

@@ -12,35 +12,13 @@ import re
 from pathlib import Path
 
 import pytest
-from test_examples import korean_outputs
 
 from attnkit.cli import main
 from attnkit.explain.examples import EXAMPLES
+from helpers.korean import AWKWARD, TRANSLITERATED, WRONG_PARTICLE
+from helpers.outputs import korean_outputs
 
 ROOT = Path(__file__).resolve().parents[2]
-
-# The course's form → the Hangul transliterations it replaces.
-COURSE_FORMS: dict[str, str] = {
-    "Attention": r"어텐션",
-    "head": r"헤드",                     # also 멀티헤드 (the course: Multi-Head)
-    "Cross-Attention": r"크로스\s*-?\s*어텐션",
-    "Self-Attention": r"셀프\s*-?\s*어텐션",
-    "logit": r"로짓|로지트",
-    "one-hot": r"원\s*-?\s*핫",
-    "scale": r"스케일",                  # one word on a page: scale (the parameter's name)
-}
-TRANSLITERATED = re.compile("|".join(f"(?:{p})" for p in COURSE_FORMS.values()))
-# Phrases the issue named: "실수 Mask" reads as "a mistaken Mask"; "10.0분의 1"; the table's
-# "그대로" columns; the p(1−p) sentence that said the gradient "passes through" the value.
-AWKWARD = re.compile(r"실수 (?:Mask|bias)|\d+(?:\.\d+)?분의 1|(?:최대 w|H|p\(1−p\)) 그대로|"
-                     r"기울기가 지나가는 곳")
-# The particle follows how the Latin word is read: 어텐션, 로짓, 원핫 end in a consonant
-# (은/이/을/으로), 스케일 in ㄹ (을/이/로), 헤드 in a vowel (는/가/를/로).
-WRONG_PARTICLE = re.compile(
-    r"(?:Attention|logit|one-hot)(?:는|가|를|와|로|라서|라는|야)(?![가-힣])"
-    r"|scale(?:는|가|를|와|으로)(?![가-힣])"
-    r"|head(?:은|이|을|과|으로)(?![가-힣])")
-
 
 def notebook_text(lang: str = "ko") -> str:
     nb = json.loads((ROOT / "notebooks" / f"course_{lang}.ipynb").read_text(encoding="utf-8"))

@@ -1,8 +1,8 @@
 """The page's playground: the page recomputes every step itself, and shows Python's digits.
 
-A real headless Chromium (the run's one driver, webpage.shared_driver) moves the slider with the
-keyboard, edits a Q cell, switches the mask to causal and blocks cells by click and by Enter;
-after each change every number on the page (S, X, L, W with its row sums, O) is compared with
+A real headless Chromium (the run's one driver, helpers.webpage.shared_driver) moves the slider
+with the keyboard, edits a Q cell, switches the mask to causal and blocks cells by click and by
+Enter; after each change every number on the page (S, X, L, W with its row sums, O) is compared with
 ``ak.explain`` on the same inputs, printed by the same rules (``cell_formatter``, ``fmt``).
 """
 
@@ -12,61 +12,14 @@ import json
 import re
 
 import numpy as np
-import pytest
 import torch
-from webpage import needs_chromium, shared_driver
 
 import attnkit as ak
-from attnkit.explain.common import cell_formatter, fmt
 from attnkit.explain.examples import EXAMPLES
 from attnkit.explain.html import render_html
 from attnkit.explain.live import MAX_SIDE, playable
-
-READ = """
-var sec=document.querySelector(arguments[0]); var out={};
-sec.querySelectorAll('table[data-pl]').forEach(function(t){
-  out[t.getAttribute('data-pl')]=[].map.call(t.tBodies[0].rows,function(r){
-    return [].map.call(r.querySelectorAll('td'),function(td){
-      var b=td.querySelector('button'); return (b||td).getAttribute('data-v');});});});
-out.state=JSON.parse(sec.getAttribute('data-state'));
-out.scale=sec.querySelector('.pl-scale').getAttribute('data-v');
-out.q=[].map.call(sec.querySelectorAll('input.pl-in[data-m="q"]'),function(i){return i.value;});
-return out;
-"""
-
-
-@pytest.fixture(scope="module")
-def browser(tmp_path_factory):
-    """The run's one headless Chromium (webpage.shared_driver)."""
-    return shared_driver(str(tmp_path_factory.getbasetemp() / "chromium-profile"))
-
-
-def _same(shown: str, want: str) -> bool:
-    """Equal as printed; a last-digit tie may round the other way in JavaScript (Caution)."""
-    if shown == want:
-        return True
-    try:
-        a, b = float(shown), float(want)
-    except ValueError:
-        return False
-    digits = len(want.split(".")[1]) if "." in want else 0
-    return abs(a - b) <= 1.01 * 10.0 ** -digits
-
-
-def check_page(page: dict, q, k, v, allowed, scale, softcap=None) -> None:
-    tr = ak.explain(q, k, v, mask=torch.tensor(allowed), scale=scale, softcap=softcap)
-    assert page["scale"] == fmt(scale)
-    for key in ("scores", "scaled", "logits", "weights", "output"):
-        m = tr.step(key).value
-        f = cell_formatter(m)
-        shown = [row[:m.shape[1]] for row in page[key]]
-        want = [["-inf" if x == -np.inf else f(float(x)) for x in row] for row in m]
-        bad = [(i, j, shown[i][j], want[i][j]) for i in range(m.shape[0])
-               for j in range(m.shape[1]) if not _same(shown[i][j], want[i][j])]
-        assert not bad, f"{key}: (row, col, page, python) {bad}"
-    sums = [row[-1] for row in page["weights"]]
-    assert sums == [fmt(float(s)) for s in tr.weights.sum(-1)]
-    assert page["mask"] == [["0" if a else "-inf" for a in row] for row in allowed]
+from helpers.playground import READ, check_page
+from helpers.webpage import needs_chromium
 
 
 @needs_chromium

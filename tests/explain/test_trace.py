@@ -9,7 +9,7 @@ import torch
 import attnkit as ak
 from attnkit import masks
 from attnkit.scores import alibi
-from conftest import oracle, randn
+from helpers.oracle import oracle, randn
 
 KEYS = ["scores", "scaled", "logits", "weights", "output"]
 NAMES = ["MatMul", "Scale", "Mask", "Softmax", "MatMul"]

@@ -18,13 +18,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_live import READ, check_page
-from webpage import needs_chromium, shared_driver
 
 import attnkit as ak
 from attnkit.explain.examples import EXAMPLES
 from attnkit.explain.html import render_html
 from attnkit.explain.live import INLINE, MAX_FEATURES, MAX_SIDE, playable, playground
+from helpers.playground import READ, check_page
+from helpers.webpage import needs_chromium
 
 # Resolves after two animation frames: the page has handled the events sent before it and
 # drawn what they changed (a selenium call returning does not mean the page has caught up).
@@ -50,12 +50,6 @@ return {output: rows.map(r => r.getAttribute('data-v').split(' ')),
         scroll: document.documentElement.scrollWidth,
         ready: sec.getAttribute('data-ready')};
 """
-
-
-@pytest.fixture(scope="module")
-def browser(tmp_path_factory):
-    """The run's one headless Chromium (webpage.shared_driver)."""
-    return shared_driver(str(tmp_path_factory.getbasetemp() / "chromium-profile"))
 
 
 def settle(browser) -> None:  # noqa: ANN001

@@ -9,9 +9,9 @@ import pickle
 
 import pytest
 import torch
-from layer_helpers import DT, decode_in_chunks
 
 import attnkit as ak
+from helpers.layers import DT, decode_in_chunks
 
 
 @pytest.mark.parametrize("n_kv", [4, 2, 1])

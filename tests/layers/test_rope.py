@@ -13,10 +13,10 @@ import typing
 
 import pytest
 import torch
-from layer_helpers import DT, decode_in_chunks
 
 import attnkit as ak
 from attnkit.layers.rope import LinearScaling, Llama3Scaling, RoPE
+from helpers.layers import DT, decode_in_chunks
 
 
 def _by_complex(x: torch.Tensor, positions: torch.Tensor, rope: RoPE) -> torch.Tensor:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from layer_helpers import DT
 
 import attnkit as ak
-from recorders import OpOutputs
+from helpers.layers import DT
+from helpers.recorders import OpOutputs
 
 
 def test_decode_steps_dispatch_through_attention_auto(monkeypatch):

@@ -6,11 +6,11 @@ import math
 
 import pytest
 import torch
-from layer_helpers import DT
 from torch import nn
 
 import attnkit as ak
 from attnkit.layers import TorchStyleMultiheadAttention, torch_masks_to_attnkit
+from helpers.layers import DT
 
 
 def _torch_mha(e=16, h=4, *, bias=True, batch_first=False, kdim=None):

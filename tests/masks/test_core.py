@@ -9,10 +9,10 @@ import random
 import numpy as np
 import pytest
 import torch
-from mask_helpers import dense_blocks
 
 from attnkit import masks
 from attnkit.masks import EMPTY, FULL, PARTIAL
+from helpers.masks import dense_blocks
 
 
 def ij(n_q: int, n_k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,12 +12,13 @@ import random
 
 import pytest
 import torch
-from mask_helpers import dense_blocks
 
 import attnkit as ak
 from attnkit import masks
 from attnkit.masks import EMPTY, FULL, PARTIAL
-from conftest import oracle, randn, run_backend
+from helpers.masks import dense_blocks
+from helpers.oracle import oracle, randn
+from helpers.running import run_backend
 
 
 # ============================================================================ loop definitions

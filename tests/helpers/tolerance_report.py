@@ -1,11 +1,11 @@
 """The tightest tolerance margins of a test run, to audit the tolerances on a new CPU.
 
     ATTNKIT_TOLERANCE_LOG=/tmp/tol.jsonl python -m pytest tests/backends tests/test_api.py
-    python tests/tolerance_report.py /tmp/tol.jsonl [N]
+    python tests/helpers/tolerance_report.py /tmp/tol.jsonl [N]
 
-Each line of the log is one comparison (``conftest.log_margin``): the error and the budget it
-had. The report lists the N comparisons with the least headroom (budget ÷ error), one per
-test and quantity: below ~2 a tolerance is at the mercy of the next CPU's rounding.
+Each line of the log is one comparison (``helpers.tolerance.log_margin``): the error and the
+budget it had. The report lists the N comparisons with the least headroom (budget ÷ error), one
+per test and quantity: below ~2 a tolerance is at the mercy of the next CPU's rounding.
 """
 
 from __future__ import annotations

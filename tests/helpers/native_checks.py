@@ -8,7 +8,8 @@ import math
 import torch
 
 from attnkit.backends import native
-from conftest import assert_low_precision_close, naive_low_precision, oracle
+from helpers.oracle import naive_low_precision, oracle
+from helpers.tolerance import assert_low_precision_close
 
 
 def check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype = torch.float32,
