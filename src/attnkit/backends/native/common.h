@@ -135,7 +135,9 @@ inline vf vexp_neg(vf x) {
 
 // tanh(x) to a few ulp over the whole range: an odd polynomial below 0.625, where
 // 1 - 2/(e^2x + 1) would cancel (Cephes' tanhf), so c * tanh(x / c) stays accurate for
-// caps up to 1e8; one division per lane (tanh(9) rounds to 1, so e^2f stays finite).
+// caps up to 1e8; one division per lane. The argument is clamped at 10, where e^2f is finite
+// and 1 - 2 / (e^20 + 1) rounds to 1 (as tanh does in float from 9.01 on: at 9 the form gives
+// 1 - 1 ulp, so c * tanh(±inf) would miss ±c).
 // The odd polynomial alone: tanh(x) for |x| < 0.625 (either sign).
 inline vf vtanh_small(vf x) {
   const vf z = x * x;
@@ -149,7 +151,7 @@ inline vf vtanh_small(vf x) {
 
 inline vf vtanh(vf x) {
   const vf f = select(x < 0.f, -x, x);
-  const vf big = 1.f - 2.f / (vexp_core(select(f > 9.f, splat(9.f), f) * 2.f) + 1.f);
+  const vf big = 1.f - 2.f / (vexp_core(select(f > 10.f, splat(10.f), f) * 2.f) + 1.f);
   const vf r = select(f >= 0.625f, big, vtanh_small(f));
   return select(x < 0.f, -r, r);                           // NaN -> NaN through both forms
 }
