@@ -20,6 +20,8 @@ Shape legend: q (B, H_q, N_q, D_k), k (B, H_kv, N_k, D_k), v (B, H_kv, N_k, D_v)
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -151,3 +153,44 @@ def test_scale_over_softcap_beyond_the_compute_type_backward(shape: str, dtype: 
     (float16's naive reference overflows here, so it has no budget to compare with)."""
     scale, softcap = HUGE[dtype]
     check_backward(shape, dtype, sign * scale, softcap, zero_rows=True)
+
+
+# ---------------------------------------------------------------- tanh over its whole range
+def capped_logits(x: torch.Tensor, softcap: float) -> torch.Tensor:
+    """The kernel's soft-capped logit of each score x (N,): one key per row (k = 1, scale = 1,
+    D = 1), so each row's LSE is its one logit, c · tanh(x / c); every row is its own row pass
+    (the polynomial or the e^x form, chosen per row)."""
+    q = x.reshape(1, 1, -1, 1)
+    k = torch.ones(1, 1, 1, 1, dtype=x.dtype)
+    _, lse = native.forward(q, k, k.clone(), scale=1.0, softcap=softcap)
+    return lse.reshape(-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("softcap", [1e-3, 1.0, 30.0, 1e6])
+def test_softcap_tanh_within_a_few_ulp_over_the_whole_range(dtype: torch.dtype,
+                                                            softcap: float) -> None:
+    """|x / c| from 1e-12 to 1e3 both signs (the polynomial below 0.625, 1 - 2 / (e^2x + 1)
+    above it, 1 from ~9 on), and zeros: within 4 float32 ulp of float64's c · tanh(x / c)
+    (float64: to rounding)."""
+    mag = torch.logspace(-12, 3, 3001, dtype=torch.float64)
+    edge = torch.tensor([0.625, 0.6249999, 0.6250001, 9.0, 8.9999, 9.0001], dtype=torch.float64)
+    r = torch.cat([mag, -mag, edge, -edge, torch.zeros(2, dtype=torch.float64)])
+    x = (r * softcap).to(dtype)
+    got = capped_logits(x, softcap).double()
+    ref = softcap * torch.tanh(x.double() / softcap)
+    ulp = torch.finfo(torch.float32).eps / 2 if dtype == torch.float32 else 1e-15
+    err = ((got - ref).abs() / ref.abs().clamp_min(torch.finfo(dtype).tiny)).max().item()
+    assert err <= 4 * ulp, f"softcap={softcap}: relative error {err:.3g} ({err / ulp:.1f} ulp)"
+    assert (got.abs() <= torch.tensor(softcap, dtype=dtype).item()).all()   # c in dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_softcap_of_inf_and_nan_scores(dtype: torch.dtype) -> None:
+    """An infinite score caps to ±c (not NaN); NaN stays NaN, in its own row only."""
+    x = torch.tensor([math.inf, -math.inf, math.nan, 1.0, 3.0e38], dtype=dtype)
+    got = capped_logits(x, 5.0)
+    assert got[0].item() == 5.0 and got[1].item() == -5.0
+    assert math.isnan(got[2].item())
+    assert got[3].item() == pytest.approx(5.0 * math.tanh(0.2), rel=1e-6)
+    assert got[4].item() == 5.0

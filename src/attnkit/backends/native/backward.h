@@ -59,6 +59,84 @@ template <typename V> inline V prob(V x, V shift) {
   return vexp_neg(select(e > 0, V{}, e));
 }
 
+// One row in place, (npad,): x -> P = e^(x - shift), dp -> dS = dX * d(capped)/d(score) with
+// dX = P * (dP - delta) (0 where P is 0), the factor being the scale (FacIsScale) or fac (per
+// key); with db, also db[0:n] = dX (fac is then the scratch).
+template <bool FacIsScale, typename A>
+inline void row_grads(A* x, A* dp, A* fac, i64 n, i64 npad, vec<A> scale, vec<A> shift,
+                      vec<A> delta, A* db) {
+  using V = vec<A>;
+  const V zero = splat(A(0));
+  for (i64 j = 0; j < npad; j += lanes<A>) {               // keys [j, j + L)
+    const V p = prob(load(x + j), shift);
+    store(x + j, p);
+    const V dx = select(p == A(0), zero, p * (load(dp + j) - delta));
+    store(dp + j, dx * (FacIsScale ? scale : load(fac + j)));
+    if (db) store(fac + j, dx);
+  }
+  if (db) std::copy(fac, fac + n, db);
+}
+
+// P and dS of the tile's rows in place (bb.s: S -> P, bb.dp: dP -> dS, both (nq, BK)): the
+// fused score terms, P = e^(x - lse), dX = P * (dP - delta), dS = dX * d(capped)/d(score);
+// on the way the table's (dtab), the slopes' (dslope) and the bias's (a.dbias) gradients.
+// Without softcap or score_mod, d(capped)/d(score) is the scale itself (no per-key factor).
+template <typename A>
+void tile_grads(const Args<A>& a, const A* lse, const A* delta, const Item& it, i64 h, i64 k0,
+                i64 n, bool full, double* dtab, double* dslope, BackBuffers<A>& bb) {
+  using V = vec<A>;
+  constexpr int L = lanes<A>;
+  const i64 nq = it.nr, npad = round_up(n, W);
+  const bool fac_is_scale = !(a.softcap > A(0)) && !a.mod;
+  const V sc = splat(a.scale);
+  for (i64 i = 0; i < nq; ++i) {                           // P and dS, row by row
+    const i64 qi = it.q0 + i, flat = (it.b * a.Hq + h) * a.Nq + qi;
+    A *x = bb.s.data() + i * BK, *f = bb.fac.data() + i * BK, *dp = bb.dp.data() + i * BK;
+    scale_and_cap(a, x, npad, fac_is_scale ? nullptr : f);
+    apply_score_mod(a, x, f, n, it.b, h, qi, k0);
+    position_terms_and_mask(a, x, n, npad, it.b, h, qi, k0, full);
+    const V shift = splat(lse[flat] == NEG_INF ? A(0) : lse[flat]), dl = splat(delta[flat]);
+    const V zero = splat(A(0));
+    A* db = a.dbias ? a.dbias + flat * a.Nk + k0 : nullptr;  // (n,) this row's d bias
+    if (!a.rel && !a.alibi_grad) {
+      if (fac_is_scale) row_grads<true>(x, dp, f, n, npad, sc, shift, dl, db);
+      else row_grads<false>(x, dp, f, n, npad, sc, shift, dl, db);
+      continue;
+    }
+    // with the table: the same pass also sums dX over the two clamped buckets (lanes below
+    // jl / from jh on) and keeps dX in f for the keys between, whose buckets differ; with
+    // alibi_grad it sums dX * |qi + offset - k|
+    i64 jl = 0, jh = 0;
+    if (a.rel) rel_segments(a.rel_M, n, qi, k0, jl, jh);
+    const V lane = iota<A>(), vjl = splat(A(jl)), vjh = splat(A(jh));
+    const V dist0 = splat(A(qi - k0) + a.alibi_offset);
+    V lo = zero, hi = zero, sl = zero;
+    for (i64 j = 0; j < npad; j += L) {
+      const V p = prob(load(x + j), shift);
+      store(x + j, p);
+      const V dx = select(p == A(0), zero, p * (load(dp + j) - dl));  // 0 past n
+      const V jv = lane + A(j);
+      store(dp + j, dx * (fac_is_scale ? sc : load(f + j)));
+      if (a.rel || db) store(f + j, dx);
+      if (a.rel) {
+        lo += select(jv < vjl, dx, zero);
+        hi += select(jv >= vjh, dx, zero);
+      }
+      if (a.alibi_grad) {
+        sl += dx * vabs(dist0 - jv);
+      }
+    }
+    if (a.alibi_grad) dslope[h] -= hsum(sl);
+    if (db) std::copy(f, f + n, db);
+    if (!a.rel) continue;
+    double* dt = dtab + h * (2 * a.rel_M + 1);             // (2M+1,) this head's gradient
+    dt[0] += hsum(lo);
+    dt[2 * a.rel_M] += hsum(hi);
+    const i64 off = k0 - qi + a.rel_M;                     // bucket of key j = off + j
+    for (i64 j = jl; j < jh; ++j) dt[off + j] += f[j];
+  }
+}
+
 // One tile of nq queries [q0, q0 + nq) of head h against the loaded key block.
 template <typename A, typename T>
 void backward_tile(const Args<A>& a, const T* q, const T* dout, const i64* sdo, const A* lse,
@@ -87,60 +165,7 @@ void backward_tile(const Args<A>& a, const T* q, const T* dout, const i64* sdo, 
     gemm(m, nj, a.Dv, a.DVP, BK, BK, false, bb.dout.data() + r0 * a.DVP, bb.vt.data() + j0,
          bb.dp.data() + r0 * BK + j0);
   });
-  for (i64 i = 0; i < nq; ++i) {                           // P and dS, row by row
-    const i64 qi = it.q0 + i, flat = (it.b * a.Hq + h) * a.Nq + qi;
-    A *x = bb.s.data() + i * BK, *f = bb.fac.data() + i * BK, *dp = bb.dp.data() + i * BK;
-    scale_and_cap(a, x, npad, f);
-    apply_score_mod(a, x, f, n, it.b, h, qi, k0);
-    position_terms_and_mask(a, x, n, npad, it.b, h, qi, k0, full);
-    const V shift = splat(lse[flat] == NEG_INF ? A(0) : lse[flat]), dl = splat(delta[flat]);
-    const V zero = splat(A(0));
-    A* db = a.dbias ? a.dbias + flat * a.Nk + k0 : nullptr;  // (n,) this row's d bias
-    if (!a.rel && !a.alibi_grad) {
-      for (i64 j = 0; j < npad; j += L) {
-        const V p = prob(load(x + j), shift);
-        store(x + j, p);
-        const V dx = select(p == A(0), zero, p * (load(dp + j) - dl));
-        store(dp + j, dx * load(f + j));
-        if (db) store(f + j, dx);
-      }
-      if (db) std::copy(f, f + n, db);
-      continue;
-    }
-    // with the table: the same pass also sums dX over the two clamped buckets (lanes below
-    // jl / from jh on) and keeps dX in f for the keys between, whose buckets differ; with
-    // alibi_grad it sums dX * |qi + offset - k|
-    i64 jl = 0, jh = 0;
-    if (a.rel) rel_segments(a.rel_M, n, qi, k0, jl, jh);
-    const V lane = iota<A>(), vjl = splat(A(jl)), vjh = splat(A(jh));
-    const V dist0 = splat(A(qi - k0) + a.alibi_offset);
-    V lo = zero, hi = zero, sl = zero;
-    for (i64 j = 0; j < npad; j += L) {
-      const V p = prob(load(x + j), shift);
-      store(x + j, p);
-      const V dx = select(p == A(0), zero, p * (load(dp + j) - dl));  // 0 past n
-      const V jv = lane + A(j);
-      store(dp + j, dx * load(f + j));
-      if (a.rel || db) store(f + j, dx);
-      if (a.rel) {
-        lo += select(jv < vjl, dx, zero);
-        hi += select(jv >= vjh, dx, zero);
-      }
-      if (a.alibi_grad) {
-        V d = dist0 - jv;
-        d = select(d < A(0), -d, d);
-        sl += dx * d;
-      }
-    }
-    if (a.alibi_grad) dslope[h] -= hsum(sl);
-    if (db) std::copy(f, f + n, db);
-    if (!a.rel) continue;
-    double* dt = dtab + h * (2 * a.rel_M + 1);             // (2M+1,) this head's gradient
-    dt[0] += hsum(lo);
-    dt[2 * a.rel_M] += hsum(hi);
-    const i64 off = k0 - qi + a.rel_M;                     // bucket of key j = off + j
-    for (i64 j = jl; j < jh; ++j) dt[off + j] += f[j];
-  }
+  tile_grads(a, lse, delta, it, h, k0, n, full, dtab, dslope, bb);
   // dV += Pᵀ dO, dK += dSᵀ Q, dQ += dS K, each over the sub-blocks' rows only (P = dS = 0
   // on the rows a sub-block skips)
   transpose(bb.s.data(), nq, n, BK, bb.pt.data(), BQ);     // Pᵀ (n, nq)

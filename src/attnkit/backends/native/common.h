@@ -69,6 +69,12 @@ template <typename A> inline vec<A> iota() {
   return v;
 }
 inline i64 round_up(i64 x, i64 m) { return (x + m - 1) / m * m; }
+// |x| lane by lane: the sign bit cleared, one AND (a select on x < 0 is three ops with AVX2:
+// compare, negate, blend); NaN stays NaN.
+inline vf vabs(vf x) { return (vf)((vi)x & 0x7fffffff); }
+inline vd vabs(vd x) { return (vd)((vl)x & 0x7fffffffffffffffLL); }
+// The larger of a, b lane by lane; where b is NaN, a.
+template <typename V> inline V vmax(V a, V b) { return b > a ? b : a; }
 
 // Horizontal sum / max by halving the vector (log2 W shuffles; values stay in registers).
 typedef float v4f __attribute__((vector_size(16)));
@@ -129,7 +135,9 @@ inline vf vexp_neg(vf x) {
 
 // tanh(x) to a few ulp over the whole range: an odd polynomial below 0.625, where
 // 1 - 2/(e^2x + 1) would cancel (Cephes' tanhf), so c * tanh(x / c) stays accurate for
-// caps up to 1e8; one division per lane (tanh(9) rounds to 1, so e^2f stays finite).
+// caps up to 1e8; one division per lane. The argument is clamped at 10, where e^2f is finite
+// and 1 - 2 / (e^20 + 1) rounds to 1 (as tanh does in float from 9.01 on: at 9 the form gives
+// 1 - 1 ulp, so c * tanh(±inf) would miss ±c).
 // The odd polynomial alone: tanh(x) for |x| < 0.625 (either sign).
 inline vf vtanh_small(vf x) {
   const vf z = x * x;
@@ -143,7 +151,7 @@ inline vf vtanh_small(vf x) {
 
 inline vf vtanh(vf x) {
   const vf f = select(x < 0.f, -x, x);
-  const vf big = 1.f - 2.f / (vexp_core(select(f > 9.f, splat(9.f), f) * 2.f) + 1.f);
+  const vf big = 1.f - 2.f / (vexp_core(select(f > 10.f, splat(10.f), f) * 2.f) + 1.f);
   const vf r = select(f >= 0.625f, big, vtanh_small(f));
   return select(x < 0.f, -r, r);                           // NaN -> NaN through both forms
 }
@@ -462,6 +470,27 @@ inline void zero_skipped(const Sub* subs, int count, i64 G, i64 nr, A* scores) {
 }
 
 // ------------------------------------------------------------------ the fused row pass
+// One soft-cap loop: x (npad,) <- c * tanh(y(x)), and with Fac also fac <- scale * (1 -
+// tanh^2) (the backward's d(capped)/d(score)). Small: |y| < 0.625 on the whole row, so the
+// odd polynomial alone (no e^x, no division). A loop of its own per form, so that none tests
+// the form per vector.
+template <bool Small, bool Fac, typename A, typename Y>
+inline void cap_row(A* x, i64 npad, A* fac, A scale, A cap, Y y_of) {
+  using V = vec<A>;
+  const V sc = splat(scale), c = splat(cap);
+  for (i64 j = 0; j < npad; j += lanes<A>) {               // keys [j, j + L)
+    const V y = y_of(load(x + j));
+    const V t = Small ? vtanh_small(y) : vtanh(y);
+    store(x + j, c * t);
+    if constexpr (Fac) store(fac + j, sc - sc * t * t);
+  }
+}
+template <bool Small, typename A, typename Y>
+inline void cap_row(A* x, i64 npad, A* fac, A scale, A cap, Y y_of) {
+  if (fac) cap_row<Small, true>(x, npad, fac, scale, cap, y_of);
+  else cap_row<Small, false>(x, npad, fac, scale, cap, y_of);
+}
+
 // x (npad,) <- x * scale, soft-capped: c * tanh(x * scale / c). With fac, also the
 // derivative d(capped)/d(score) per key, scale * (1 - tanh^2) (the backward's chain rule).
 // scale may be negative (c > 0 always): the small-argument test uses |scale / c|. When
@@ -472,28 +501,21 @@ template <typename A> inline void scale_and_cap(const Args<A>& a, A* x, i64 npad
   using V = vec<A>;
   constexpr int L = lanes<A>;
   const V sc = splat(a.scale);
-  if (a.softcap > A(0)) {
-    const A r = a.scale / a.softcap;                // x * r = x * scale / c
-    const bool finite_r = std::isfinite(r);
-    const V c = splat(a.softcap), sc_c = splat(r);
-    V amax = splat(A(0));                        // a row whose |x * scale / c| < 0.625
-    for (i64 j = 0; j < npad; j += L) {          // (the usual case) needs the polynomial only
-      const V v = load(x + j);
-      const V av = select(v < A(0), -v, v);
-      amax = av > amax ? av : amax;
-    }
-    const bool small = finite_r && hmax(amax) * std::abs(r) < A(0.625);
-    for (i64 j = 0; j < npad; j += L) {
-      const V y = finite_r ? load(x + j) * sc_c : (load(x + j) * sc) / c;
-      const V t = small ? vtanh_small(y) : vtanh(y);
-      store(x + j, c * t);
-      if (fac) store(fac + j, sc - sc * t * t);
-    }
-  } else {
+  if (!(a.softcap > A(0))) {
     for (i64 j = 0; j < npad; j += L) store(x + j, load(x + j) * sc);
     if (fac)
       for (i64 j = 0; j < npad; j += L) store(fac + j, sc);
+    return;
   }
+  const A c = a.softcap, r = a.scale / c;                  // x * r = x * scale / c
+  if (!std::isfinite(r))
+    return cap_row<false>(x, npad, fac, a.scale, c, [&](V v) { return (v * sc) / splat(c); });
+  V amax = splat(A(0));                           // a row whose |x * scale / c| < 0.625
+  for (i64 j = 0; j < npad; j += L) amax = vmax(amax, vabs(load(x + j)));  // (the usual case)
+  const V vr = splat(r);
+  const auto y_of = [vr](V v) { return v * vr; };
+  if (hmax(amax) * std::abs(r) < A(0.625)) cap_row<true>(x, npad, fac, a.scale, c, y_of);
+  else cap_row<false>(x, npad, fac, a.scale, c, y_of);
 }
 
 // The relative-position buckets of row qi over keys [k0, k0+n): keys [0, jl) have
@@ -576,12 +598,9 @@ inline void position_terms_and_mask(const Args<A>& a, A* x, i64 n, i64 npad, i64
   using V = vec<A>;
   if (a.alibi) {                                    // x -= slope * |qi + off - (k0 + j)|
     const V slope = splat(a.alibi[h]);
-    const V lane = iota<A>();
-    for (i64 j = 0; j < npad; j += lanes<A>) {
-      V d = splat(A(qi - k0 - j) + a.alibi_offset) - lane;
-      d = select(d < A(0), -d, d);
-      store(x + j, load(x + j) - slope * d);
-    }
+    V d = splat(A(qi - k0) + a.alibi_offset) - iota<A>();  // signed distances of keys [0, L)
+    for (i64 j = 0; j < npad; j += lanes<A>, d -= A(lanes<A>))  // (whole numbers: exact)
+      store(x + j, load(x + j) - slope * vabs(d));
   }
   if (a.rel) relative_bias_add(a, x, n, h, qi, k0);
   if (a.bias) {
