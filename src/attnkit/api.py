@@ -136,12 +136,21 @@ def attention(
     A query with no allowed key gets output 0 (never NaN). K/V whose leading (batch) dims
     are 1 broadcast against q's without a copy (as FlexAttention). Under ``torch.compile`` /
     ``torch.export`` the call is the operator ``attnkit::attention`` (:mod:`attnkit.ops`).
+    Inside ``torch.autocast`` it runs as torch runs SDPA there: q, k, v and a float mask
+    cast to the region's dtype (float64 left as it is), the call with autocast off.
     """
     _backends.check_name(backend)
     if torch.compiler.is_compiling():       # torch.compile / torch.export: one operator
         return _traced(q, k, v, mask=mask, is_causal=is_causal, scale=scale, softcap=softcap,
                        score_mod=score_mod, dropout_p=dropout_p, backend=backend,
                        return_lse=return_lse)
+    cast_to = _ops.autocast_dtype(q)
+    if cast_to is not None:                 # torch.autocast: run as it runs torch's SDPA
+        with torch.autocast(q.device.type, enabled=False):
+            return attention(*(_ops.autocast_cast(t, cast_to) for t in (q, k, v)),
+                             mask=_ops.autocast_cast(mask, cast_to), is_causal=is_causal,
+                             scale=scale, softcap=softcap, score_mod=score_mod,
+                             dropout_p=dropout_p, backend=backend, return_lse=return_lse)
     return _eager.attend(q, k, v, mask=mask, is_causal=is_causal, scale=scale,
                          softcap=softcap, score_mod=score_mod, dropout_p=dropout_p,
                          backend=backend, return_lse=return_lse)
@@ -214,7 +223,9 @@ def scaled_dot_product_attention(
     be a multiple of H_kv. A query whose mask row allows no key gets 0 (torch ≥ 2.5; older
     torch gave NaN); a float mask row holding NaN or +inf gives NaN, as in torch.
     ``dropout_p`` in [0, 1] (1 gives zeros) drops weights with attnkit's own draw: same
-    statistics as torch's, not the same pattern.
+    statistics as torch's, not the same pattern. Inside ``torch.autocast`` (CPU or CUDA,
+    bfloat16 or float16) query, key, value and a float ``attn_mask`` are cast to the
+    region's dtype first, float64 ones left as they are, as torch casts its SDPA's inputs.
 
     Where this is stricter than torch: a non-finite ``scale`` (or one so large that the
     logits overflow) is refused rather than giving NaN; K/V of different lengths S, or
@@ -222,6 +233,10 @@ def scaled_dot_product_attention(
     them silently). Errors are attnkit's (ValueError / TypeError with the shapes seen), not
     torch's RuntimeError.
     """
+    cast_to = _ops.autocast_dtype(query)
+    if cast_to is not None:             # torch.autocast casts SDPA's inputs, the mask too
+        query, key, value, attn_mask = (_ops.autocast_cast(t, cast_to)
+                                        for t in (query, key, value, attn_mask))
     if not (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor)
             and isinstance(value, torch.Tensor) and query.dim() >= 2 and key.dim() >= 2
             and value.dim() >= 2):

@@ -38,6 +38,11 @@ The same holds for :func:`attention_weights` (what ``need_weights=True`` and
 ``attnkit::attention_weights`` node whose implementation is that same eager call, and whose
 backward is the softmax's closed form.
 
+Under ``torch.autocast`` each operator has an autocast rule (the end of this module): as
+torch does for SDPA, the forward operators cast q, k, v and a float mask to the region's
+dtype (float64 excepted) and run with autocast off; the backward operators run with
+autocast off.
+
 Caution
 -------
 - What an operator argument cannot carry (for the weights too): a Python ``score_mod``
@@ -83,7 +88,7 @@ from .scores import soft_cap, soft_cap_grad
 
 __all__ = ["OpArgs", "op_args", "rebuild_mask", "attention_op", "attention_backward_op",
            "eager_fallback", "attention_weights", "attention_weights_op",
-           "attention_weights_backward_op"]
+           "attention_weights_backward_op", "autocast_dtype", "autocast_cast"]
 
 Tensor = torch.Tensor
 
@@ -680,9 +685,15 @@ def attention_weights(q: Tensor, k: Tensor, v: Tensor, *, mask: Any = None,
     (O(N_q·N_k) memory). While torch.compile / torch.export trace, one
     ``attnkit::attention_weights`` node (``fullgraph=True`` holds), or — for a mask an
     operator argument cannot carry — the eager call outside the graph, with one warning
-    per call site."""
+    per call site. Inside ``torch.autocast``, computed as :func:`attnkit.attention` is
+    (inputs cast to the region's dtype, autocast off)."""
     options = dict(mask=mask, is_causal=is_causal, scale=scale, softcap=softcap)
     if not torch.compiler.is_compiling():
+        cast_to = autocast_dtype(q)
+        if cast_to is not None:                    # torch.autocast: as attention() runs
+            with torch.autocast(q.device.type, enabled=False):
+                return attention_weights(*(autocast_cast(t, cast_to) for t in (q, k, v)),
+                                         **{**options, "mask": autocast_cast(mask, cast_to)})
         return _eager_weights(q, k, v, **options)
     reason: str | None = None
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
@@ -703,3 +714,52 @@ def attention_weights(q: Tensor, k: Tensor, v: Tensor, *, mask: Any = None,
         return _eager_weights_outside(q, k, v, **options)
     return attention_weights_op(q, k, args.tensor, args.bands, args.kv_lengths,
                                 args.q_lengths, args.doc_ids, args.doc_kv_ids, scale, softcap)
+
+
+# ------------------------------------------------------------------ torch.autocast
+# torch lists SDPA among autocast's lower-precision ops (CPU and CUDA): in an autocast region
+# it casts q, k, v and a float mask — float64 excepted — to the region's dtype and runs with
+# autocast off. attention() does the same eagerly, and these rules do it for the operators
+# in a graph (torch.library.register_autocast casts to one fixed dtype, but a CPU region may
+# be bfloat16 or float16). The backward operators cast nothing: they only run with autocast
+# off, so that no matmul inside an implementation is autocast.
+def autocast_dtype(q: Any) -> torch.dtype | None:
+    """The dtype ``torch.autocast`` runs torch's SDPA in for a call with query ``q``: the
+    region's dtype while autocast is on for q's device, else None (off, NumPy inputs, a
+    device other than CPU or CUDA)."""
+    if not isinstance(q, torch.Tensor):
+        return None
+    device = "cpu" if q.is_cpu else "cuda" if q.is_cuda else None
+    if device is None or not torch.is_autocast_enabled(device):
+        return None
+    return torch.get_autocast_dtype(device)
+
+
+def autocast_cast(t: Any, dtype: torch.dtype) -> Any:
+    """``t`` as autocast casts a lower-precision op's inputs: a floating-point tensor other
+    than float64 becomes ``dtype``; anything else (float64, bool or integer tensors, a Mask,
+    None) is returned unchanged."""
+    if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype is not torch.float64:
+        return t.to(dtype)
+    return t
+
+
+def _autocast_rule(name: str, device: str, n_cast: int) -> Any:
+    """The autocast kernel of ``attnkit::<name>`` on ``device``: its first ``n_cast``
+    arguments cast by :func:`autocast_cast`, the operator run with autocast off."""
+    op = getattr(torch.ops.attnkit, name).default
+
+    def kernel(*args: Any) -> Any:
+        dtype = torch.get_autocast_dtype(device)
+        args = tuple(autocast_cast(a, dtype) if i < n_cast else a for i, a in enumerate(args))
+        with torch.autocast(device, enabled=False):
+            return op(*args)
+
+    return kernel
+
+
+_AUTOCAST_LIB = torch.library.Library("attnkit", "IMPL")
+for _name, _n_cast in (("attention", 4), ("attention_backward", 0),      # q, k, v, mask
+                       ("attention_weights", 3), ("attention_weights_backward", 0)):
+    for _device, _key in (("cpu", "AutocastCPU"), ("cuda", "AutocastCUDA")):
+        _AUTOCAST_LIB.impl(_name, _autocast_rule(_name, _device, _n_cast), _key)
