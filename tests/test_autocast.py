@@ -21,23 +21,13 @@ from torch import nn
 
 import attnkit as ak
 from attnkit.backends.native import loader
-from conftest import (
-    assert_low_precision_close,
-    assert_low_precision_grad_close,
-    oracle,
-)
+from helpers.oracle import oracle
+from helpers.tolerance import assert_low_precision_close, assert_low_precision_grad_close
 
 LOW = [torch.bfloat16, torch.float16]
+pytestmark = pytest.mark.usefixtures("fresh_compile")   # conftest: no cached graphs
 needs_inductor = pytest.mark.skipif(loader.compiler() is None,
                                     reason="torch.compile (Inductor) needs a C++ compiler")
-
-
-@pytest.fixture(autouse=True)
-def _fresh_compile():
-    torch._dynamo.reset()
-    with torch._inductor.config.patch(force_disable_caches=True):
-        yield
-    torch._dynamo.reset()
 
 
 def _qkv(dtype: torch.dtype = torch.float32, n: int = 97, grad: bool = False,
