@@ -150,10 +150,10 @@ inline vf vtanh_small(vf x) {
 }
 
 inline vf vtanh(vf x) {
-  const vf f = select(x < 0.f, -x, x);
-  const vf big = 1.f - 2.f / (vexp_core(select(f > 10.f, splat(10.f), f) * 2.f) + 1.f);
-  const vf r = select(f >= 0.625f, big, vtanh_small(f));
-  return select(x < 0.f, -r, r);                           // NaN -> NaN through both forms
+  const vf f = vabs(x);
+  const vf big = 1.f - 2.f / (vexp_core(select(f < 10.f, f, splat(10.f)) * 2.f) + 1.f);
+  const vf r = select(f >= 0.625f, big, vtanh_small(f));  // NaN -> NaN through the polynomial
+  return (vf)((vi)r | ((vi)x & INT32_MIN));               // x's sign on tanh(|x|)
 }
 
 // double: the C library per lane (e^x: 0 for -inf, NaN -> NaN; tanh exact at any size, so
