@@ -16,10 +16,14 @@ native kernel), then one full-size warm-up and ``--repeats`` timed rounds of
   "cpu speedup" = the single process's cpu time ÷ the slowest rank's;
 - peak memory: ``ru_maxrss`` (resource.getrusage, the process's peak resident set) minus the
   resident set just before the first full-size call (inputs allocated, kernels loaded); the
-  largest over ranks. The ranks run with ``MALLOC_MMAP_THRESHOLD_=1048576`` (unless set):
-  glibc then maps every block of 1 MiB or more on its own and unmaps it when freed, so the
-  resident set follows the live tensors instead of glibc's cache of freed ones
-  (``--keep-malloc`` leaves glibc's default, which lets freed 8–32 MB blocks stay resident).
+  largest over ranks. The peak is started afresh there (Linux: ``5`` written to
+  ``/proc/self/clear_refs``), so that the full-length inputs a rank builds, shards and frees
+  do not count (where the kernel refuses, the output says so and the peak includes them:
+  before this reset, a ring's figure at N=16384 was that of its input building). The
+  ranks run with ``MALLOC_MMAP_THRESHOLD_=1048576`` (unless set): glibc then maps every
+  block of 1 MiB or more on its own and unmaps it when freed, so the resident set follows
+  the live tensors instead of glibc's cache of freed ones (``--keep-malloc`` leaves glibc's
+  default, which lets freed 8–32 MB blocks stay resident).
 
     .venv/bin/python benchmarks/bench_ring.py                     # N=8192, (1, 8, N, 64) fp32
     .venv/bin/python benchmarks/bench_ring.py --n 16384 --repeats 2
@@ -85,6 +89,17 @@ def _rss_mb() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+def _reset_peak() -> bool:
+    """Start the process's peak resident set afresh from its current one (Linux ≥ 4.0:
+    ``5`` to /proc/self/clear_refs; ``ru_maxrss`` follows); False where that is refused."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
 def _maxrss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024     # KiB on Linux
 
@@ -140,6 +155,7 @@ def _worker(mode: str, rank: int, world: int, init: str, args: argparse.Namespac
     small = [t[..., :64 * world, :].contiguous() for t in (q, k, v, d_out)]
     step(*small)                                    # loads the native kernel, warms gloo
     base = _rss_mb()
+    reset = _reset_peak()                           # the inputs' building does not count
     walls, computes, cpus = [], [], []
     for i in range(args.repeats + 1):               # round 0: full-size warm-up
         if mode != "single":
@@ -153,7 +169,7 @@ def _worker(mode: str, rank: int, world: int, init: str, args: argparse.Namespac
             computes.append(wall - waited[0])
             cpus.append(cpu)
     results.put((mode, rank, walls, computes, cpus,  # type: ignore[attr-defined]
-                 _maxrss_mb() - base))
+                 _maxrss_mb() - base, reset))
     if mode != "single":
         dist.barrier()
         dist.destroy_process_group()
@@ -170,8 +186,8 @@ def run_mode(mode: str, world: int, args: argparse.Namespace) -> dict[int, tuple
             p.start()
         got = {}
         for _ in range(n):
-            m, r, walls, computes, cpus, peak = results.get(timeout=args.timeout)
-            got[r] = (walls, computes, cpus, peak)
+            m, r, walls, computes, cpus, peak, reset = results.get(timeout=args.timeout)
+            got[r] = (walls, computes, cpus, peak, reset)
         for p in procs:
             p.join(timeout=60)
             if p.is_alive():
@@ -219,7 +235,8 @@ def main() -> None:
     print(f"# causal fwd+bwd, q/k/v/dO ({args.batch}, {args.heads}, {args.n}, {args.dim}) "
           f"float32, {args.world} ranks; medians of {args.repeats} round(s)")
     print("# compute = rank wall − its waits in collectives; cpu = its main thread's CPU time; "
-          "peak = ru_maxrss − RSS before the first full-size call (max over ranks)")
+          "peak = ru_maxrss − RSS before the first full-size call, the peak reset there "
+          "(max over ranks)")
     print(f"# MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_', '(glibc default)')}")
     print(f"# load average before: {os.getloadavg()[0]:.2f} (the machine may be shared: "
           "wall and compute are noisy, cpu less so)")
@@ -232,6 +249,9 @@ def main() -> None:
         cpu_s = {r: statistics.median(got[r][2]) for r in ranks}
         rows[mode] = (statistics.median(walls), max(comp.values()), min(comp.values()),
                       max(cpu_s.values()), min(cpu_s.values()), max(got[r][3] for r in ranks))
+        if not all(got[r][4] for r in ranks):
+            print(f"# {mode}: the peak could not be reset (/proc/self/clear_refs): it includes "
+                  "building the inputs")
         print(f"  ... {mode} done", file=sys.stderr, flush=True)
     ref = rows.get("single")
     print(f"{'mode':<14}{'wall s':>8}{'speedup':>9}{'compute slow/fast s':>21}{'ratio':>7}"

@@ -594,6 +594,34 @@ def _case_backward_pieces(rank: int, world: int) -> None:
         akd_ring._PIECE_ELEMENTS = real
 
 
+def _case_backward_streams_kv_chunks(rank: int, world: int) -> None:
+    """With sub-blocks of one K/V head, the backward receives each hop's K/V shard one
+    (batch element, head) chunk at a time, in order (two chunks in flight, not two shards),
+    and the gradients still equal the float64 reference; the forward moves whole shards."""
+    sent: list[tuple[str, tuple[int, ...] | None]] = []
+    real_exchange, real_pieces = akd_c._Ring.exchange, akd_ring._PIECE_ELEMENTS
+
+    def counting(self: object, sends: list | None, to: int | None, like: object,
+                 frm: int | None, **kw: object) -> object:
+        if kw["what"] == "the K/V shard" and sends is not None and to is not None:
+            sent.append((str(kw["step"]), tuple(sends[0].shape)))
+        return real_exchange(self, sends, to, like, frm, **kw)   # type: ignore[arg-type]
+
+    akd_c._Ring.exchange = counting     # type: ignore[method-assign]
+    akd_ring._PIECE_ELEMENTS = 2 * 4 * 8        # one K/V head (2 query heads) per piece
+    try:
+        _compare(rank=rank, world=world, lead=(2,), h_q=4, h_kv=2, n_q=4, is_causal=True,
+                 layout="zigzag", with_lse_grad=True)
+    finally:
+        akd_c._Ring.exchange = real_exchange    # type: ignore[method-assign]
+        akd_ring._PIECE_ELEMENTS = real_pieces
+    forward = [shape for step, shape in sent if step.startswith("forward")]
+    backward = [shape for step, shape in sent if step.startswith("backward")]
+    assert forward and all(shape == (2, 2, 4, 8) for shape in forward), sent
+    assert len(backward) == 4 * len(forward), sent      # 2 batch elements × 2 K/V heads
+    assert all(shape == (1, 1, 4, 8) for shape in backward), sent
+
+
 WINDOW_CASES: dict[str, Callable[[int, int], None]] = {
     "window_skips_far_shards": _case_window_skips_far_shards,
     "window_zigzag_gqa_softcap": lambda r, w: _compare(
@@ -612,6 +640,7 @@ WINDOW_CASES: dict[str, Callable[[int, int], None]] = {
         rank=r, world=w, n_q=9, h_q=2, h_kv=1, mask=ak.masks.band(-2, 4),
         dtype=torch.bfloat16, with_lse_grad=True),
     "backward_pieces": _case_backward_pieces,
+    "backward_streams_kv_chunks": _case_backward_streams_kv_chunks,
 }
 
 

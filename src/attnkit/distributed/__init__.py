@@ -180,14 +180,17 @@ Caution
   converted), so that a block's gradients are not rounded to half precision before they are
   summed over the ring (the accumulation contract of attnkit). On GPUs that backward is
   slower than a half-precision one would be.
-- Memory (per rank, besides the inputs and the results out, lse, dq, dk, dv): the K/V shard
-  of this hop and the next (one for ``W = 2``: a rank's own shard is never copied, unless
-  strided), one piece (``_SHIFT_ELEMENTS``, 4 MiB in float32) of the accumulator while it
-  moves, and a sub-block's gradients (and contiguous copies of its inputs where a head
-  slice is strided: batch > 1); on the autograd path also a float32 copy of
-  the sub-block being recomputed and its graph. For ``W = 2`` that is about 0.67× the extra
-  peak of one process holding the whole sequence (``benchmarks/bench_ring.py``): the next
-  K/V shard and the results alone are 0.6×; with more ranks it shrinks as ``1/W``.
+- Memory (per rank, besides the inputs and the results out, lse, dq, dk, dv): in the
+  forward, the K/V shard of this hop and the next (one for ``W = 2``: a rank's own shard is
+  never copied, unless strided); in the backward, the K/V shards arrive a chunk at a time
+  (the K/V heads of one backward sub-block, of one batch element), so only this chunk and
+  the next are held, plus one piece (``_SHIFT_ELEMENTS``, 4 MiB in float32) of the
+  accumulator while it moves, and a sub-block's gradients (and contiguous copies of its
+  inputs where a head slice is strided: batch > 1); on the autograd path also a float32
+  copy of the sub-block being recomputed and its graph. For ``W = 2`` at N=16384 that is
+  0.47× the extra peak of one process holding the whole sequence
+  (``benchmarks/bench_ring.py``; 0.66× while the backward held whole shards); with more
+  ranks it shrinks as ``1/W``.
 - The K/V exchange overlaps the compute only as far as the process group's backend
   progresses sends in the background (gloo and NCCL do); the accumulator's moves are
   waited for at once (small next to a hop's compute). ``benchmarks/bench_ring.py

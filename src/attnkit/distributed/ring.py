@@ -7,7 +7,9 @@ Hop ``s`` (0 … W−1) gives rank ``r`` the K/V shard of rank ``src = r − s``
 straight from its owner (rank ``r`` sends its own K/V to ``r + s``): every message is an
 owner's original shard, so nothing is forwarded or copied, and a hop that no rank needs
 (:mod:`.schedule`: a sliding window far from the shard) is not run at all. The next hop's
-exchange starts before the current hop's blocks are computed.
+exchange starts before the current hop's blocks are computed. The backward receives each
+hop's K/V in chunks of heads (:func:`_kv_chunks`), the next chunk's exchange started before
+the current chunk's sub-blocks are computed: two chunks in flight instead of two shards.
 """
 
 from __future__ import annotations
@@ -247,14 +249,27 @@ def _piece_sizes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int
     return heads, rows, keys
 
 
+def _kv_chunks(k: torch.Tensor, heads: int) -> list[tuple[slice, slice]]:
+    """The (batch, K/V heads) ranges in which the backward receives a K/V shard and computes
+    on it, in order: the whole shard when a sub-block takes every K/V head, else ``heads``
+    heads of one batch element at a time — contiguous slices of a contiguous shard, so that
+    two such ranges (this one and the next) are in flight instead of two whole shards."""
+    b, h_kv = k.shape[:2]
+    if heads >= h_kv:
+        return [(slice(0, b), slice(0, h_kv))]
+    return [(slice(i, i + 1), slice(h0, min(h0 + heads, h_kv)))
+            for i in range(b) for h0 in range(0, h_kv, heads)]
+
+
 def _ring_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor, d_out: torch.Tensor, d_lse: torch.Tensor | None,
                    o: _Options) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The backward ring → (dq, dk, dv). The K/V shards come as in the forward; each shard's
-    dK/dV accumulator follows it from rank to rank (hop s: the accumulator of shard r − s
-    is on rank r), so that after the last hop it goes home holding the full dK/dV; dQ never
-    leaves its rank. The only shard-sized buffers besides the results: this hop's and the
-    next hop's K/V (the accumulator moves in place, a piece at a time)."""
+    """The backward ring → (dq, dk, dv). The K/V shards come as in the forward, a chunk of
+    heads at a time (:func:`_kv_chunks`); each shard's dK/dV accumulator follows it from rank
+    to rank (hop s: the accumulator of shard r − s is on rank r), so that after the last hop
+    it goes home holding the full dK/dV; dQ never leaves its rank. The only extra buffers
+    besides the results: this chunk's and the next chunk's K/V (the accumulator moves in
+    place, a piece at a time)."""
     ring = o.ring
     acc = compute_dtype(q.dtype)
     d_out = d_out.to(acc)
@@ -270,46 +285,58 @@ def _ring_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
         kernel = None
     own = [k.contiguous(), v.contiguous()]
     dkv = [torch.zeros(t.shape, dtype=acc, device=q.device) for t in own]   # dK, dV of r − s
-    hops = o.hops()
     heads, rows_max, keys_max = _piece_sizes(q, k, v)
     g = q.shape[1] // k.shape[1]                          # query heads per K/V head (GQA)
+    work = [(s, c) for s in o.hops() for c in _kv_chunks(k, heads)]   # (hop, chunk), in order
     failure: Exception | None = None
     failed_at = -1
     pending = None
-    for i, s in enumerate(hops):
+    for i, (s, (bs, hk)) in enumerate(work):
         src = ring.peer(-s)
         step = f"backward hop {s}"
-        kv = own if s == 0 else ring.wait(pending)
-        nxt = hops[i + 1] if i + 1 < len(hops) else None
-        pending = None if nxt is None else _start_kv(o, own, nxt, "backward")
+        kv = [t[bs, hk] for t in own] if s == 0 else ring.wait(pending)   # (b, heads, N_k, D)
+        nxt = work[i + 1] if i + 1 < len(work) else None
+        pending = None if nxt is None or nxt[0] == 0 else _start_kv_chunk(o, own, *nxt)
         if failure is None and kv is not None:
             try:        # a failure here must not stop the ring: the accumulators move on
+                hq = slice(hk.start * g, hk.stop * g)           # their query heads
+                q_c, d_out_c, delta_c, lse_c = (t[bs, hq] for t in (q, d_out, delta, lse))
+                dq_c, dk_c, dv_c = dq[bs, hq], dkv[0][bs, hk], dkv[1][bs, hk]
                 for blk in o.blocks(src):
-                    for h0 in range(0, k.shape[1], heads):      # K/V heads [h0, h0 + heads)
-                        hq, hk = slice(h0 * g, (h0 + heads) * g), slice(h0, h0 + heads)
-                        for sub in pieces(blk, rows_max, keys_max):
-                            k_b, v_b = (_rows(t[:, hk], sub.keys) for t in kv)
-                            args = (_rows(q[:, hq], sub.rows), k_b, v_b, sub.band, o,
-                                    _rows(d_out[:, hq], sub.rows),
-                                    _rows(delta[:, hq], sub.rows, -1),
-                                    _rows(lse[:, hq], sub.rows, -1))
-                            g_q, g_k, g_v = (_kernel_block_grads(kernel, *args)
-                                             if kernel is not None else _block_grads(*args))
-                            _rows(dq[:, hq], sub.rows).add_(g_q)
-                            _rows(dkv[0][:, hk], sub.keys).add_(g_k)
-                            _rows(dkv[1][:, hk], sub.keys).add_(g_v)
-                            del g_q, g_k, g_v   # (not alive while the next piece is computed)
+                    for sub in pieces(blk, rows_max, keys_max):
+                        k_b, v_b = (_rows(t, sub.keys) for t in kv)
+                        args = (_rows(q_c, sub.rows), k_b, v_b, sub.band, o,
+                                _rows(d_out_c, sub.rows), _rows(delta_c, sub.rows, -1),
+                                _rows(lse_c, sub.rows, -1))
+                        g_q, g_k, g_v = (_kernel_block_grads(kernel, *args)
+                                         if kernel is not None else _block_grads(*args))
+                        _rows(dq_c, sub.rows).add_(g_q)
+                        _rows(dk_c, sub.keys).add_(g_k)
+                        _rows(dv_c, sub.keys).add_(g_v)
+                        del g_q, g_k, g_v   # (not alive while the next piece is computed)
             except Exception as e:
                 failure, failed_at = e, s
         del kv
+        if nxt is not None and nxt[0] == s:
+            continue                        # more chunks of this hop
         # the accumulator moves on to the rank that holds shard r − s at the next hop (after
         # the last one: home), in place, a piece at a time
-        move = (nxt if nxt is not None else ring.size) - s
+        move = (nxt[0] if nxt is not None else ring.size) - s
         if move % ring.size:
             for t in dkv:
                 ring.shift(t, move, _SHIFT_ELEMENTS, what="the dK/dV accumulator", step=step)
     ring.settle(failure, failed_at, "backward")
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+def _start_kv_chunk(o: _Options, own: list[torch.Tensor], s: int,
+                    chunk: tuple[slice, slice]) -> _Hop:
+    """Start hop ``s``'s exchange of one (batch, heads) chunk of the K/V shards."""
+    bs, hk = chunk
+    part = [t[bs, hk] for t in own]                 # contiguous: see _kv_chunks
+    to, frm = o.kv_peers(s)
+    return o.ring.exchange(part, to, part, frm, what="the K/V shard",
+                           step=f"backward hop {s}")
 
 
 class _RingAttention(torch.autograd.Function):
