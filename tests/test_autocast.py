@@ -56,9 +56,11 @@ def test_sdpa_under_autocast_gives_torch_dtypes_and_the_precast_numbers(dtype):
     assert outs["attnkit"].dtype == outs["torch"].dtype == dtype
     assert [g.dtype for g in grads["attnkit"]] == [g.dtype for g in grads["torch"]] \
         == [torch.float32] * 4
-    precast = ak.scaled_dot_product_attention(*(t.detach().to(dtype) for t in (q, k, v)),
-                                              attn_mask=bias.detach().to(dtype),
-                                              enable_gqa=True)
+    # (with gradients too, so that the same engine runs as in the autocast call: the
+    # Python engines pick by whether a gradient is needed, when the native kernel is off)
+    precast = ak.scaled_dot_product_attention(
+        *(t.detach().to(dtype).requires_grad_() for t in (q, k, v)),
+        attn_mask=bias.detach().to(dtype).requires_grad_(), enable_gqa=True)
     assert torch.equal(outs["attnkit"], precast)
     # both within the suite's rule of the float64 answer on the cast inputs
     q64, k64, v64, b64 = (t.detach().to(dtype).double() for t in (q, k, v, bias))

@@ -1,6 +1,6 @@
 """The eager path every call takes outside a graph: validate and normalise a call into one
 :class:`~attnkit.backends.base.Problem` (:func:`prepare`), choose a backend and run it with
-the NaN/inf screens (:func:`run`), and give results back in the user's layout.
+the NaN/inf screens (``_run``), and give results back in the user's layout.
 
 Both :func:`attnkit.attention` (:mod:`attnkit.api`) and the custom operator's
 implementation (:mod:`attnkit.ops`) call :func:`attend`; this module imports neither, so
@@ -34,7 +34,7 @@ from .backends.base import Problem
 from .backends.base import compute_dtype as _compute_dtype
 from .scores import ScoreMod
 
-__all__ = ["Prepared", "prepare", "check_inputs", "run", "attend"]
+__all__ = ["Prepared", "prepare", "check_inputs", "attend"]
 
 
 @dataclass
@@ -583,7 +583,7 @@ def attend(q: Any, k: Any, v: Any, *, mask: Any = None, is_causal: bool = False,
            score_mod: ScoreMod | None = None, dropout_p: float = 0.0, backend: str = "auto",
            return_lse: bool = False) -> Any:
     """:func:`attnkit.attention` run eagerly (its arguments; ``backend`` already checked):
-    the signature's frame or :func:`prepare`, then :func:`run`, results in the user's
+    the signature's frame or :func:`prepare`, then ``_run``, results in the user's
     layout."""
     key = _frame_key(q, k, v, mask, is_causal, scale, softcap, score_mod, dropout_p)
     frame = None if key is None else _FRAMES.get(key)
@@ -599,5 +599,3 @@ def attend(q: Any, k: Any, v: Any, *, mask: Any = None, is_causal: bool = False,
         return prep.restore(out), prep.restore(lse)
     return prep.restore(out)
 
-
-run = _run
