@@ -13,6 +13,11 @@ interleaved within each round (machine noise hits them alike), medians over ``--
     gather+SDPA  write the new tokens into the pages, gather every sequence's pages into a
                  padded (B, H_kv, N_max, D) copy, torch SDPA with a padding mask (enable_gqa)
 
+and the read-bandwidth yardstick, timed in the same rounds: ``sum`` over a 256 MB float32
+tensor (far beyond the caches). "of read bw" = the K and V bytes each variant must read
+(every sequence's keys once, in the cache's dtype; GQA heads share them) per second ÷ the
+yardstick's bytes per second.
+
 a mixed batch — 2 prefill chunks of ``--chunk`` over their own cache plus decodes — as
 one ak.attention_varlen call on the paged pool vs one torch SDPA call per sequence on
 gathered keys; and ``--batch`` forks of a ``--prefix``-token prompt with ``--own`` tokens
@@ -219,16 +224,22 @@ def main() -> None:
     got = paged()
     want = gather_sdpa()
     err = (got.float() - want.float()).abs().max().item()
+    x_read = torch.ones(256 * 2**20 // 4)                  # the read-bandwidth yardstick
     ms = median_ms({"paged": paged, "paged-gather": fallback(paged), "contiguous": contiguous,
-                    "gather+SDPA": gather_sdpa}, args.repeats)
+                    "gather+SDPA": gather_sdpa, "_read": x_read.sum}, args.repeats)
+    bw = x_read.numel() * 4 / ms.pop("_read") / 1e6        # GB/s
     kv_bytes = 2 * sum(n + 1 for n in lengths) * H_kv * D * k_pages.element_size()
-    print(f"  (paged vs gather+SDPA max |diff| {err:.2e})")
-    print(f"{'variant':<14}{'median ms':>11}{'GB/s (K+V read)':>17}{'paged speed-up':>16}")
+    print(f"  (paged vs gather+SDPA max |diff| {err:.2e}; K+V {kv_bytes / 1e6:.0f} MB; read "
+          f"bandwidth (sum of 256 MB, same rounds) {bw:.1f} GB/s)")
+    print(f"{'variant':<14}{'median ms':>11}{'GB/s (K+V read)':>17}{'of read bw':>12}"
+          f"{'paged speed-up':>16}")
     for name, t in ms.items():
-        print(f"{name:<14}{t:>11.2f}{kv_bytes / t / 1e6:>17.1f}{t / ms['paged']:>15.2f}x")
+        gb_s = kv_bytes / t / 1e6
+        print(f"{name:<14}{t:>11.2f}{gb_s:>17.1f}{gb_s / bw:>12.2f}{t / ms['paged']:>15.2f}x")
     print(f"paged vs contiguous: {ms['contiguous'] / ms['paged']:.2f}x (target >= 0.9x); "
           f"paged vs gather+SDPA: {ms['gather+SDPA'] / ms['paged']:.2f}x (target >= 2x); "
-          f"paged vs paged-gather: {ms['paged-gather'] / ms['paged']:.2f}x")
+          f"paged vs paged-gather: {ms['paged-gather'] / ms['paged']:.2f}x; paged "
+          f"{kv_bytes / ms['paged'] / 1e6 / bw:.2f} of read bandwidth (target >= 0.8)")
 
     # ---- mixed batch: 2 prefill chunks (own cache of len) + decodes, one varlen call
     n_pre = min(2, B)

@@ -140,6 +140,22 @@ def test_heads_mha_mqa_gqa_and_wide_rows(h_q, h_kv):
            d=8, d_v=8, n_q=[17, 1, 1], lengths=[700, 1, 130])
 
 
+@pytest.mark.parametrize("dtype", [DT, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_decode_heads_together_with_chosen_splits(dtype, threads):
+    # decode rows: each (sequence, split)'s H_kv heads run as one task, and the splits chosen
+    # on the dot loop are H_kv times shorter (3000 keys: several, merged by LSE); per-head
+    # ALiBi slopes tell the heads apart
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _check(dtype, 16, {"window": (-1, 0), "softcap": 3.0, "alibi": True}, split_len=None,
+               block_q=None, h_q=8, h_kv=4, d=32, d_v=16, n_q=[1, 2, 1],
+               lengths=[3000, 1, 517])
+    finally:
+        torch.set_num_threads(old)
+
+
 def test_explicit_query_positions():
     # every query placed after all keys (a shared prefix's call) sees every key
     _check(DT, 5, {"window": (-1, 0)}, split_len=128, block_q=4, n_q=[3, 16],

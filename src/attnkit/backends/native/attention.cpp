@@ -252,13 +252,18 @@ i64 plan_paged(const Args<A>& a, std::vector<PagedSeq>& seqs, std::vector<PagedI
     s.nqb = (s.nq + s.rows - 1) / s.rows;
     total += a.Hkv * s.nqb * s.nk;
   }
-  if (split_len <= 0)                                      // items of <= 1/8 a thread's share
+  const bool given = split_len > 0;
+  if (!given)                                              // items of <= 1/8 a thread's share
     split_len = std::max<i64>(2 * BK, (total + 8 * threads - 1) / (8 * threads));
   split_len = round_up(split_len, BK);                     // splits on the tile grid
+  // a sequence on the dot loops runs its H_kv heads' items as one task (paged.h), so its
+  // splits are H_kv times shorter (a task is the same share)
+  const i64 dot_len = given ? split_len : round_up(std::max<i64>(2 * BK, split_len / a.Hkv), BK);
   i64 parts = 0;
   for (i64 si = 0; si < i64(seqs.size()); ++si) {
     PagedSeq& s = seqs[si];
-    s.splits = std::max<i64>(1, (s.nk + split_len - 1) / split_len);
+    const i64 len = a.G * std::min(s.rows, s.nq) < 16 ? dot_len : split_len;
+    s.splits = std::max<i64>(1, (s.nk + len - 1) / len);
     if (s.splits > 1) {
       s.part0 = parts;
       parts += a.Hkv * s.nqb * s.splits * a.G * s.rows;
@@ -268,7 +273,7 @@ i64 plan_paged(const Args<A>& a, std::vector<PagedSeq>& seqs, std::vector<PagedI
         for (i64 c = 0; c < s.splits; ++c) {
           PagedItem pi{si, h, qb, c, Item{si, h, s.pos + qb * s.rows,
                                           std::min(s.rows, s.nq - qb * s.rows), 0, 0}};
-          key_range(a, pi.it, c * split_len, std::min(s.nk, (c + 1) * split_len));
+          key_range(a, pi.it, c * len, std::min(s.nk, (c + 1) * len));
           items.push_back(pi);
         }
   }

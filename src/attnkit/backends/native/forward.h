@@ -114,28 +114,62 @@ inline void axpy4(const A* p, i64 R, i64 DVP, const E* const (&vj)[4], A* acc) {
   }
 }
 
-// S (R, BK) <- one dot product per (row, key), four keys at a time, each K row read once for
-// all R rows; the tile's V rows are prefetched.
+// The dot loops find key j of a tile (j from 0) through `rows`: K row rows.k(j), V row
+// rows.v(j); rows.end keys from the tile's first have rows (the prefetches stop there).
+// HeadRows: one head's rows at a stride, as the forward holds them (paged.h lists them).
+template <typename T> struct HeadRows {
+  const T* kp; const T* vp;         // the tile's first K / V row
+  i64 sk, sv, end;                  // row strides; rows left in the head
+  const T* k(i64 j) const { return kp + j * sk; }
+  const T* v(i64 j) const { return vp + j * sv; }
+};
+
+// The rows of head (kh, vh) from key k0 on.
 template <typename A, typename T>
-void scores_dot(const Args<A>& a, const T* kh, const T* vh, i64 k0, i64 n, i64 R,
-                Buffers<A>& buf) {
+inline HeadRows<T> head_rows(const Args<A>& a, const T* kh, const T* vh, i64 k0) {
+  return {kh + k0 * a.sk[2], vh + k0 * a.sv[2], a.sk[2], a.sv[2], a.Nk - k0};
+}
+
+// Calls f with four rows as the dot loops read them (as_rows4); half-precision rows that
+// several query rows read (R > 1) are converted once into tmp (4, npad) instead of once
+// per query row in registers.
+template <typename A, typename T, typename F>
+inline void rows4_for(const T* const (&src)[4], i64 n, i64 npad, i64 R, A* tmp, F f) {
+  if constexpr (!std::is_same_v<T, A>) {
+    if (R > 1) {
+      const A* rows[4];
+      for (int u = 0; u < 4; ++u) {
+        row_to_compute(src[u], tmp + u * npad, n, npad);
+        rows[u] = tmp + u * npad;
+      }
+      return f(rows);
+    }
+  }
+  as_rows4(src, n, npad, tmp, f);
+}
+
+// S (R, BK) <- one dot product per (row, key) for the tile's n keys, four keys at a time,
+// each K row read once for all R rows; K rows AHEAD on and the tile's V rows prefetched.
+template <typename A, typename Rows>
+void scores_dot(const Args<A>& a, const Rows& rows, i64 n, i64 R, Buffers<A>& buf) {
   using V = vec<A>;
+  using T = std::remove_cv_t<std::remove_pointer_t<decltype(rows.k(0))>>;
   constexpr int L = lanes<A>;
   A* tmp = buf.tmp4.data();                                // (4, DKP) converted K rows
   i64 j = 0;
   for (; j + 4 <= n; j += 4) {
     const T* src[4];
     for (int u = 0; u < 4; ++u) {
-      if (k0 + j + u + AHEAD < a.Nk) prefetch_row(kh + (k0 + j + u + AHEAD) * a.sk[2], a.Dk);
-      prefetch_row(vh + (k0 + j + u) * a.sv[2], a.Dv);     // this tile's V, used next
-      src[u] = kh + (k0 + j + u) * a.sk[2];
+      if (j + u + AHEAD < rows.end) prefetch_row(rows.k(j + u + AHEAD), a.Dk);
+      prefetch_row(rows.v(j + u), a.Dv);                   // this tile's V, used next
+      src[u] = rows.k(j + u);
     }
-    as_rows4(src, a.Dk, a.DKP, tmp, [&](const auto& kj) {
+    rows4_for(src, a.Dk, a.DKP, R, tmp, [&](const auto& kj) {
       dot4(buf.q.data(), R, a.DKP, kj, buf.s.data() + j);
     });
   }
   for (; j < n; ++j) {
-    const A* kj = as_compute(kh + (k0 + j) * a.sk[2], tmp, a.Dk, a.DKP);  // k_j (DKP,)
+    const A* kj = as_compute(rows.k(j), tmp, a.Dk, a.DKP);  // k_j (DKP,)
     for (i64 r = 0; r < R; ++r) {
       const A* qr = buf.q.data() + r * a.DKP;
       V acc = splat(A(0));
@@ -147,13 +181,13 @@ void scores_dot(const Args<A>& a, const T* kh, const T* vh, i64 k0, i64 n, i64 R
 
 // acc (R, D_v) += P (R, [j]) . v_j for one key, rows with P == 0 skipped (the row of V is
 // read only when some row uses it, so NaN in masked V rows stays out).
-template <typename A, typename T>
-inline void value_one(const Args<A>& a, const T* vh, i64 k0, i64 j, i64 R, Buffers<A>& buf) {
+template <typename A, typename Rows>
+inline void value_one(const Args<A>& a, const Rows& rows, i64 j, i64 R, Buffers<A>& buf) {
   const A* vj = nullptr;
   for (i64 r = 0; r < R; ++r) {
     const A p = buf.s[r * BK + j];
     if (p == A(0)) continue;
-    if (!vj) vj = as_compute(vh + (k0 + j) * a.sv[2], buf.tmp4.data(), a.Dv, a.DVP);
+    if (!vj) vj = as_compute(rows.v(j), buf.tmp4.data(), a.Dv, a.DVP);
     A* ar = buf.acc.data() + r * a.DVP;
     const vec<A> vp = splat(p);
     for (i64 d = 0; d < a.DVP; d += lanes<A>) store(ar + d, load(ar + d) + vp * load(vj + d));
@@ -161,9 +195,10 @@ inline void value_one(const Args<A>& a, const T* vh, i64 k0, i64 j, i64 R, Buffe
 }
 
 // acc (R, D_v) += P (R, n) . V_tile (n, D_v), four keys per pass over acc where all their
-// P are nonzero, else key by key (value_one).
-template <typename A, typename T>
-void values_axpy(const Args<A>& a, const T* vh, i64 k0, i64 n, i64 R, Buffers<A>& buf) {
+// P are nonzero, else key by key (value_one); V rows AHEAD on prefetched.
+template <typename A, typename Rows>
+void values_axpy(const Args<A>& a, const Rows& rows, i64 n, i64 R, Buffers<A>& buf) {
+  using T = std::remove_cv_t<std::remove_pointer_t<decltype(rows.v(0))>>;
   A* tmp = buf.tmp4.data();                                // (4, DVP) converted V rows
   i64 j = 0;
   for (; j + 4 <= n; j += 4) {
@@ -171,19 +206,25 @@ void values_axpy(const Args<A>& a, const T* vh, i64 k0, i64 n, i64 R, Buffers<A>
     for (i64 r = 0; r < R && dense; ++r)
       for (int u = 0; u < 4; ++u) dense = dense && buf.s[r * BK + j + u] != A(0);
     if (!dense) {
-      for (int u = 0; u < 4; ++u) value_one(a, vh, k0, j + u, R, buf);
+      for (int u = 0; u < 4; ++u) value_one(a, rows, j + u, R, buf);
       continue;
     }
     const T* src[4];
     for (int u = 0; u < 4; ++u) {
-      if (k0 + j + u + AHEAD < a.Nk) prefetch_row(vh + (k0 + j + u + AHEAD) * a.sv[2], a.Dv);
-      src[u] = vh + (k0 + j + u) * a.sv[2];
+      if (j + u + AHEAD < rows.end) prefetch_row(rows.v(j + u + AHEAD), a.Dv);
+      src[u] = rows.v(j + u);
     }
-    as_rows4(src, a.Dv, a.DVP, tmp, [&](const auto& vj) {
+    rows4_for(src, a.Dv, a.DVP, R, tmp, [&](const auto& vj) {
       axpy4(buf.s.data() + j, R, a.DVP, vj, buf.acc.data());
     });
   }
-  for (; j < n; ++j) value_one(a, vh, k0, j, R, buf);
+  for (; j < n; ++j) value_one(a, rows, j, R, buf);
+}
+
+// values_axpy over keys [k0, k0 + n) of head vh (the GEMM loops' exact path).
+template <typename A, typename T>
+void values_axpy(const Args<A>& a, const T* vh, i64 k0, i64 n, i64 R, Buffers<A>& buf) {
+  values_axpy(a, head_rows(a, vh, vh, k0), n, R, buf);     // (its K rows are not read)
 }
 
 // acc (R, D_v) += P (R, n) . V_tile through brgemm (gemm; V converted to A when needed),
@@ -318,7 +359,7 @@ void attend_item(const Args<A>& a, const T* q, const T* k, const T* v, const Ite
   for_each_tile(a, it, by_gemm, [&](i64 k0, i64 n, i64 npad, TileKind kind, const Sub* subs,
                                      int count) {
     if (by_gemm) scores_gemm(a, kh, it, k0, n, subs, count, buf);
-    else scores_dot(a, kh, vh, k0, n, R, buf);
+    else scores_dot(a, head_rows(a, kh, vh, k0), n, R, buf);
     rows_pass(a, it, k0, n, npad, kind, buf);
     if (by_gemm) values_gemm(a, vh, it, k0, n, subs, count, buf);
     else values_axpy(a, vh, k0, n, R, buf);

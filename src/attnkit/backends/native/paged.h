@@ -22,6 +22,11 @@
 // thread's buffers. A long sequence is split into several items (each about 1/8 of a
 // thread's share of the keys), which the threads take one at a time, so one long sequence
 // does not leave a core idle; a sequence's splits are merged by LSE.
+// On the dot loops the H_kv items of one (sequence, query block, split) are one task, run
+// tile by tile with every head's rows of a tile read before the next tile: a page holds a
+// token's heads side by side (slot stride H_kv * D), so one head alone reads D of every
+// H_kv * D elements (a strided walk: fp32 decode took 2.2x the CPU time of the same keys
+// stored head by head), while all heads together read the page's tokens whole.
 #pragma once
 #include <array>
 #include <atomic>
@@ -73,77 +78,13 @@ void rows_of_tile(const Pages<T>& pg, i64 s, i64 kvh, i64 k0, i64 n, const T** k
   }
 }
 
-// S (R, BK) <- q_r . k_j for the tile's n keys (rows krow), four keys at a time; K rows
-// `AHEAD` on (up to n_ptr) and this tile's V rows are prefetched.
-template <typename A, typename T>
-void scores_dot_rows(const Args<A>& a, const T* const* krow, const T* const* vrow, i64 n,
-                     i64 n_ptr, i64 R, Buffers<A>& buf) {
-  using V = vec<A>;
-  constexpr int L = lanes<A>;
-  A* tmp = buf.tmp4.data();                                // (4, DKP) converted K rows
-  i64 j = 0;
-  for (; j + 4 <= n; j += 4) {
-    const T* src[4];
-    for (int u = 0; u < 4; ++u) {
-      if (j + u + AHEAD < n_ptr) prefetch_row(krow[j + u + AHEAD], a.Dk);
-      prefetch_row(vrow[j + u], a.Dv);
-      src[u] = krow[j + u];
-    }
-    as_rows4(src, a.Dk, a.DKP, tmp, [&](const auto& kj) {
-      dot4(buf.q.data(), R, a.DKP, kj, buf.s.data() + j);
-    });
-  }
-  for (; j < n; ++j) {
-    const A* kj = as_compute(krow[j], tmp, a.Dk, a.DKP);  // k_j (DKP,)
-    for (i64 r = 0; r < R; ++r) {
-      const A* qr = buf.q.data() + r * a.DKP;
-      V acc = splat(A(0));
-      for (i64 d = 0; d < a.DKP; d += L) acc += load(qr + d) * load(kj + d);
-      buf.s[r * BK + j] = hsum(acc);
-    }
-  }
-}
-
-// acc (R, D_v) += P[:, j] v_j for one key, rows with P == 0 skipped (V read only when used).
-template <typename A, typename T>
-inline void value_one_row(const Args<A>& a, const T* vj_src, i64 j, i64 R, Buffers<A>& buf) {
-  const A* vj = nullptr;
-  for (i64 r = 0; r < R; ++r) {
-    const A p = buf.s[r * BK + j];
-    if (p == A(0)) continue;
-    if (!vj) vj = as_compute(vj_src, buf.tmp4.data(), a.Dv, a.DVP);
-    A* ar = buf.acc.data() + r * a.DVP;
-    const vec<A> vp = splat(p);
-    for (i64 d = 0; d < a.DVP; d += lanes<A>) store(ar + d, load(ar + d) + vp * load(vj + d));
-  }
-}
-
-// acc (R, D_v) += P (R, n) . V_tile (rows vrow), four keys per pass where all their P are
-// nonzero, else key by key (a key with P == 0 is never read).
-template <typename A, typename T>
-void values_axpy_rows(const Args<A>& a, const T* const* vrow, i64 n, i64 n_ptr, i64 R,
-                      Buffers<A>& buf) {
-  A* tmp = buf.tmp4.data();
-  i64 j = 0;
-  for (; j + 4 <= n; j += 4) {
-    bool dense = true;
-    for (i64 r = 0; r < R && dense; ++r)
-      for (int u = 0; u < 4; ++u) dense = dense && buf.s[r * BK + j + u] != A(0);
-    if (!dense) {
-      for (int u = 0; u < 4; ++u) value_one_row(a, vrow[j + u], j + u, R, buf);
-      continue;
-    }
-    const T* src[4];
-    for (int u = 0; u < 4; ++u) {
-      if (j + u + AHEAD < n_ptr) prefetch_row(vrow[j + u + AHEAD], a.Dv);
-      src[u] = vrow[j + u];
-    }
-    as_rows4(src, a.Dv, a.DVP, tmp, [&](const auto& vj) {
-      axpy4(buf.s.data() + j, R, a.DVP, vj, buf.acc.data());
-    });
-  }
-  for (; j < n; ++j) value_one_row(a, vrow[j], j, R, buf);
-}
+// A tile's K/V rows as rows_of_tile lists them: the dot loops' Rows (forward.h).
+template <typename T> struct ListedRows {
+  const T* const* kr; const T* const* vr;
+  i64 end;                          // rows listed
+  const T* k(i64 j) const { return kr[j]; }
+  const T* v(i64 j) const { return vr[j]; }
+};
 
 // Eight floats at p, converted in registers (the 8 x 8 transpose's loads).
 typedef float v8f __attribute__((vector_size(32)));
@@ -237,12 +178,16 @@ template <typename A> struct TileCache {
 
 // A thread's buffers on the paged loops.
 template <typename A, typename T> struct PagedBuffers {
-  std::vector<const T*> krow, vrow;                        // (TILE_PTRS,) row addresses
+  std::vector<const T*> krow, vrow;                        // (H_kv, TILE_PTRS) row addresses
   std::vector<A> t8;                                       // (8, D_k) rows being transposed
   TileCache<A> cache;
   i64 tiles;                                               // tiles a cache holds
+  std::vector<Buffers<A>> heads;                           // a dot task's buffers, per head
   PagedBuffers(const Args<A>& a, i64 max_tiles)
-      : krow(TILE_PTRS), vrow(TILE_PTRS), t8(8 * a.Dk), tiles(max_tiles) {}
+      : krow(a.Hkv * TILE_PTRS), vrow(a.Hkv * TILE_PTRS), t8(8 * a.Dk), tiles(max_tiles) {}
+  ListedRows<T> rows(i64 h, i64 end) const {               // head h's listed rows
+    return {krow.data() + h * TILE_PTRS, vrow.data() + h * TILE_PTRS, end};
+  }
 };
 
 // The tile [k0, k0 + n) of the item on the GEMM loop: Kᵀ and V converted (from the thread's
@@ -308,7 +253,7 @@ void gemm_tile_pass(const Args<A>& a, const Pages<T>& pg, const PagedSeq& seq,
          buf.s.data() + r0 * BK + j0);
   });
   rows_pass(a, it, k0, n, npad, kind, buf);
-  if (!finite) return values_axpy_rows(a, pb.vrow.data(), n, filled, a.G * it.nr, buf);
+  if (!finite) return values_axpy(a, pb.rows(0, filled), n, a.G * it.nr, buf);
   for_each_block(subs, count, a.G, it.nr, [&](i64 r0, i64 m, i64 j0, i64 nj) {
     gemm(m, a.Dv, nj, BK, a.DVP, a.DVP, true, buf.s.data() + r0 * BK + j0, vt + j0 * a.DVP,
          buf.acc.data() + r0 * a.DVP);
@@ -327,28 +272,75 @@ void gather_q_packed(const Args<A>& a, const T* q, const i64 (&sq)[2], const Pag
     }
 }
 
-// One item over its keys through the block table: acc, m, l in buf (R = G * nr rows).
+// Whether an item runs on the dot loops: fewer than 16 rows (brgemm pays off from 16).
+template <typename A> inline bool on_dot_loop(const Args<A>& a, const Item& it) {
+  return a.G * it.nr < 16;
+}
+
+// acc, m, l of R rows <- empty (no key yet).
+template <typename A> inline void clear_rows(const Args<A>& a, i64 R, Buffers<A>& buf) {
+  std::fill(buf.acc.begin(), buf.acc.begin() + R * a.DVP, A(0));
+  std::fill(buf.m.begin(), buf.m.begin() + R, A(NEG_INF));
+  std::fill(buf.l.begin(), buf.l.begin() + R, A(0));
+}
+
+// One item over its keys on the GEMM loop: acc, m, l in buf (R = G * nr rows).
 template <typename A, typename T>
 void attend_paged_item(const Args<A>& a, const Pages<T>& pg, const T* q, const i64 (&sq)[2],
                        const PagedSeq& seq, const PagedItem& pi, Buffers<A>& buf,
                        PagedBuffers<A, T>& pb) {
   const Item& it = pi.it;
-  const i64 R = a.G * it.nr;
-  const bool by_gemm = R >= 16;                            // brgemm pays off from 16 rows
-  std::fill(buf.acc.begin(), buf.acc.begin() + R * a.DVP, A(0));
-  std::fill(buf.m.begin(), buf.m.begin() + R, A(NEG_INF));
-  std::fill(buf.l.begin(), buf.l.begin() + R, A(0));
+  clear_rows(a, a.G * it.nr, buf);
   if (it.ke <= it.kb || it.nr <= 0) return;
   gather_q_packed(a, q, sq, seq, pi, buf);
-  for_each_tile(a, it, by_gemm, [&](i64 k0, i64 n, i64 npad, TileKind kind, const Sub* subs,
-                                     int count) {
-    if (by_gemm) return gemm_tile_pass(a, pg, seq, pi, k0, n, npad, kind, subs, count, buf, pb);
-    const i64 n_ptr = std::min(TILE_PTRS, it.ke - k0);   // this tile and the prefetched rows
-    rows_of_tile(pg, pi.s, pi.kvh, k0, n_ptr, pb.krow.data(), pb.vrow.data());
-    scores_dot_rows(a, pb.krow.data(), pb.vrow.data(), n, n_ptr, R, buf);
-    rows_pass(a, it, k0, n, npad, kind, buf);
-    values_axpy_rows(a, pb.vrow.data(), n, n_ptr, R, buf);
+  for_each_tile(a, it, true, [&](i64 k0, i64 n, i64 npad, TileKind kind, const Sub* subs,
+                                  int count) {
+    gemm_tile_pass(a, pg, seq, pi, k0, n, npad, kind, subs, count, buf, pb);
   });
+}
+
+// The H_kv items its[h] (head h) of one (sequence, query block, split) on the dot loops,
+// tile by tile, every head's rows of the tile before the next tile (the page order): acc,
+// m, l of head h in pb.heads[h] (R = G * nr rows each).
+template <typename A, typename T>
+void attend_paged_task(const Args<A>& a, const Pages<T>& pg, const T* q, const i64 (&sq)[2],
+                       const PagedSeq& seq, const PagedItem* const* its,
+                       PagedBuffers<A, T>& pb) {
+  const Item& it = its[0]->it;                             // keys and rows: every head's
+  const i64 R = a.G * it.nr;
+  for (i64 h = 0; h < a.Hkv; ++h) clear_rows(a, R, pb.heads[h]);
+  if (it.ke <= it.kb || it.nr <= 0) return;
+  for (i64 h = 0; h < a.Hkv; ++h) gather_q_packed(a, q, sq, seq, *its[h], pb.heads[h]);
+  for_each_tile(a, it, false, [&](i64 k0, i64 n, i64 npad, TileKind kind, const Sub*, int) {
+    const i64 n_ptr = std::min(TILE_PTRS, it.ke - k0);   // this tile and the prefetched rows
+    for (i64 h = 0; h < a.Hkv; ++h)
+      rows_of_tile(pg, its[h]->s, h, k0, n_ptr, pb.krow.data() + h * TILE_PTRS,
+                   pb.vrow.data() + h * TILE_PTRS);
+    for (i64 h = 0; h < a.Hkv; ++h) scores_dot(a, pb.rows(h, n_ptr), n, R, pb.heads[h]);
+    for (i64 h = 0; h < a.Hkv; ++h) rows_pass(a, its[h]->it, k0, n, npad, kind, pb.heads[h]);
+    for (i64 h = 0; h < a.Hkv; ++h) values_axpy(a, pb.rows(h, n_ptr), n, R, pb.heads[h]);
+  });
+}
+
+// The item's rows (acc, m, l in buf) finished into out / lse, or into its split's partial
+// slots po (rows, D_v) / pl (rows,) when the sequence has several splits.
+template <typename A, typename T>
+void finish_item(const Args<A>& a, const PagedSeq& seq, const PagedItem& pi,
+                 const Buffers<A>& buf, T* out, A* lse, A* po, A* pl) {
+  const i64 nr = pi.it.nr, slot_rows = a.G * seq.rows;
+  for (i64 g = 0; g < a.G; ++g)
+    for (i64 r_i = 0; r_i < nr; ++r_i) {                   // row (head kvh * G + g, query r_i)
+      const i64 r = g * nr + r_i;
+      const A* acc = buf.acc.data() + r * a.DVP;
+      if (seq.splits == 1) {
+        const i64 flat = (seq.q_first + pi.qb * seq.rows + r_i) * a.Hq + pi.kvh * a.G + g;
+        finish_row(acc, buf.m[r], buf.l[r], a.Dv, out + flat * a.Dv, lse + flat);
+      } else {
+        const i64 slot = seq.part0 + ((pi.kvh * seq.nqb + pi.qb) * seq.splits + pi.c) *
+                                         slot_rows + r;
+        finish_row(acc, buf.m[r], buf.l[r], a.Dv, po + slot * a.Dv, pl + slot);
+      }
+    }
 }
 
 // The partials of one (sequence, K/V head, query block) merged by LSE into out / lse (the
@@ -367,17 +359,37 @@ void merge_paged(const Args<A>& a, const PagedSeq& seq, i64 kvh, i64 qb, const A
     }
 }
 
-// The sequences' items, taken by the threads one at a time; then the splits merged.
+// A task of a call: one GEMM-loop item, or the H_kv items of one (sequence, query block,
+// split) on the dot loops, head h's at first + h * stride (plan_paged's order: sequence,
+// head, query block, split).
+struct PagedTask {
+  i64 first, stride;
+  bool dot;
+};
+template <typename A>
+std::vector<PagedTask> paged_tasks(const Args<A>& a, const std::vector<PagedSeq>& seqs,
+                                   const std::vector<PagedItem>& items) {
+  std::vector<PagedTask> tasks;
+  for (i64 i = 0; i < i64(items.size()); ++i) {
+    const PagedItem& pi = items[i];
+    if (!on_dot_loop(a, pi.it)) tasks.push_back({i, 0, false});
+    else if (pi.kvh == 0) tasks.push_back({i, seqs[pi.s].nqb * seqs[pi.s].splits, true});
+  }
+  return tasks;
+}
+
+// The sequences' tasks, taken by the threads one at a time; then the splits merged.
 // alibi: (S, H_q) slopes in A, or null.
 template <typename A, typename T>
 void run_paged(const Args<A>& a, const Pages<T>& pg, const T* q, const i64 (&sq)[2],
                const std::vector<PagedSeq>& seqs, const std::vector<PagedItem>& items,
                i64 n_part_rows, const A* alibi, T* out, A* lse) {
   std::vector<A> po(n_part_rows * a.Dv), pl(n_part_rows);
-  const i64 n_items = i64(items.size());
-  const i64 T_ = std::max<i64>(1, std::min<i64>(at::get_num_threads(), n_items));
-  // each thread takes the next item when done with one (a thread slowed by other load, or
-  // given the dear items, does not leave the others idle); items are small (plan_paged)
+  const std::vector<PagedTask> tasks = paged_tasks(a, seqs, items);
+  const i64 n_tasks = i64(tasks.size());
+  const i64 T_ = std::max<i64>(1, std::min<i64>(at::get_num_threads(), n_tasks));
+  // each thread takes the next task when done with one (a thread slowed by other load, or
+  // given the dear tasks, does not leave the others idle); tasks are small (plan_paged)
   std::atomic<i64> next{0};
   i64 max_rows = 1, max_tiles = 1;
   for (const auto& s : seqs) {
@@ -387,26 +399,22 @@ void run_paged(const Args<A>& a, const Pages<T>& pg, const T* q, const i64 (&sq)
   at::parallel_for(0, T_, 1, [&](i64, i64) {
     Buffers<A> buf(a, a.G * max_rows);
     PagedBuffers<A, T> pb(a, max_tiles);
+    std::vector<const PagedItem*> its(a.Hkv);
     Args<A> as = a;                                        // this sequence's ALiBi slopes
-    for (i64 i = next++; i < n_items; i = next++) {
-      const PagedItem& pi = items[i];
-      const PagedSeq& seq = seqs[pi.s];
-      as.alibi = alibi ? alibi + pi.s * a.Hq : nullptr;
-      attend_paged_item(as, pg, q, sq, seq, pi, buf, pb);
-      const i64 nr = pi.it.nr, slot_rows = a.G * seq.rows;
-      for (i64 g = 0; g < a.G; ++g)
-        for (i64 r_i = 0; r_i < nr; ++r_i) {
-          const i64 r = g * nr + r_i;
-          const A* acc = buf.acc.data() + r * a.DVP;
-          if (seq.splits == 1) {
-            const i64 flat = (seq.q_first + pi.qb * seq.rows + r_i) * a.Hq + pi.kvh * a.G + g;
-            finish_row(acc, buf.m[r], buf.l[r], a.Dv, out + flat * a.Dv, lse + flat);
-          } else {
-            const i64 slot = seq.part0 + ((pi.kvh * seq.nqb + pi.qb) * seq.splits + pi.c) *
-                                             slot_rows + r;
-            finish_row(acc, buf.m[r], buf.l[r], a.Dv, po.data() + slot * a.Dv, pl.data() + slot);
-          }
-        }
+    for (i64 t = next++; t < n_tasks; t = next++) {
+      const PagedTask& task = tasks[t];
+      const PagedSeq& seq = seqs[items[task.first].s];
+      as.alibi = alibi ? alibi + items[task.first].s * a.Hq : nullptr;
+      if (!task.dot) {
+        attend_paged_item(as, pg, q, sq, seq, items[task.first], buf, pb);
+        finish_item(a, seq, items[task.first], buf, out, lse, po.data(), pl.data());
+        continue;
+      }
+      while (i64(pb.heads.size()) < a.Hkv) pb.heads.emplace_back(a, a.G * max_rows);
+      for (i64 h = 0; h < a.Hkv; ++h) its[h] = &items[task.first + h * task.stride];
+      attend_paged_task(as, pg, q, sq, seq, its.data(), pb);
+      for (i64 h = 0; h < a.Hkv; ++h)
+        finish_item(a, seq, *its[h], pb.heads[h], out, lse, po.data(), pl.data());
     }
   });
   if (n_part_rows == 0) return;
