@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 import pathlib
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -16,7 +18,8 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "attnkit"
 
 # What must not be spelled anywhere in src/attnkit but _compat.py.
 PRIVATE = ["_scaled_dot_product_flash_attention_for_cpu", "_pytree", "DisableTorchFunction",
-           "_global_mapping", "_ForceDispatchKeyGuard", "_dispatch_tls_local"]
+           "_global_mapping", "_ForceDispatchKeyGuard", "_dispatch_tls_local",
+           "_disable_dynamo", "compiler.disable"]
 
 
 def test_private_apis_are_reached_from_compat_only():
@@ -96,3 +99,33 @@ def test_hf_builtin_attention_names():
 
     builtin = integration._BUILTIN_NAMES                  # taken before attnkit registers
     assert {"sdpa", "eager"} <= builtin and "attnkit" not in builtin
+
+
+def test_run_outside_graph_breaks_the_graph_and_runs_eagerly():
+    seen = []
+
+    @_compat.run_outside_graph
+    def outside(x):
+        seen.append(torch.compiler.is_compiling())     # False: not traced
+        return x * 2
+
+    def f(x):
+        return outside(x + 1) - 1
+
+    x = torch.arange(4.0)
+    torch.compiler.reset()
+    assert torch.equal(torch.compile(f, backend="eager")(x), f(x))
+    assert seen == [False, False]
+    torch.compiler.reset()
+    with pytest.raises(Exception, match="(?i)skip|disable|graph break"):
+        torch.compile(f, backend="eager", fullgraph=True)(x)
+
+
+def test_import_attnkit_does_not_import_dynamo():
+    # Dynamo's import is most of an import's time; only compiling needs it.
+    code = ("import sys, torch, attnkit as ak; q = torch.randn(1, 2, 5, 8); "
+            "ak.attention(q, q, q, mask=ak.masks.causal()); "
+            "print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "False"

@@ -18,17 +18,22 @@ there rather than as a wrong answer somewhere else.
 - :func:`hf_builtin_attention_names`: the names of transformers' own attention
   implementations, ``AttentionInterface._global_mapping`` (so registering ``"attnkit"`` never
   shadows ``"sdpa"``); transformers is optional and imported only when asked.
+- :func:`run_outside_graph`: ``torch._disable_dynamo``, ``torch.compiler.disable`` with the
+  import of ``torch._dynamo`` put off to the decorated function's first call. The public
+  decorator imports Dynamo at once, and that import is most of ``import attnkit``'s time
+  (~2.5 s of ~2.9 s on a 2-core machine) though only a compiling user ever needs it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.utils._pytree as _pytree
 
 __all__ = ["flash_cpu", "flash_cpu_backward", "tree_flatten", "tree_leaves",
-           "torch_function_disabled", "hf_builtin_attention_names"]
+           "torch_function_disabled", "hf_builtin_attention_names", "run_outside_graph"]
 
 flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 flash_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -47,6 +52,12 @@ def tree_leaves(tree: Any) -> list[Any]:
 # ``with torch_function_disabled():`` tensor methods called inside skip every
 # ``__torch_function__`` override and mode (a class, used as a context manager).
 torch_function_disabled = torch._C.DisableTorchFunction
+
+
+def run_outside_graph(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run eagerly, outside any graph torch.compile / torch.export is tracing (a graph
+    break), as ``torch.compiler.disable(fn)`` does, without importing Dynamo before the call."""
+    return torch._disable_dynamo(fn)
 
 
 def hf_builtin_attention_names() -> frozenset[str]:

@@ -72,6 +72,7 @@ from typing import Any
 import torch
 
 from . import masks as _masks
+from ._compat import run_outside_graph
 from .backends.base import Problem, compute_dtype
 from .eager import (
     Prepared,
@@ -538,7 +539,7 @@ def _backward(ctx: Any, grad_out: Tensor | None, grad_lse: Tensor | None) -> tup
 attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-@torch.compiler.disable
+@run_outside_graph
 def eager_fallback(q: Any, k: Any, v: Any, **options: Any) -> Any:
     """The plain eager :func:`attnkit.attention`, run outside any graph being traced."""
     return attend(q, k, v, **options)
@@ -671,7 +672,7 @@ def _weights_backward(ctx: Any, grad_weights: Tensor) -> tuple[Any, ...]:
 attention_weights_op.register_autograd(_weights_backward, setup_context=_weights_setup_context)
 
 
-@torch.compiler.disable
+@run_outside_graph
 def _eager_weights_outside(q: Tensor, k: Tensor, v: Tensor, **options: Any) -> Tensor:
     """:func:`_eager_weights` run outside any graph being traced."""
     return _eager_weights(q, k, v, **options)
