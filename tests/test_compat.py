@@ -121,11 +121,14 @@ def test_run_outside_graph_breaks_the_graph_and_runs_eagerly():
         torch.compile(f, backend="eager", fullgraph=True)(x)
 
 
-def test_import_attnkit_does_not_import_dynamo():
-    # Dynamo's import is most of an import's time; only compiling needs it.
+def test_eager_calls_import_neither_dynamo_nor_sympy():
+    # Dynamo's import is most of ``import attnkit``'s time, sympy's (through
+    # torch.broadcast_shapes) most of a first score_mod call's; only compiling needs them.
     code = ("import sys, torch, attnkit as ak; q = torch.randn(1, 2, 5, 8); "
-            "ak.attention(q, q, q, mask=ak.masks.causal()); "
-            "print('torch._dynamo' in sys.modules)")
+            "ak.attention(q, q, q, mask=ak.masks.causal() & ak.masks.from_fn("
+            "lambda b, h, i, j: i >= j - 2)); "
+            "ak.attention(q, q, q, score_mod=lambda s, b, h, i, j: s - (i - j).abs()); "
+            "print(sorted(m for m in ('torch._dynamo', 'sympy') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
-    assert out.strip() == "False"
+    assert out.strip() == "[]"

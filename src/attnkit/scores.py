@@ -53,6 +53,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ._shapes import broadcast_shapes
+
 __all__ = ["ScoreMod", "ScoreTerm", "Alibi", "RelativeBias", "soft_cap", "alibi_slopes", "alibi",
            "relative_bias", "per_element", "flex_semantics", "checked_score_mod", "fn_name",
            "unwrap", "ScoreTerms", "score_terms", "NO_SCORE_TERMS"]
@@ -241,7 +243,7 @@ def per_element(fn: Callable[..., Any], *, with_score: bool = True) -> Callable[
         if len(idx) != 4:
             raise TypeError(f"expected 4 index tensors (b, h, q_idx, kv_idx), got {len(idx)}")
         idx = [torch.as_tensor(i) for i in idx]
-        shape = torch.broadcast_shapes(*(i.shape for i in idx),
+        shape = broadcast_shapes(*(i.shape for i in idx),
                                        *(() if score is None else (score.shape,)))
         if len(shape) == 4:
             vecs = [_axis_vector(t, a, shape[a]) for a, t in enumerate(idx)]
@@ -281,7 +283,7 @@ def _result_problem(y: Any, shape: tuple[int, ...], want_float: bool,
     if not want_float and y.dtype != torch.bool:
         return f"returned dtype {y.dtype}, not torch.bool"
     try:
-        ok = torch.broadcast_shapes(y.shape, shape) == torch.Size(shape)
+        ok = broadcast_shapes(y.shape, shape) == torch.Size(shape)
     except RuntimeError:
         ok = False
     if not ok:

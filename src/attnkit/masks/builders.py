@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import torch
 
+from .._shapes import broadcast_shapes
 from ..scores import flex_semantics
 from .core import Band, Documents, Lengths, Mask
 
@@ -46,7 +47,7 @@ def _band(lo: float, hi: float, align: str, name: str) -> Mask:
             out = upper if out is None else out & upper
         if out is None:
             return torch.ones((), dtype=torch.bool, device=q.device).expand(
-                torch.broadcast_shapes(q.shape, k.shape))
+                broadcast_shapes(q.shape, k.shape))
         return out
 
     def blocks(qs, qe, ks, ke, n_q, n_k):  # noqa: ANN001, ANN202
@@ -63,10 +64,10 @@ def full() -> Mask:
 
     def fn(b, h, q, k, n_q, n_k):  # noqa: ANN001, ANN202
         return torch.ones((), dtype=torch.bool, device=q.device).expand(
-            torch.broadcast_shapes(q.shape, k.shape))
+            broadcast_shapes(q.shape, k.shape))
 
     def blocks(qs, qe, ks, ke, n_q, n_k):  # noqa: ANN001, ANN202
-        t = torch.ones(torch.broadcast_shapes(qs.shape, ks.shape), dtype=torch.bool,
+        t = torch.ones(broadcast_shapes(qs.shape, ks.shape), dtype=torch.bool,
                        device=qs.device)
         return t, t
 
@@ -380,7 +381,7 @@ def from_fn(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
     scalar.__name__ = scalar.__qualname__ = label      # errors name the mask
 
     def wrapped(b, h, q, k, n_q, n_k):  # noqa: ANN001, ANN202
-        shape = torch.broadcast_shapes(b.shape, h.shape, q.shape, k.shape)
+        shape = broadcast_shapes(b.shape, h.shape, q.shape, k.shape)
         if 0 in shape:
             return torch.zeros(shape, dtype=torch.bool, device=q.device)
         call = flex_semantics(scalar, with_score=False, batch=shape[0], heads=shape[1],

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .._shapes import broadcast_shapes
+
 __all__ = [
     "EMPTY",
     "PARTIAL",
@@ -290,7 +292,7 @@ class Mask:
         while out.dim() < 4:
             out = out.unsqueeze(0)
         try:
-            torch.broadcast_shapes(out.shape, shape)
+            broadcast_shapes(out.shape, shape)
             if out.dim() > 4:
                 raise RuntimeError
         except RuntimeError:
@@ -300,7 +302,7 @@ class Mask:
                 "bool per (b, h, q_idx, kv_idx)"
             ) from None
         # minimal: dims the mask does not depend on stay 1 (a from_fn mask that ignores b/h)
-        return out.expand(torch.broadcast_shapes(out.shape, (1, 1) + shape[2:]))
+        return out.expand(broadcast_shapes(out.shape, (1, 1) + shape[2:]))
 
     def to_dense(
         self,

@@ -42,6 +42,7 @@ import math
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from ..._shapes import broadcast_shapes
 from ...scores import soft_cap, soft_cap_, soft_cap_grad
 from ..base import Problem, compute_dtype, finish, refuse_double_backward, softmax_shift
 from . import compiled
@@ -94,7 +95,7 @@ def _block(p: Problem, blk: Block, chunk_k: int, qb: torch.Tensor, k: torch.Tens
                 x = p.score_mod(x, bi, hi, qi, ki)
             if bias is not None:
                 bt = bias_tile(bias, q0, q1, k0, k1)
-                x = x.add_(bt) if ip and x.shape == torch.broadcast_shapes(x.shape, bt.shape) \
+                x = x.add_(bt) if ip and x.shape == broadcast_shapes(x.shape, bt.shape) \
                     else x + bt
             if run.masked and p.mask is not None:
                 allowed = allowed_tile(p, q0, q1, k0, k1)              # (B|1, H_q|1, bq, L)
