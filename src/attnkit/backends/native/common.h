@@ -168,6 +168,38 @@ inline vd vtanh(vd x) {
 }
 inline vd vtanh_small(vd x) { return vtanh(x); }
 
+// W / lanes<A> values at p as a vector of the compute type, converted in registers.
+inline vf load_vec(const float* p) { return load(p); }
+inline vd load_vec(const double* p) { return load(p); }
+inline vf load_vec(const at::BFloat16* p) {              // bfloat16 = a float's top half
+#if defined(__AVX512F__)
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+#elif defined(__AVX2__)
+  // one vpmovzxwd from memory and a shift (GCC's generic vector code widened the two
+  // halves separately and joined them: six instructions per eight values instead of two)
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16);
+#else
+  typedef uint16_t v16 __attribute__((vector_size(W * 2)));
+  typedef uint32_t v32 __attribute__((vector_size(W * 4)));
+  v16 h;
+  std::memcpy(&h, p, sizeof h);
+  return (vf)(__builtin_convertvector(h, v32) << 16);
+#endif
+}
+inline vf load_vec(const at::Half* p) {
+#if defined(__F16C__) && defined(__AVX512F__)
+  return (vf)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__F16C__) && (defined(__AVX2__) || defined(__AVX__))
+  return (vf)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  vf v;
+  for (int i = 0; i < W; ++i) v[i] = float(p[i]);
+  return v;
+#endif
+}
+
 // ------------------------------------------------------------------ dtype conversion
 // dst[0:n] = A(src[0:n]), dst[n:npad] = 0 (A = compute_t<T>).
 template <typename T, typename A> inline void row_to_compute(const T* src, A* dst, i64 n,
@@ -182,16 +214,9 @@ template <typename T, typename A> inline void row_to_compute(const T* src, A* ds
 // bfloat16 is the top half of a float32: widen and shift, W at a time.
 template <> inline void row_to_compute<at::BFloat16, float>(const at::BFloat16* src, float* dst,
                                                             i64 n, i64 npad) {
-  typedef uint16_t v16 __attribute__((vector_size(W * 2)));
-  typedef uint32_t v32 __attribute__((vector_size(W * 4)));
   const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
   i64 i = 0;
-  for (; i + W <= n; i += W) {
-    v16 h;
-    std::memcpy(&h, s + i, sizeof h);
-    v32 w = __builtin_convertvector(h, v32) << 16;
-    std::memcpy(dst + i, &w, sizeof w);
-  }
+  for (; i + W <= n; i += W) store(dst + i, load_vec(src + i));
   for (; i < n; ++i) {
     uint32_t w = uint32_t(s[i]) << 16;
     std::memcpy(dst + i, &w, 4);
@@ -243,28 +268,6 @@ inline void as_rows4(const T* const (&src)[4], i64 n, i64 npad, A* tmp, F f) {
 template <typename T> inline void prefetch_row(const T* row, i64 n) {
   const char* p = reinterpret_cast<const char*>(row);
   for (i64 b = 0; b < n * i64(sizeof(T)); b += 64) __builtin_prefetch(p + b, 0, 2);
-}
-
-// W / lanes<A> values at p as a vector of the compute type, converted in registers.
-inline vf load_vec(const float* p) { return load(p); }
-inline vd load_vec(const double* p) { return load(p); }
-inline vf load_vec(const at::BFloat16* p) {              // bfloat16 = a float's top half
-  typedef uint16_t v16 __attribute__((vector_size(W * 2)));
-  typedef uint32_t v32 __attribute__((vector_size(W * 4)));
-  v16 h;
-  std::memcpy(&h, p, sizeof h);
-  return (vf)(__builtin_convertvector(h, v32) << 16);
-}
-inline vf load_vec(const at::Half* p) {
-#if defined(__F16C__) && defined(__AVX512F__)
-  return (vf)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-#elif defined(__F16C__) && (defined(__AVX2__) || defined(__AVX__))
-  return (vf)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-#else
-  vf v;
-  for (int i = 0; i < W; ++i) v[i] = float(p[i]);
-  return v;
-#endif
 }
 
 // Whether x (n,) holds no inf/NaN: x * 0 is NaN exactly there; summed lane-wise (a scalar
