@@ -1104,8 +1104,8 @@ static inline int64_t ak_ipow(int64_t a, int64_t e) {
 
 
 def _rows(gen: Gen, out: _Val, fn: str) -> str:
-    """The loop over one row, ``template <bool E> int fn(...)``: b, h, q, k0 (and kv) as
-    int64, or as int32 for the narrow variant (``gen.limit``)."""
+    """The loop over one row, ``template <bool E> int fn(...)``: b, h, q, k0, kv and the
+    key counter j as int64, or as int32 for the narrow variant (``gen.limit``)."""
     caps = "".join(f"  const {t}* __restrict c{i} = static_cast<const {t}*>(caps[{i}]);\n"
                    for i, t in enumerate(gen.cap_types))
     S = gen.score_ct                                           # the row's C type
@@ -1118,17 +1118,18 @@ def _rows(gen: Gen, out: _Val, fn: str) -> str:
             tail.append(f"dx[j] = {f'({S})(' + out.tan + ')' if out.tan else f'({S})0'};")
         return "".join(f"      {s}\n" for s in lines + tail)
 
-    head = f"    const {P} kv = k0 + ({P})j;\n    const {S} s = x[j];\n"
+    head = f"    const {P} kv = k0 + j;\n    const {S} s = x[j];\n"
     simd = "#pragma omp simd reduction(|:bad, big)\n"          # with -fopenmp-simd
+    loop = f"    for ({P} j = 0; j < ({P})n; ++j) {{\n"            # (narrow: n <= the limit)
     return ("template <bool E>\n"
             f"static inline int {fn}({S}* __restrict x, {S}* __restrict dx, int64_t n,\n"
             f"                       {P} b, {P} h, {P} q, {P} k0,\n"
             "                       const void* const* caps, int& big_out) {\n"
             f"{caps}  int bad = 0, big = 0;\n  (void)b; (void)h; (void)q;\n"
             f"  if (dx) {{\n    const {S} ts = ({S})1; (void)ts;\n"
-            f"{simd}    for (int64_t j = 0; j < n; ++j) {{\n{head}{body(True)}    }}\n"
+            f"{simd}{loop}{head}{body(True)}    }}\n"
             "  } else {\n"
-            f"{simd}    for (int64_t j = 0; j < n; ++j) {{\n{head}{body(False)}    }}\n"
+            f"{simd}{loop}{head}{body(False)}    }}\n"
             "  }\n  big_out = big;\n  return bad;\n}\n\n")
 
 
