@@ -268,3 +268,50 @@ def test_targets_are_judged_only_at_their_own_sizes():
                          for line in quick)
     assert all("not judged" in line for line in quick)
     assert not any("issue" in what for _, _, _, what in bench._TARGETS)
+
+
+def test_a_variants_baseline_is_timed_in_the_same_rounds(monkeypatch):
+    """The baseline row of an option's case (soft-cap vs the plain causal call) is timed in
+    the case's own rounds, alternating with the variant, and its ratio comes from those
+    runs — not from the baseline case's own (earlier) timing."""
+    import attnkit as ak
+
+    calls: list[str] = []
+    real = ak.attention
+
+    def spy(*args, **kwargs):
+        calls.append("softcap" if kwargs.get("softcap") else "plain")
+        return real(*args, **kwargs)
+
+    timed: list[str] = []
+    fake = {"softcap": 2.0, "plain": 1.0, "other": 0.5}       # seconds per run, by call
+
+    def fake_time(fn):
+        n = len(calls)
+        fn()
+        timed.append(calls[-1] if len(calls) > n else "other")
+        return fake[timed[-1]]
+
+    monkeypatch.setattr(ak, "attention", spy)
+    monkeypatch.setattr(bench, "_time_once", fake_time)
+    small = {"d": 16, "heads": 2, "sgemm_n": 64, "repeat": 3, "mask": "causal", "peers": ()}
+    base = bench.Case("causal fwd N=64", 64, 64, **small)
+    base.results["timings"] = {"attnkit": bench.Timing(100.0, 0.0, 3)}   # stale: not used
+    case = bench.Case("soft-cap fwd N=64", 64, 64, softcap=30.0, baseline=base.name, **small)
+    bench.run_case(case, 1e9, (None, "off"), naive_limit_gb=1.5, baseline=base)
+    assert timed == ["softcap", "plain", "other"] * 3           # variant, baseline, sgemm
+    recs = {r["impl"]: r for r in case.results["records"]}
+    assert recs["attnkit"]["median_s"] == 2.0
+    assert recs["baseline"]["median_s"] == 1.0 and recs["baseline"]["ratio"] == 0.5
+    assert recs["baseline"]["runs"] == 3
+    assert "timed alternating with it" in recs["baseline"]["peer"]
+
+
+def test_a_baseline_of_other_shapes_is_refused():
+    base = bench.Case("causal fwd N=64", 64, 64, mask="causal")
+    other = bench.Case("soft-cap fwd N=32", 32, 32, softcap=30.0, baseline=base.name)
+    import torch
+
+    q = torch.zeros(1, 8, 32, 64)
+    with pytest.raises(ValueError, match="differs in more than"):
+        bench._baseline_inputs(other, base, q, q, q)

@@ -8,7 +8,9 @@ with ``torch.compile`` (forward only; compile time apart; when it cannot compile
 is shown); **naive** — the materialised ``softmax(QKᵀ·scale + M) V`` (skipped when its
 scores would not fit comfortably); **baseline** — for an option's cost (softcap, ALiBi),
 attnkit on the same call without it (softcap, ALiBi, a relative-bias table, a user Python
-score_mod: the plain causal call; a float16/bfloat16 K/V cache: the float32 cache).
+score_mod: the plain causal call; a float16/bfloat16 K/V cache: the float32 cache), timed in
+the case's own rounds, alternating with the call it is compared with (the baseline case's
+own row, timed at another moment, would fold the machine's changes into the ratio).
 
 Columns: median time of the case's runs; ``speedup (>1 = attnkit faster)`` = peer time ÷
 attnkit time; ``eff`` = useful FLOPs ÷ time ÷ the sgemm FLOP/s measured in this same case
@@ -283,6 +285,20 @@ def _useful_pairs(c: Case, mask: object) -> float:
     return (1.0 - mask.sparsity(c.n_q, c.n_k)) * c.n_q * c.n_k  # type: ignore[union-attr]
 
 
+def _baseline_inputs(c: Case, base: Case, q: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The case's inputs for its baseline's call: the same tensors, or the same values in
+    the baseline's dtype (the float32 cache of a bf16 cache's case)."""
+    shape = ("batch", "heads", "kv_heads", "n_q", "n_k", "d", "backward")
+    if any(getattr(c, f) != getattr(base, f) for f in shape):
+        raise ValueError(f"baseline {base.name!r} of {c.name!r} differs in more than its "
+                         "options and dtype")
+    dt = getattr(torch, base.dtype)
+    if dt == q.dtype:
+        return q, k, v
+    return tuple(t.detach().to(dt).requires_grad_(c.backward) for t in (q, k, v))  # type: ignore[return-value]
+
+
 def run_case(c: Case, bw: float, flex: tuple[Callable | None, str],
              naive_limit_gb: float, baseline: Case | None = None) -> list[tuple[str, str]]:
     """Run one case; returns printable (label, line) rows and fills ``c.results`` (its
@@ -290,8 +306,9 @@ def run_case(c: Case, bw: float, flex: tuple[Callable | None, str],
 
     The sgemm yardstick (and, for decode, the read bandwidth) is measured inside the case,
     interleaved with the implementations; ``bw`` is used only when the case has no read
-    yardstick of its own. ``baseline``: the case (already run) whose attnkit time this
-    case's option is compared with."""
+    yardstick of its own. ``baseline``: the case whose call (attnkit, same shapes, without
+    this case's option) this case's is compared with — run here, interleaved run by run
+    with the others, on the same inputs; the baseline case's own results are not used."""
     import attnkit as ak
 
     torch.manual_seed(0)
@@ -312,11 +329,13 @@ def run_case(c: Case, bw: float, flex: tuple[Callable | None, str],
         v.requires_grad_(True)
     go = torch.randn(B, H, c.n_q, d, dtype=dt)
 
-    def step(f: Callable[[], torch.Tensor]) -> Callable[[], None]:
+    def step(f: Callable[[], torch.Tensor],
+             leaves: tuple[torch.Tensor, ...] = ()) -> Callable[[], None]:
+        leaves = leaves or (q, k, v, *extra_grads)             # whose gradients it clears
+
         def run() -> None:
             if c.backward:
-                q.grad = k.grad = v.grad = None
-                for t in extra_grads:
+                for t in leaves:
                     t.grad = None
                 f().backward(go)
             else:
@@ -327,6 +346,14 @@ def run_case(c: Case, bw: float, flex: tuple[Callable | None, str],
     impls: dict[str, Callable[[], None]] = {}
     impls["attnkit"] = step(lambda: ak.attention(q, k, v, mask=mask, softcap=c.softcap,
                                                  score_mod=score_mod))
+    if baseline is not None:                 # timed in these rounds, right after attnkit
+        qb, kb, vb = _baseline_inputs(c, baseline, q, k, v)
+        mask_b = _mask_objects(baseline)[0]
+        mod_b, grads_b = _score_mod(baseline)
+        impls["_baseline"] = step(lambda: ak.attention(qb, kb, vb, mask=mask_b,
+                                                       softcap=baseline.softcap,
+                                                       score_mod=mod_b),
+                                  (qb, kb, vb, *grads_b))
     skipped: dict[str, str] = {}
     if "sdpa" in c.peers:
         if c.softcap is not None or score_mod is not None:
@@ -385,13 +412,16 @@ def run_case(c: Case, bw: float, flex: tuple[Callable | None, str],
         t0 = time.perf_counter()
         fn_()                                              # warm-up (compiles, if it does)
         first[name] = time.perf_counter() - t0
-    peaks = {name: _peak_once(fn_) for name, fn_ in impls.items()}  # one untimed run each
+    peaks = {name: _peak_once(fn_) for name, fn_ in impls.items()   # one untimed run each
+             if not name.startswith("_")}                               # (not the yardsticks)
     per: dict[str, list[float]] = {n: [] for n in impls}
     for _ in range(c.repeat):
         for name, fn_ in impls.items():
             per[name].append(_time_once(fn_))
-    timings = {n: Timing(statistics.median(per[n]), peaks[n], c.repeat) for n in impls}
+    timings = {n: Timing(statistics.median(per[n]), peaks.get(n, 0.0), c.repeat)
+               for n in impls}
     flops_s = 2 * n_g**3 / timings.pop("_sgemm").median_s
+    base_t = timings.pop("_baseline", None)
     c.results["sgemm_samples"] = [2 * n_g**3 / t for t in per["_sgemm"]]
     if "_read" in timings:
         bw = xr.numel() * 4 / timings.pop("_read").median_s
@@ -416,11 +446,12 @@ def run_case(c: Case, bw: float, flex: tuple[Callable | None, str],
         elif name not in skipped:
             continue
         records.append(rec)
-    if baseline is not None and "timings" in baseline.results:
-        tb = baseline.results["timings"]["attnkit"].median_s  # type: ignore[index]
-        records.append({"case": c.name, "impl": "baseline", "runs": baseline.repeat,
+    if baseline is not None and base_t is not None:
+        tb = base_t.median_s
+        records.append({"case": c.name, "impl": "baseline", "runs": c.repeat,
                         "peer": f"attnkit on '{baseline.name}' (the same call without "
-                                "this option; < 1 = what the option costs)",
+                                "this option, timed alternating with it; < 1 = what the "
+                                "option costs)",
                         "median_s": tb, "ratio": tb / ta, "eff": None, "eff_of": None,
                         "peak_mb": None, "skipped": None, "compile_s": None,
                         "first_s": None})
@@ -627,7 +658,8 @@ def _weight(c: Case) -> float:
     """A rough cost of a case (FLOPs of every implementation and yardstick, all runs), for
     the time-left estimate."""
     per = 4.0 * c.batch * c.heads * c.n_q * c.n_k * c.d * (3.5 if c.backward else 1.0)
-    return (c.repeat + 1) * (per * (1 + len(c.peers)) + 2 * c.sgemm_n**3
+    runs = 1 + len(c.peers) + (c.baseline is not None)         # (the baseline: timed here)
+    return (c.repeat + 1) * (per * runs + 2 * c.sgemm_n**3
                              + (c.read_mb * 2**20 if c.name.startswith("decode") else 0))
 
 

@@ -407,3 +407,104 @@ def test_captured_tensors_are_read_in_their_own_dtype() -> None:
         y, _ = call(compiled, torch.zeros(n, dtype=F64), i)
         rows = mismatches(y, t[:n].double(), False, F64)
         assert not len(rows), (DTYPES[i], rows, y[rows], t[rows])
+
+
+# ---------------------------------------------------------------- positions: int32 and int64
+# Rows whose b, h, q and keys are below codegen.POSITION_LIMIT (2^24) run the narrow variant
+# (int64 position arithmetic held in int32 where its interval fits: AVX2 vectorises it); the
+# others the wide one. Both must give torch's int64 results: beside the limit, across it, and
+# far beyond it (|q - kv| small at 2^40, sums past 2^31, products past 2^53).
+M = 40
+SLOPES32 = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+TABLE = torch.randn(4, 2 * M + 1, generator=torch.Generator().manual_seed(7)).double()
+IDS = torch.tensor([0, 0, 1, 1, 1, 2, 3, 3], dtype=torch.int32)
+POSITION_MODS: dict[str, Callable] = {
+    "alibi": lambda s, b, h, q, kv: s - SLOPES32[h] * (q - kv),
+    "abs_sqrt": lambda s, b, h, q, kv: s - 0.02 * (q - kv).abs().to(s.dtype).sqrt(),
+    "sum_past_int32": lambda s, b, h, q, kv: s + (q + kv).to(s.dtype) * 1e-9,
+    "product": lambda s, b, h, q, kv: s + (q * kv % 1000003).to(s.dtype) + (q * kv).to(s.dtype),
+    "clamped_table": lambda s, b, h, q, kv: s + TABLE[h, (q - kv).clamp(-M, M) + M].to(s.dtype),
+    "blocks": lambda s, b, h, q, kv: (s + ((q // 64) == (kv // 64)).to(s.dtype)
+                                      + (kv % 7 - torch.fmod(kv - q, 5)).to(s.dtype)
+                                      + (torch.div(q - kv, -3, rounding_mode="trunc") * 2
+                                         ).to(s.dtype)),
+    "where_minmax": lambda s, b, h, q, kv: torch.where(
+        q >= kv, s, s - torch.maximum(kv - q, b - h * 3).to(s.dtype)) + torch.minimum(
+        (q - kv).relu() * 5, torch.full_like(q, 100)).to(s.dtype),
+    "casts_bits": lambda s, b, h, q, kv: (s + (q - kv).int().to(s.dtype)
+                                          + (q - kv).to(torch.int16).to(s.dtype)
+                                          + ((kv & 255) ^ (q | 3)).to(s.dtype)
+                                          + (~(q - kv)).sign().to(s.dtype)),
+    "captured_int32": lambda s, b, h, q, kv: s + (IDS[kv % 8].long() * (q - kv)).to(s.dtype),
+}
+LIM = 2**24
+ROWS = [(0, 3, 0, 0, 40), (1, 2, 37, 5, 60), (0, 1, LIM - 1, LIM - 40, 40),  # narrow
+        (0, 1, LIM, LIM - 40, 40), (0, 0, 5, LIM - 20, 40),                    # just past
+        (2, 3, 2**31 - 1, 2**31 - 20, 40), (0, 2, 2**40, 2**40 - 25, 50),       # far past
+        (1, 1, 3, 2**32 - 7, 30), (0, 3, 2**33 + 1, 0, 30),   # |q - kv| past 2^32: no wrap
+        (2**33, 1, 2**53 + 3, 2**53 - 10, 20)]
+
+
+def call_at(mod: sm.CompiledScoreMod, x: torch.Tensor, b: int, h: int, q: int, k0: int,
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The compiled function on row ``x`` of keys k0 .. k0 + n - 1: (values, d / d score)."""
+    c = mod.bind()
+    y, dy = x.clone().to(mod.dtype), torch.zeros(len(x), dtype=mod.dtype)
+    _FN(c.address)(y.data_ptr(), dy.data_ptr(), len(x), b, h, q, k0, c.caps_address)
+    c.check()
+    return y, dy
+
+
+def torch_at(fn: Callable, x: torch.Tensor, b: int, h: int, q: int, k0: int,
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch on the whole row (int64 index tensors): the values and d / d score."""
+    n = len(x)
+    x = x.clone().requires_grad_(True)
+    idx = [torch.full((n,), i, dtype=torch.int64) for i in (b, h, q)]
+    y = fn(x, *idx, torch.arange(k0, k0 + n, dtype=torch.int64))
+    g, = torch.autograd.grad(y.sum(), x)
+    return y.detach(), g
+
+
+def generated(fn: Callable, dtype: torch.dtype) -> str:
+    from attnkit.backends.native import codegen
+
+    gm, ex = sm._trace(fn, dtype)
+    wide, narrow = Gen(gm, ex, True, dtype), Gen(gm, ex, True, dtype, codegen.POSITION_LIMIT)
+    return codegen.source(wide, wide.run(), (narrow, narrow.run()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("name", list(POSITION_MODS))
+def test_positions_in_int32_and_int64_give_torchs_results(name: str, dtype: torch.dtype,
+                                                           ) -> None:
+    fn = POSITION_MODS[name]
+    compiled = sm.compile_score_mod(fn, dtype=dtype, grad=True)
+    g = torch.Generator().manual_seed(8)
+    for b, h, q, k0, n in ROWS:
+        x = torch.randn(n, generator=g, dtype=dtype)
+        y, dy = call_at(compiled, x, b, h, q, k0)
+        want, dwant = torch_at(fn, x, b, h, q, k0)
+        approx = name == "abs_sqrt" and dtype == torch.float32   # torch's own float32 sqrt
+        rows = mismatches(y, want, approx, dtype)
+        assert not len(rows), (name, (b, h, q, k0), rows.tolist(), y[rows].tolist(),
+                               want[rows].tolist())
+        torch.testing.assert_close(dy, dwant, rtol=0, atol=0)
+
+
+def test_position_arithmetic_is_held_in_int32_below_the_limit() -> None:
+    """The narrow variant computes ALiBi's and the user score_mod's positions in int32
+    (int64 -> float has no AVX2 instruction), the wide one in int64; a product that can
+    pass int32 stays int64 in both; a score-only function has one variant."""
+    for name in ("alibi", "abs_sqrt", "clamped_table", "blocks"):
+        src = generated(POSITION_MODS[name], torch.float32)
+        wide, narrow = src.split("static inline int ak_rows_n(")
+        body = narrow.split('extern "C"')[0]
+        assert "const int32_t v0 = " in body and "int64_t v" not in body, (name, body)
+        assert "const int64_t v0 = " in wide.split("static inline int ak_rows(")[1]
+        assert f"n <= INT64_C({2**24}) - k0" in src
+    prod = generated(POSITION_MODS["product"], torch.float32).split("ak_rows_n(")[1]
+    assert "const int64_t v0 = (((int64_t)(q)) * ((int64_t)(kv)));" in prod
+    gm, _ = sm._trace(lambda s, b, h, q, kv: torch.tanh(s), torch.float32)
+    from attnkit.backends.native.codegen import uses_positions
+    assert not uses_positions(gm)

@@ -10,11 +10,17 @@ Shape legend::
 
     s, ts           the score (S: float, or double for float64 inputs) and its derivative by
                     itself (1)
-    b, h, q, kv     int64 indices; kv = k0 + j for key j of the row
+    b, h, q, kv     int64 indices (int32 in the narrow variant); kv = k0 + j for key j
     vN, tN          node N's value and derivative        cN  captured tensor N (flat, C order)
 
 Caution
 -------
+- Two variants of the loop: the wide one (int64 nodes in int64, valid for any position) and,
+  when the score_mod reads b, h, q_idx or kv_idx, the narrow one (``Gen(limit=...)``), which
+  the generated function runs while b, h, q and every key are below ``POSITION_LIMIT``
+  (2^24): there each int64 node whose interval (followed from the positions' bounds, the
+  literals and the captured dtypes) fits int32 is computed in int32 — the same values, so the
+  same results, in the lanes AVX2 has (its int64 -> float conversion is scalar).
 - Every node computes what torch computes for it (the table test,
   ``tests/backends/test_native_score_mod_ops.py``, compares each op and dtype to torch):
   float32 / float64 nodes in float / double; float16 / bfloat16 nodes in float, each result
@@ -45,7 +51,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-__all__ = ["Gen", "Unsupported", "source"]
+__all__ = ["POSITION_LIMIT", "Gen", "Unsupported", "source", "uses_positions"]
 
 
 class Unsupported(Exception):
@@ -65,6 +71,7 @@ class _Val:
     tan: str | None = None
     lit: bool = False
     const: bool = False
+    rng: tuple[int, int] | None = None   # an integer value's interval (None: its dtype's)
 
 
 @dataclass
@@ -119,12 +126,13 @@ def _is_int(ct: str) -> bool:
 
 def _literal(x: Any) -> _Val:
     if isinstance(x, bool):
-        return _Val("true" if x else "false", "bool", torch.bool, lit=True)
+        return _Val("true" if x else "false", "bool", torch.bool, lit=True,
+                    rng=(int(x), int(x)))
     if isinstance(x, int):
         if not -2**63 <= x < 2**63:
             raise Unsupported(f"integer {x} does not fit int64")
         code = "INT64_MIN" if x == -2**63 else f"INT64_C({x})"
-        return _Val(code, "int64_t", torch.int64, lit=True)
+        return _Val(code, "int64_t", torch.int64, lit=True, rng=(x, x))
     if isinstance(x, float):
         if math.isnan(x):
             code = "(double)NAN"
@@ -148,9 +156,11 @@ def _cast(v: _Val, ct: str) -> str:
     return f"(({ct})({v.code}))"
 
 
-def _conv(v: _Val, dtype: torch.dtype) -> str:
-    """``v`` converted to torch dtype ``dtype`` (float16 / bfloat16: rounded to the format)."""
-    code = _cast(v, _ctype(dtype))
+def _conv(v: _Val, dtype: torch.dtype, ct: str | None = None) -> str:
+    """``v`` converted to torch dtype ``dtype`` (float16 / bfloat16: rounded to the format);
+    ``ct``: the C type an integer node computes in, where not its dtype's (int64 narrowed to
+    int32, :meth:`Gen.work`)."""
+    code = _cast(v, ct or _ctype(dtype))
     if dtype in _HALF and v.dtype != dtype:
         code = f"{_HALF[dtype]}({code})"
     return code
@@ -163,6 +173,122 @@ def _tan(v: _Val, ct: str) -> str | None:
 def _sum(*terms: str | None) -> str | None:
     got = [t for t in terms if t is not None]
     return None if not got else "(" + " + ".join(got) + ")"
+
+
+# ---------------------------------------------------------------- integer intervals
+# The narrow variant (``Gen(limit=POSITION_LIMIT)``) knows b, h, q_idx, kv_idx < the limit and
+# follows each integer node's interval (Python ints: exact); an int64 node whose interval
+# fits int32 is computed and held in int32 — the same value, so every later op and
+# conversion gives the same result, but in lanes AVX2 has (int64 -> float conversions, and
+# int64 // through double, have no AVX2 instruction: such loops ran scalar).
+POSITION_LIMIT = 1 << 24      # b, h, q, k0 + n up to this: the narrow variant (else the wide)
+_I32 = (-2**31, 2**31 - 1)
+_LIMITS = {torch.int8: (-2**7, 2**7 - 1), torch.int16: (-2**15, 2**15 - 1), torch.int32: _I32,
+           torch.int64: (-2**63, 2**63 - 1), torch.uint8: (0, 255), torch.bool: (0, 1)}
+Range = tuple[int, int]
+
+
+def _within(r: Range | None, bounds: Range) -> bool:
+    return r is not None and bounds[0] <= r[0] and r[1] <= bounds[1]
+
+
+def _rng(v: _Val) -> Range | None:
+    """An integer or bool value's interval (its dtype's whole range where not known);
+    None for a float."""
+    if _is_float(v.ctype) or v.dtype not in _LIMITS:
+        return None
+    return v.rng or _LIMITS[v.dtype]
+
+
+def _wrapped(r: Range | None, dtype: torch.dtype) -> Range | None:
+    """The interval of a node of integer ``dtype`` whose exact result lies in ``r`` (None:
+    unknown): ``r`` where it fits the dtype, else the dtype's range (the value wraps)."""
+    lim = _LIMITS.get(dtype)
+    if lim is None:
+        return None
+    return r if _within(r, lim) else lim
+
+
+def _hull(*rs: Range) -> Range:
+    return min(r[0] for r in rs), max(r[1] for r in rs)
+
+
+def _int_range(name: str, r: list[Range | None], kw: dict[str, Any]) -> Range | None:
+    """Interval of an integer op's exact result from its operands' intervals ``r`` (None:
+    a float operand); None where not bounded. ``kw``: clamp's bounds (``lo``, ``hi``)."""
+    if name in _COMPARE or name in ("logical_and", "logical_or", "logical_xor", "not"):
+        return (0, 1)
+    if name == "clamp":
+        lo, hi = kw.get("lo"), kw.get("hi")
+        if r[0] is None or (kw.get("has_lo") and lo is None) or (kw.get("has_hi") and
+                                                                  hi is None):
+            return None
+        a = r[0]
+        if lo is not None:                                  # as applied: lo, then hi
+            a = (max(a[0], lo[0]), max(a[1], lo[1]))
+        if hi is not None:
+            a = (min(a[0], hi[0]), min(a[1], hi[1]))
+        return a
+    if name in ("remainder", "fmod") and len(r) == 2 and r[1] is not None:
+        mb = max(abs(r[1][0]), abs(r[1][1]))                # |a % b| < |b| (b = 0: 0)
+        if name == "remainder":                             # b's sign
+            if r[1][0] > 0:
+                return (0, r[1][1] - 1)
+            if r[1][1] < 0:
+                return (r[1][0] + 1, 0)
+            return (-max(mb - 1, 0), max(mb - 1, 0))
+        if r[0] is None:
+            return None
+        m = min(max(mb - 1, 0), max(abs(r[0][0]), abs(r[0][1])))   # a's sign, |.| <= |a|
+        return (0 if r[0][0] >= 0 else -m, 0 if r[0][1] <= 0 else m)
+    if name in ("and", "bitwise_and") and len(r) == 2:    # a non-negative operand bounds it
+        pos = [x for x in r if x is not None and x[0] >= 0]
+        return (0, min(x[1] for x in pos)) if pos else None
+    if any(x is None for x in r):
+        return None
+    if name in ("or", "xor", "bitwise_or", "bitwise_xor"):
+        if all(x[0] >= 0 for x in r):
+            return (0, 2 ** max(x[1] for x in r).bit_length() - 1)
+        return None
+    if len(r) == 1:
+        (lo, hi), = r
+        if name in _CASTS or name in _SAME or name in ("detach", "pos", "floor", "ceil",
+                                                       "trunc", "round", "fill"):
+            return lo, hi
+        if name == "neg":
+            return -hi, -lo
+        if name in ("abs", "square"):
+            m = (0 if lo <= 0 <= hi else min(abs(lo), abs(hi)), max(abs(lo), abs(hi)))
+            return m if name == "abs" else (m[0] ** 2, m[1] ** 2)
+        if name == "sign":
+            return (lo > 0) - (lo < 0), (hi > 0) - (hi < 0)
+        if name == "relu":
+            return max(lo, 0), max(hi, 0)
+        if name == "invert":
+            return -hi - 1, -lo - 1
+        return None
+    if len(r) != 2:
+        return None
+    (a0, a1), (b0, b1) = r
+    if name == "add":
+        return a0 + b0, a1 + b1
+    if name == "sub":
+        return a0 - b1, a1 - b0
+    if name == "rsub":
+        return b0 - a1, b1 - a0
+    if name == "mul":
+        ps = [a0 * b0, a0 * b1, a1 * b0, a1 * b1]
+        return min(ps), max(ps)
+    if name in ("minimum", "fmin"):
+        return min(a0, b0), min(a1, b1)
+    if name in ("maximum", "fmax"):
+        return max(a0, b0), max(a1, b1)
+    if name in ("where", "masked_fill"):                   # the two values' hull
+        return _hull((a0, a1), (b0, b1))
+    if name in ("floor_divide", "trunc_divide", "div"):   # |a // b| <= |a| (b = 0: a)
+        m = max(abs(a0), abs(a1))
+        return -m, m
+    return None
 
 
 # name -> (value template, derivative template or None = 0); a = operand, y = the result,
@@ -261,12 +387,15 @@ class Gen:
     inputs) or float64 (its double rows). After :meth:`run`: ``caps`` the captured tensors
     (the graph's own objects: their data is read at each call), ``cap_stores`` the dtype the
     kernel reads each as, ``exact`` whether a row may need its exact (integer-division)
-    rerun."""
+    rerun. ``limit``: the narrow variant, valid while b, h, q_idx, kv_idx < ``limit`` (their
+    int64 nodes in int32 where their intervals fit, see ``POSITION_LIMIT``); None: the wide
+    one, valid everywhere."""
 
     def __init__(self, gm: fx.GraphModule, examples: dict[fx.Node, Any], grad: bool,
-                 score_dtype: torch.dtype = torch.float32) -> None:
+                 score_dtype: torch.dtype = torch.float32, limit: int | None = None) -> None:
         self.gm, self.ex, self.grad = gm, examples, grad
         self.score_dtype = score_dtype
+        self.limit = limit
         self.score_ct = _ctype(score_dtype)
         self.lines: list[tuple[bool, str]] = []      # (is a derivative line, C statement)
         self.caps: list[torch.Tensor] = []
@@ -285,6 +414,54 @@ class Gen:
         v = self.new(ct, expr)
         t = self.new(ct, tan, tangent=True) if (tan is not None and _is_float(ct)) else None
         return _Val(v, ct, dtype, t)
+
+    def narrow(self, r: Range | None) -> bool:
+        """Whether an int64 value of interval ``r`` is held in int32 (the narrow variant)."""
+        return self.limit is not None and _within(r, _I32)
+
+    def work(self, dtype: torch.dtype, r: Range | None, operands: list[_Val]) -> str:
+        """The C type an integer node of ``dtype`` and interval ``r`` computes in: int32_t
+        for an int64 node of the narrow variant whose integer operands and result all fit
+        int32 (no op can overflow there), else its dtype's own."""
+        ct = _ctype(dtype)
+        if ct == "int64_t" and self.narrow(r) and all(
+                self.narrow(_rng(v)) for v in operands if not _is_float(v.ctype)):
+            return "int32_t"
+        return ct
+
+    def held(self, v: Any, r: Range | None) -> Any:
+        """An integer node's value with its interval ``r``; an int64 one computed in int64
+        whose interval fits int32 (``clamp(table[kv], 0, 99)``) is then held in int32."""
+        if not isinstance(v, _Val) or _is_float(v.ctype):
+            return v
+        v.rng = r
+        if v.ctype == "int64_t" and self.narrow(r):
+            return _Val(self.new("int32_t", f"((int32_t)({v.code}))"), "int32_t", v.dtype, rng=r)
+        return v
+
+    def int_operands(self, name: str, args: tuple, kwargs: dict,
+                     ) -> tuple[list[_Val], dict[str, Any]]:
+        """The operands an integer node's interval (and C type) depends on, and clamp's
+        bounds (for :func:`_int_range`)."""
+        kw: dict[str, Any] = {}
+        if name in ("full_like", "zeros_like", "ones_like"):
+            fill = {"zeros_like": 0, "ones_like": 1}.get(name)
+            return [self.operand(args[1] if fill is None else fill)], kw
+        if name == "where":
+            return [self.operand(x) for x in args[1:3]], kw
+        if name == "masked_fill":
+            return [self.operand(args[0]), self.operand(args[2])], kw
+        if name in ("clamp", "clamp_min", "clamp_max"):
+            lo, hi = self.clamp_bounds(name, args, kwargs)
+            for key, x in (("lo", lo), ("hi", hi)):
+                if x is not None:
+                    kw["has_" + key] = True
+                    kw[key] = _rng(self.operand(x))
+            return [self.operand(args[0])] + [self.operand(x) for x in (lo, hi)
+                                              if x is not None], kw
+        if name in _BINARY:
+            return [self.operand(args[0]), self.operand(args[1])], kw
+        return [self.operand(args[0])], kw
 
     def rounded(self, v: _Val) -> _Val:
         """A float16 / bfloat16 node's value (and derivative) rounded to its format."""
@@ -312,10 +489,17 @@ class Gen:
 
     def load(self, p: _Part) -> _Val:
         off, stride = [], 1
+        small = math.prod(p.shape) < 2**31          # every offset fits int32
         for d in range(len(p.shape) - 1, -1, -1):
-            i = self.new("int64_t", f"ak_idx({_cast(p.idx[d], 'int64_t')}, "  # type: ignore[arg-type]
-                                    f"INT64_C({p.shape[d]}), bad)")
-            off.append(f"{i} * INT64_C({stride})")
+            ix: _Val = p.idx[d]                                      # type: ignore[assignment]
+            if small and self.narrow(_rng(ix)):     # the narrow variant's int32 index
+                i = self.new("int32_t", f"ak_idx32({_cast(ix, 'int32_t')}, "
+                                        f"INT32_C({p.shape[d]}), bad)")
+                off.append(f"{i} * INT32_C({stride})")
+            else:
+                i = self.new("int64_t", f"ak_idx({_cast(ix, 'int64_t')}, "
+                                        f"INT64_C({p.shape[d]}), bad)")
+                off.append(f"{i} * INT64_C({stride})")
             stride *= p.shape[d]
         addr = " + ".join(off) if off else "0"
         if stride < 2**31:          # clamped indices: the offset fits int32 (faster gathers)
@@ -352,8 +536,9 @@ class Gen:
 
     def run(self) -> _Val:
         env: dict[fx.Node, Any] = {}
+        pos = ("int64_t", None) if self.limit is None else ("int32_t", (0, self.limit - 1))
         holders = iter([_Val("s", self.score_ct, self.score_dtype, "ts")] +
-                       [_Val(n, "int64_t", torch.int64) for n in ("b", "h", "q", "kv")])
+                       [_Val(n, pos[0], torch.int64, rng=pos[1]) for n in ("b", "h", "q", "kv")])
         for node in self.gm.graph.nodes:
             if node.op == "placeholder":
                 env[node] = next(holders)
@@ -411,16 +596,28 @@ class Gen:
                               f"(example: {type(ex).__name__} {getattr(ex, 'shape', '')})")
         dtype = ex.dtype
         ct = _ctype(dtype)
+        if _is_float(ct):
+            return self.elementwise(name, args, kwargs, ct, dtype)
+        vals, kw = self.int_operands(name, args, kwargs)
+        op = "fill" if name.endswith("_like") else (
+            name if name != "clamp_min" and name != "clamp_max" else "clamp")
+        r = _wrapped(_int_range(op, [_rng(v) for v in vals], kw), dtype)
+        return self.held(self.elementwise(name, args, kwargs, self.work(dtype, r, vals), dtype),
+                         r)
+
+    def elementwise(self, name: str, args: tuple, kwargs: dict, ct: str,
+                    dtype: torch.dtype) -> _Val:
+        """One elementwise node of ``dtype``, computed in C type ``ct``."""
         if name in _CASTS or name in _SAME:
             a = self.operand(args[0])
-            return self.value(ct, dtype, _conv(a, dtype), _tan(a, ct))
+            return self.value(ct, dtype, _conv(a, dtype, ct), _tan(a, ct))
         if name == "detach":
             a = self.operand(args[0])
-            return self.value(ct, dtype, _conv(a, dtype), None)
+            return self.value(ct, dtype, _conv(a, dtype, ct), None)
         if name in ("full_like", "zeros_like", "ones_like"):
             fill = {"zeros_like": 0, "ones_like": 1}.get(name)
             f = self.operand(args[1] if fill is None else fill)
-            return self.value(ct, dtype, _conv(f, dtype), None)
+            return self.value(ct, dtype, _conv(f, dtype, ct), None)
         if name in _UNARY or name in ("invert", "not"):
             return self.unary(name, self.operand(args[0]), ct, dtype, kwargs)
         if name in ("clamp", "clamp_min", "clamp_max"):
@@ -432,12 +629,14 @@ class Gen:
             t = None
             if a.tan or b.tan:
                 t = f"({cc} ? {_tan(a, ct) or '(' + ct + ')0'} : {_tan(b, ct) or '(' + ct + ')0'})"
-            return self.value(ct, dtype, f"({cc} ? {_conv(a, dtype)} : {_conv(b, dtype)})", t)
+            return self.value(ct, dtype,
+                              f"({cc} ? {_conv(a, dtype, ct)} : {_conv(b, dtype, ct)})", t)
         if name == "masked_fill":
             a, m, f = (self.operand(x) for x in args[:3])
             mc = _cast(m, "bool")
             t = None if a.tan is None else f"({mc} ? ({ct})0 : {_tan(a, ct)})"
-            return self.value(ct, dtype, f"({mc} ? {_conv(f, dtype)} : {_conv(a, dtype)})", t)
+            return self.value(ct, dtype,
+                              f"({mc} ? {_conv(f, dtype, ct)} : {_conv(a, dtype, ct)})", t)
         if name in _BINARY:
             if kwargs.get("alpha", 1) != 1:
                 raise Unsupported(f"{name} with alpha")
@@ -453,13 +652,13 @@ class Gen:
         if name in ("invert", "not"):
             if ct == "bool":
                 return self.value(ct, dtype, f"(!{_cast(a, 'bool')})", None)
-            return self.value(ct, dtype, f"(~{_conv(a, dtype)})", None)
+            return self.value(ct, dtype, f"(~{_conv(a, dtype, ct)})", None)
         if not _is_float(ct) and name not in _INT_UNARY:
             raise Unsupported(f"{name} on integers")
         val_t, tan_t = _UNARY[name]
         if not _is_float(ct) and name in ("floor", "ceil", "trunc", "round"):
             val_t = "{a}"
-        ac = _conv(a, dtype)
+        ac = _conv(a, dtype, ct)
         y = self.new(ct, val_t.format(a=ac).replace("(T)", f"({ct})"))
         t = None
         if tan_t is not None and a.tan is not None and _is_float(ct):
@@ -467,22 +666,27 @@ class Gen:
                          tangent=True)
         return _Val(y, ct, dtype, t)
 
-    def clamp(self, name: str, args: tuple, kwargs: dict, ct: str, dtype: torch.dtype) -> _Val:
-        a = self.operand(args[0])
+    @staticmethod
+    def clamp_bounds(name: str, args: tuple, kwargs: dict) -> tuple[Any, Any]:
         lo = kwargs.get("min", args[1] if len(args) > 1 and name != "clamp_max" else None)
         hi = kwargs.get("max", args[2] if len(args) > 2 else (
             args[1] if name == "clamp_max" and len(args) > 1 else None))
-        A = _conv(a, dtype)
+        return lo, hi
+
+    def clamp(self, name: str, args: tuple, kwargs: dict, ct: str, dtype: torch.dtype) -> _Val:
+        a = self.operand(args[0])
+        lo, hi = self.clamp_bounds(name, args, kwargs)
+        A = _conv(a, dtype, ct)
         code, conds, tan = A, [], _tan(a, ct)
         lo_v = None if lo is None else self.operand(lo)
         hi_v = None if hi is None else self.operand(hi)
         _same_promotion(name, [v for v in (a, lo_v, hi_v) if v is not None], dtype)
         if lo_v is not None:                             # NaN in a bound: NaN, as torch
-            code = f"ak_clamp_lo<{ct}>({code}, {_conv(lo_v, dtype)})"
-            conds.append(f"{A} >= {_conv(lo_v, dtype)}")
+            code = f"ak_clamp_lo<{ct}>({code}, {_conv(lo_v, dtype, ct)})"
+            conds.append(f"{A} >= {_conv(lo_v, dtype, ct)}")
         if hi_v is not None:
-            code = f"ak_clamp_hi<{ct}>({code}, {_conv(hi_v, dtype)})"
-            conds.append(f"{A} <= {_conv(hi_v, dtype)}")
+            code = f"ak_clamp_hi<{ct}>({code}, {_conv(hi_v, dtype, ct)})"
+            conds.append(f"{A} <= {_conv(hi_v, dtype, ct)}")
         t = None
         if _is_float(ct):
             parts = []
@@ -503,7 +707,8 @@ class Gen:
                 cdt = torch.result_type(*[_example(e, v) for e, v in zip(ex, (a, b),
                                                                          strict=True)])
                 _same_promotion(name, [a, b], cdt)
-                cmp = f"({_conv(a, cdt)} {_COMPARE[name]} {_conv(b, cdt)})"
+                cct = self.work(cdt, _I32, [a, b]) if not cdt.is_floating_point else None
+                cmp = f"({_conv(a, cdt, cct)} {_COMPARE[name]} {_conv(b, cdt, cct)})"
             else:
                 cmp = f"({_cast(a, 'bool')} {_LOGIC[name]} {_cast(b, 'bool')})"
             return self.value("bool", torch.bool, cmp, None)
@@ -514,14 +719,14 @@ class Gen:
             if name in _SHIFT:
                 if ct == "bool":
                     raise Unsupported(f"{name} of bools")
-                return self.value(ct, dtype, f"{_SHIFT[name]}<{ct}>({_conv(a, dtype)}, "
-                                             f"{_conv(b, dtype)})", None)
+                return self.value(ct, dtype, f"{_SHIFT[name]}<{ct}>({_conv(a, dtype, ct)}, "
+                                             f"{_conv(b, dtype, ct)})", None)
             op = {"and": "&&", "or": "||", "xor": "!="}.get(name) if ct == "bool" else None
             return self.value(ct, dtype, f"({_cast(a, ct)} {op or _LOGIC[name]} {_cast(b, ct)})",
                               None)
         keep = name in _OPMATH_SCALAR                      # a Python number stays in float
-        A = _cast(a, ct) if keep and a.lit else _conv(a, dtype)
-        B = _cast(b, ct) if keep and b.lit else _conv(b, dtype)
+        A = _cast(a, ct) if keep and a.lit else _conv(a, dtype, ct)
+        B = _cast(b, ct) if keep and b.lit else _conv(b, dtype, ct)
         ta, tb = (_tan(a, ct), _tan(b, ct)) if _is_float(ct) else (None, None)
         fl = _is_float(ct)
         if name == "rsub":
@@ -544,11 +749,11 @@ class Gen:
                 f = "ak_ffloordiv" if name == "floor_divide" else "ak_ftruncdiv"
                 return self.value(ct, dtype, f"{f}({A}, {B})", None)
             f = "ak_floordiv" if name == "floor_divide" else "ak_truncdiv"
-            return self.value(ct, dtype, self.intdiv(f, A, B, ct), None)
+            return self.value(ct, dtype, self.intdiv(f, A, B, ct, dtype), None)
         if name in ("remainder", "fmod"):
             if not fl:
                 f = "ak_mod" if name == "remainder" else "ak_fmod_i"
-                return self.value(ct, dtype, self.intdiv(f, A, B, ct), None)
+                return self.value(ct, dtype, self.intdiv(f, A, B, ct, dtype), None)
             if name == "remainder":                      # torch: fmod, moved to b's sign
                 return self.value(ct, dtype, f"ak_fremainder({A}, {B})", _sum(
                     ta, None if tb is None else f"(-{tb} * ak_ffloordiv({A}, {B}))"))
@@ -610,9 +815,12 @@ class Gen:
             return self.value(ct, dtype, f"{call}({A}, {B})", t)
         raise Unsupported(f"op {name!r}")
 
-    def intdiv(self, f: str, A: str, B: str, ct: str) -> str:
+    def intdiv(self, f: str, A: str, B: str, ct: str, dtype: torch.dtype) -> str:
         """Integer // or %: through double, exact below 2^53 (int64 operands beyond set
-        ``big``: the row runs again, exactly, see :func:`source`)."""
+        ``big``: the row runs again, exactly, see :func:`source`); an int64 node narrowed to
+        int32 (operands and result within int32, never INT32_MIN // -1) by its int32 form."""
+        if ct == "int32_t" and dtype == torch.int64:
+            return f"{f}32({A}, {B}, bad)"
         self.exact |= ct == "int64_t"
         return f"{f}<E>({A}, {B}, bad, big)"
 
@@ -833,6 +1041,11 @@ static inline int64_t ak_idx(int64_t i, int64_t size, int& bad) {
   bad |= (i < 0) | (i >= size);
   return i < 0 ? 0 : (i >= size ? size - 1 : i);
 }
+static inline int32_t ak_idx32(int32_t i, int32_t size, int& bad) {
+  i = i < 0 ? i + size : i;
+  bad |= (i < 0) | (i >= size);
+  return i < 0 ? 0 : (i >= size ? size - 1 : i);
+}
 // integer // and % as torch: through double while both operands are below 2^53 (exact, and
 // int64 division would not vectorise); beyond, big is set and the row runs again with E =
 // true: plain integer division (INT64_MIN / -1 wraps; torch's own process dies there)
@@ -860,6 +1073,26 @@ template <bool E> static inline int64_t ak_fmod_i(int64_t a, int64_t b, int& bad
   const int64_t q = ak_truncdiv<E>(a, b, bad, big);
   return b == 0 ? 0 : a - q * b;
 }
+// the same for an int64 node the narrow variant holds in int32 (|a| < 2^31: exact through
+// double, and the result fits int32)
+static inline int32_t ak_truncdiv32(int32_t a, int32_t b, int& bad) {
+  bad |= b == 0;
+  b = b == 0 ? 1 : b;
+  return (int32_t)((double)a / (double)b);
+}
+static inline int32_t ak_floordiv32(int32_t a, int32_t b, int& bad) {
+  const int32_t q = ak_truncdiv32(a, b, bad);
+  b = b == 0 ? 1 : b;
+  return q - ((q * b != a) & ((a < 0) != (b < 0)));
+}
+static inline int32_t ak_mod32(int32_t a, int32_t b, int& bad) {
+  const int32_t q = ak_floordiv32(a, b, bad);
+  return b == 0 ? 0 : a - q * b;
+}
+static inline int32_t ak_fmod_i32(int32_t a, int32_t b, int& bad) {
+  const int32_t q = ak_truncdiv32(a, b, bad);
+  return b == 0 ? 0 : a - q * b;
+}
 // a ** e as torch: wrapping; e < 0 gives 0 but for a = 1 (1) and a = -1 (±1)
 static inline int64_t ak_ipow(int64_t a, int64_t e) {
   if (e < 0) return a == 1 ? 1 : (a == -1 ? ((e & 1) ? -1 : 1) : 0);
@@ -870,16 +1103,13 @@ static inline int64_t ak_ipow(int64_t a, int64_t e) {
 """
 
 
-def source(gen: Gen, out: _Val) -> str:
-    """The C++ file of ``attnkit_mod`` for the graph ``gen`` has run, returning ``out``.
-
-    The loop over the row is ``ak_rows<E>``; with ``gen.exact`` (an int64 ``//`` or ``%``) a
-    row whose operands reached 2^53 (``big``) is restored and run again with ``E = true``
-    (exact integer division, scalar), in chunks of 256 keys."""
+def _rows(gen: Gen, out: _Val, fn: str) -> str:
+    """The loop over one row, ``template <bool E> int fn(...)``: b, h, q, k0, kv and the
+    key counter j as int64, or as int32 for the narrow variant (``gen.limit``)."""
     caps = "".join(f"  const {t}* __restrict c{i} = static_cast<const {t}*>(caps[{i}]);\n"
                    for i, t in enumerate(gen.cap_types))
-
     S = gen.score_ct                                           # the row's C type
+    P = "int64_t" if gen.limit is None else "int32_t"          # the positions' C type
 
     def body(grad: bool) -> str:
         lines = [s for is_t, s in gen.lines if grad or not is_t]
@@ -888,33 +1118,65 @@ def source(gen: Gen, out: _Val) -> str:
             tail.append(f"dx[j] = {f'({S})(' + out.tan + ')' if out.tan else f'({S})0'};")
         return "".join(f"      {s}\n" for s in lines + tail)
 
-    head = f"    const int64_t kv = k0 + j;\n    const {S} s = x[j];\n"
+    head = f"    const {P} kv = k0 + j;\n    const {S} s = x[j];\n"
     simd = "#pragma omp simd reduction(|:bad, big)\n"          # with -fopenmp-simd
-    rows = ("template <bool E>\n"
-            f"static inline int ak_rows({S}* __restrict x, {S}* __restrict dx, int64_t n,\n"
-            "                          int64_t b, int64_t h, int64_t q, int64_t k0,\n"
-            "                          const void* const* caps, int& big_out) {\n"
+    loop = f"    for ({P} j = 0; j < ({P})n; ++j) {{\n"            # (narrow: n <= the limit)
+    return ("template <bool E>\n"
+            f"static inline int {fn}({S}* __restrict x, {S}* __restrict dx, int64_t n,\n"
+            f"                       {P} b, {P} h, {P} q, {P} k0,\n"
+            "                       const void* const* caps, int& big_out) {\n"
             f"{caps}  int bad = 0, big = 0;\n  (void)b; (void)h; (void)q;\n"
             f"  if (dx) {{\n    const {S} ts = ({S})1; (void)ts;\n"
-            f"{simd}    for (int64_t j = 0; j < n; ++j) {{\n{head}{body(True)}    }}\n"
+            f"{simd}{loop}{head}{body(True)}    }}\n"
             "  } else {\n"
-            f"{simd}    for (int64_t j = 0; j < n; ++j) {{\n{head}{body(False)}    }}\n"
+            f"{simd}{loop}{head}{body(False)}    }}\n"
             "  }\n  big_out = big;\n  return bad;\n}\n\n")
-    if gen.exact:
-        run = (f"  for (int64_t c = 0; c < n; c += 256) {{\n"
-               "    const int64_t m = n - c < 256 ? n - c : 256;\n"
-               f"    {S} x0[256];\n"
-               f"    __builtin_memcpy(x0, x + c, sizeof({S}) * m);\n"
-               "    int big = 0;\n"
-               "    int got = ak_rows<false>(x + c, dx ? dx + c : nullptr, m, b, h, q, k0 + c,"
-               " caps, big);\n"
-               "    if (big) {                     // an int64 operand >= 2^53: exactly\n"
-               f"      __builtin_memcpy(x + c, x0, sizeof({S}) * m);\n"
-               "      got = ak_rows<true>(x + c, dx ? dx + c : nullptr, m, b, h, q, k0 + c,"
-               " caps, big);\n"
-               "    }\n    bad |= got;\n  }\n")
+
+
+def _run(gen: Gen, fn: str) -> str:
+    """The statements of ``attnkit_mod`` that run ``fn`` over the row (into ``bad``); with
+    ``gen.exact`` (an int64 ``//`` or ``%``) a chunk of 256 keys whose operands reached 2^53
+    (``big``) is restored and run again with ``E = true`` (exact integer division, scalar)."""
+    S = gen.score_ct
+    pos = "" if gen.limit is None else "(int32_t)"
+
+    def call(e: str, k0: str, x: str, dx: str, m: str) -> str:
+        return (f"{fn}<{e}>({x}, {dx}, {m}, {pos}b, {pos}h, {pos}q, {pos}({k0}), caps, big)")
+
+    if not gen.exact:
+        return f"    int big = 0;\n    bad = {call('false', 'k0', 'x', 'dx', 'n')};\n"
+    chunk = ("x + c", "dx ? dx + c : nullptr", "m")
+    return (f"    for (int64_t c = 0; c < n; c += 256) {{\n"
+            "      const int64_t m = n - c < 256 ? n - c : 256;\n"
+            f"      {S} x0[256];\n"
+            f"      __builtin_memcpy(x0, x + c, sizeof({S}) * m);\n"
+            "      int big = 0;\n"
+            f"      int got = {call('false', 'k0 + c', *chunk)};\n"
+            "      if (big) {                   // an int64 operand >= 2^53: exactly\n"
+            f"        __builtin_memcpy(x + c, x0, sizeof({S}) * m);\n"
+            f"        got = {call('true', 'k0 + c', *chunk)};\n"
+            "      }\n      bad |= got;\n    }\n")
+
+
+def source(gen: Gen, out: _Val, narrow: tuple[Gen, _Val] | None = None) -> str:
+    """The C++ file of ``attnkit_mod`` for the graph ``gen`` has run, returning ``out``.
+
+    ``narrow``: the same graph run by ``Gen(limit=L)`` (and its output): rows whose b, h,
+    q and keys are all below L run that variant (``ak_rows_n``, int32 positions: the loop
+    vectorises on AVX2), the others the wide one (``ak_rows``, exact for every int64)."""
+    S = gen.score_ct
+    rows = _rows(gen, out, "ak_rows")
+    run = _run(gen, "ak_rows")
+    if narrow is not None:
+        ng, nout = narrow
+        assert ng.limit is not None and len(ng.caps) == len(gen.caps)
+        L = f"INT64_C({ng.limit})"
+        rows += _rows(ng, nout, "ak_rows_n")
+        run = (f"  if (b >= 0 && h >= 0 && q >= 0 && k0 >= 0 && b < {L} && h < {L} && q < {L}"
+               f" && n <= {L} - k0) {{\n"
+               f"{_run(ng, 'ak_rows_n')}  }} else {{\n{run}  }}\n")
     else:
-        run = "  int big = 0;\n  bad = ak_rows<false>(x, dx, n, b, h, q, k0, caps, big);\n"
+        run = "  {\n" + run + "  }\n"
     return (_PRELUDE + rows +
             f'extern "C" void attnkit_mod({S}* __restrict x, {S}* __restrict dx, int64_t n,\n'
             "                            int64_t b, int64_t h, int64_t q, int64_t k0,\n"
@@ -922,3 +1184,9 @@ def source(gen: Gen, out: _Val) -> str:
             f"  int bad = 0;\n{run}"
             "  if (bad) __atomic_store_n(static_cast<int*>(const_cast<void*>("
             f"caps[{len(gen.caps)}])), 1, __ATOMIC_RELAXED);\n}}\n")
+
+
+def uses_positions(gm: fx.GraphModule) -> bool:
+    """Whether the score_mod reads b, h, q_idx or kv_idx (else one variant is enough)."""
+    ph = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return any(n.users for n in ph[1:])
