@@ -12,8 +12,8 @@ Shape legend: see :mod:`attnkit.api` (the user's layout) and :mod:`attnkit.backe
 A call with no mask, ``is_causal`` or a bool mask tensor, and no score_mod (what a decoder
 makes once per layer and token) is validated once per *signature* — shapes, dtypes, devices,
 the mask's shape and the options: a repeat rebuilds only the Problem around its new
-tensors (``_FRAMES``, at most 256 signatures). Nothing about values is remembered: the
-NaN/inf screens read each call's own tensors.
+tensors, lowered as before (``_FRAMES``, at most 256 signatures). Nothing about values is
+remembered: the NaN/inf screens read each call's own tensors.
 """
 
 from __future__ import annotations
