@@ -511,3 +511,52 @@ def test_bench_hf_generate_arguments(tmp_path):
         got = subprocess.run([sys.executable, str(script), *args], capture_output=True,
                              text=True)
         assert got.returncode == 2 and said in got.stderr, (args, got.stderr)
+
+
+def test_a_frame_lowers_its_mask_once_and_a_new_mask_tensor_anew(monkeypatch):
+    """Repeats of a signature reuse the lowering (masks.decompose) of the frame's mask —
+    is_causal once per signature, a bool mask tensor once per tensor object and memory —
+    while every call reads the mask tensor's values as they are now."""
+    from attnkit.backends import base
+
+    lowered: list[int] = []
+    real = base.decompose
+    monkeypatch.setattr(base, "decompose", lambda *a: lowered.append(1) or real(*a))
+    monkeypatch.setattr(eager, "_FRAMES", {})
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 11, 8), torch.randn(2, 2, 11, 8)
+    m = torch.ones(2, 1, 3, 11, dtype=torch.bool)
+    with torch.no_grad():
+        for _ in range(3):
+            ak.attention(q, k, v, is_causal=True)
+        assert len(lowered) == 1
+        for blocked in (0, 4, 7):                    # the same tensor, new values in place
+            m.fill_(True)
+            m[..., :blocked] = False
+            got = ak.attention(q, k, v, mask=m)
+            want = ak.attention(q.double(), k.double(), v.double(), mask=m,
+                                backend="reference")
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+        n = len(lowered)
+        ak.attention(q, k, v, mask=m)                # the same tensor: lowered before
+        assert len(lowered) == n
+        other = m.clone()
+        other[..., :9] = False
+        got = ak.attention(q, k, v, mask=other)      # a new tensor: its own lowering
+        assert len(lowered) == n + 1
+        want = ak.attention(q.double(), k.double(), v.double(), mask=other,
+                            backend="reference")
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_sdpa_outside_autocast_is_attentions_eager_call():
+    """ak.scaled_dot_product_attention goes straight to the eager path outside autocast and
+    compile, and gives what ak.attention gives (causal, a bool mask, GQA)."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 7, 8), torch.randn(2, 2, 7, 8)
+    m = torch.rand(2, 1, 5, 7) > 0.3
+    with torch.no_grad():
+        for kw, akw in (({"is_causal": True}, {"is_causal": True}),
+                        ({"attn_mask": m}, {"mask": m})):
+            got = ak.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw)
+            assert torch.equal(got, ak.attention(q, k, v, **akw))

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import attnkit as ak
-from attnkit import api
+from attnkit import eager
 from helpers.recorders import OpOutputs, floating
 
 SDPA = ak.scaled_dot_product_attention
@@ -198,20 +198,21 @@ def test_dropout_statistics_match_torch():
 
 
 def test_kv_batch_one_is_not_copied(monkeypatch):
-    """K/V of batch 1 under a batch-8 query reach attention() as the caller's own tensors, and
-    no buffer the size of K or V copied per batch element is made on the way (the logits,
-    (8, 2, 3, 300), are smaller than that)."""
+    """K/V of batch 1 under a batch-8 query reach the eager path (``eager.attend``, which
+    ``attention()`` calls too) as the caller's own tensors, and no buffer the size of K or V
+    copied per batch element is made on the way (the logits, (8, 2, 3, 300), are smaller
+    than that)."""
     q = rnd(8, 2, 3, 4, dtype=torch.float32)
     k, v = rnd(1, 2, 300, 4, dtype=torch.float32), rnd(1, 2, 300, 4, dtype=torch.float32)
     seen = []
-    attention = api.attention
+    attend = eager.attend
 
     def spy(q_, k_, v_, **kw):  # noqa: ANN001, ANN003, ANN202
         seen.append((k_.data_ptr() == k.data_ptr(), v_.data_ptr() == v.data_ptr(),
                      k_.shape[0] == 1 or k_.stride(0) == 0))
-        return attention(q_, k_, v_, **kw)
+        return attend(q_, k_, v_, **kw)
 
-    monkeypatch.setattr(api, "attention", spy)
+    monkeypatch.setattr(eager, "attend", spy)
     with OpOutputs(big=8 * k.numel(), keep=floating) as rec:
         out = SDPA(q, k, v)
     assert seen == [(True, True, True)]

@@ -258,8 +258,14 @@ def scaled_dot_product_attention(
     poison = None
     if attn_mask is not None and attn_mask.dtype.is_floating_point:
         attn_mask, poison = _sdpa_poison(attn_mask)
-    out = attention(q, k, v, mask=attn_mask, is_causal=is_causal, scale=scale,
-                    dropout_p=float(dropout_p) if dropout_p < 1 else 0.0)
+    drop = float(dropout_p) if dropout_p < 1 else 0.0
+    if cast_to is None and not torch.compiler.is_compiling():
+        # attention()'s eager call, its checks done: no autocast region, backend "auto"
+        out = _eager.attend(q, k, v, mask=attn_mask, is_causal=is_causal, scale=scale,
+                            dropout_p=drop)
+    else:
+        out = attention(q, k, v, mask=attn_mask, is_causal=is_causal, scale=scale,
+                        dropout_p=drop)
     if dropout_p == 1:
         out = out * 0.0                                 # every weight dropped
     if poison is not None:                              # (..., L, 1): NaN rows, as in torch

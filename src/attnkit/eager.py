@@ -12,8 +12,8 @@ Shape legend: see :mod:`attnkit.api` (the user's layout) and :mod:`attnkit.backe
 A call with no mask, ``is_causal`` or a bool mask tensor, and no score_mod (what a decoder
 makes once per layer and token) is validated once per *signature* — shapes, dtypes, devices,
 the mask's shape and the options: a repeat rebuilds only the Problem around its new
-tensors (``_FRAMES``, at most 256 signatures). Nothing about values is remembered: the
-NaN/inf screens read each call's own tensors.
+tensors, lowered as before (``_FRAMES``, at most 256 signatures). Nothing about values is
+remembered: the NaN/inf screens read each call's own tensors.
 """
 
 from __future__ import annotations
@@ -504,7 +504,7 @@ class _Frame:
     """What prepare() made of one call signature (see above)."""
 
     __slots__ = ("lead", "two_d", "mask", "scale", "softcap", "dropout_p", "as_is", "rank",
-                 "mask_name", "last_mask")
+                 "mask_name", "last_mask", "lowered")
 
     def __init__(self, prep: Prepared, as_is: tuple[bool, bool, bool],
                  mask_name: str | None) -> None:
@@ -515,11 +515,14 @@ class _Frame:
         self.as_is = as_is          # q, k, v reach the Problem unchanged (no view needed)
         self.rank = len(prep.lead) + 3 if not prep.two_d else 3   # the logits' rank
         self.mask_name = mask_name  # a bool mask tensor's Mask name (None: no mask tensor)
-        # (the user's mask tensor, its memory (pointer, strides), its Mask, its view) of the last
-        # call: a model's layers pass one mask tensor to every layer of a step. The Mask
-        # reads the tensor's memory (a view, never a copy), so the same tensor object over
-        # the same memory is the same mask whatever its values are now.
-        self.last_mask: tuple[Any, ...] = (None, None, None, None)
+        # (the user's mask tensor, its memory (pointer, strides), its Mask, its view, the
+        # Problem lowered with that Mask) of the last call: a model's layers pass one mask
+        # tensor to every layer of a step. The Mask reads the tensor's memory (a view, never
+        # a copy), so the same tensor object over the same memory is the same mask whatever
+        # its values are now.
+        self.last_mask: tuple[Any, ...] = (None, None, None, None, None)
+        # the lowered form of the frame's own mask (no mask, or is_causal): one per signature
+        self.lowered = None if mask_name is not None else p.lowered
 
     def prepared(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  mask: torch.Tensor | None) -> Prepared:
@@ -531,18 +534,21 @@ class _Frame:
             q4 = q if qi else _flatten_batch(q, lead)
             k4 = k if ki else _flatten_batch(k, lead)
             v4 = v if vi else _flatten_batch(v, lead)
-        structured, dense = self.mask, None
-        if self.mask_name is not None:           # a bool mask tensor: this call's values
-            last = self.last_mask
-            ptr = (mask.data_ptr(), mask.stride())  # type: ignore[union-attr]
-            if last[0] is mask and last[1] == ptr:
-                structured, dense = last[2], last[3]
-            else:
-                dense = _mask_in_frame(mask, self.rank, lead)  # type: ignore[arg-type]
-                structured = _masks.from_tensor(dense, name=self.mask_name)
-                self.last_mask = (mask, ptr, structured, dense)
+        if self.mask_name is None:
+            p = Problem(q4, k4, v4, mask=self.mask, scale=self.scale, softcap=self.softcap,
+                        dropout_p=self.dropout_p)
+            return Prepared(p.lowered_as(self.lowered), lead, two_d, False)
+        last = self.last_mask                    # a bool mask tensor: this call's values
+        ptr = (mask.data_ptr(), mask.stride())  # type: ignore[union-attr]
+        if last[0] is mask and last[1] == ptr:
+            p = Problem(q4, k4, v4, mask=last[2], scale=self.scale, softcap=self.softcap,
+                        dropout_p=self.dropout_p, mask_tensor=last[3])
+            return Prepared(p.lowered_as(last[4]), lead, two_d, False)
+        dense = _mask_in_frame(mask, self.rank, lead)  # type: ignore[arg-type]
+        structured = _masks.from_tensor(dense, name=self.mask_name)
         p = Problem(q4, k4, v4, mask=structured, scale=self.scale, softcap=self.softcap,
                     dropout_p=self.dropout_p, mask_tensor=dense)
+        self.last_mask = (mask, ptr, structured, dense, p.lowered)
         return Prepared(p, lead, two_d, False)
 
 

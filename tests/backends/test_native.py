@@ -8,6 +8,7 @@ The first run builds the kernel (~10–20 s of one core); later runs load the ca
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -264,6 +265,55 @@ def test_dense_mask_layouts_forward_and_backward(layout: str, rows: int) -> None
     want = torch.autograd.grad(oracle(qr, kr, vr, allowed=m)[0], (qr, kr, vr), go)
     for a, b in zip(got, want, strict=True):
         assert (a - b).abs().max() < 1e-10
+
+
+def _broadcast_shapes(full: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """Every shape that has ``full``'s size or 1 in each dim (size-1 dims in every place)."""
+    return list(itertools.product(*((n, 1) for n in full)))
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [5, 64], ids=["dot", "gemm"])
+def test_mask_and_bias_with_size_one_dims_anywhere(rows: int) -> None:
+    """A dense mask and a bias with size-1 (broadcast) dims in any of the four places are
+    read in place by the kernel (not expanded, whatever stride the size-1 dim has) and give
+    the oracle's forward and gradients (the bias's summed over its broadcast dims)."""
+    B, hq, nq, nk = 2, 4, 5, 37
+    q, k, v = qkv(B, hq, 2, nq, nk, 16)
+    g = torch.Generator().manual_seed(3)
+    for shape in _broadcast_shapes((B, hq, nq, nk)):
+        m = torch.rand(*shape, generator=g) > 0.3
+        m.view(-1)[0] = False                                   # some entry blocked
+        bias = torch.randn(*shape, dtype=torch.float64, generator=g)
+        qd, kd, vd, bd = (t.clone().requires_grad_() for t in (q, k, v, bias))
+        out, lse = native.forward(qd, kd, vd, bias=bd, dense_mask=m, block_q=rows)
+        qr, kr, vr, br = (t.clone().requires_grad_() for t in (q, k, v, bias))
+        ref, lse_ref, _ = oracle(qr, kr, vr, allowed=m, bias=br)
+        assert (out - ref).abs().max() < 1e-12, shape
+        assert torch.equal(lse == -math.inf, lse_ref == -math.inf), shape
+        go = torch.randn_like(ref)
+        got = torch.autograd.grad(out, (qd, kd, vd, bd), go)
+        want = torch.autograd.grad(ref, (qr, kr, vr, br), go)
+        for a, b in zip(got, want, strict=True):
+            assert a.shape == b.shape and (a - b).abs().max() < 1e-10, shape
+
+
+@needs_native
+def test_a_broadcast_mask_reaches_the_kernel_uncopied() -> None:
+    """The record holds the caller's mask itself (4-D, size-1 dims kept: no expand, no
+    copy), and the kernel refuses a mask whose dims are neither 1 nor the call's sizes."""
+    full = (2, 4, 5, 37)
+    for shape in [(1, 1, 1, 37), (2, 1, 1, 37), (1, 4, 5, 1), (5, 37)]:
+        m = torch.rand(*shape) > 0.5
+        got = native._as4d(m, full, "dense_mask", torch.bool)
+        assert got.data_ptr() == m.data_ptr() and got.dim() == 4
+        assert tuple(got.shape) == (1,) * (4 - m.dim()) + shape
+    q, k, v = (t.float() for t in qkv(2, 4, 2, 5, 37, 16))
+    ops = native._ops()
+    for bad in [(2, 4, 5, 36), (3, 1, 1, 37), (2, 2, 5, 37), (1, 1, 37)]:
+        rec = native.plain_terms(0.25)._replace(mask=torch.ones(*bad, dtype=torch.bool))
+        with pytest.raises(RuntimeError, match="does not broadcast"):
+            ops.attend(q, k, v, *rec, 1, 5)  # type: ignore[attr-defined]
 
 
 # ---------------------------------------------------------------------------- non-finite

@@ -225,6 +225,13 @@ class Problem:
             self.__dict__["_lowered"] = low
         return low
 
+    def lowered_as(self, low: Lowered) -> Problem:
+        """Give :attr:`lowered` as ``low``, already known: what a Problem with the same mask
+        object, score mod and sizes lowered to (the eager path's per-signature frames keep it,
+        so that a decoder's repeated call does not decompose its mask again) → ``self``."""
+        self.__dict__["_lowered"] = low
+        return self
+
     def dense_mask_elements(self) -> int:
         """Elements of the dense form of the mask's rest (0 when all of it is closed-form):
         what an engine that reads the rest densely would evaluate."""

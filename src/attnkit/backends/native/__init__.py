@@ -171,22 +171,25 @@ def _ops() -> object:
 # ------------------------------------------------------------------ argument preparation
 def _as4d(t: torch.Tensor, shape: tuple[int, int, int, int], what: str,
           dtype: torch.dtype) -> torch.Tensor:
-    """``t`` broadcast to ``shape`` as a strided view (stride 0 on broadcast dims), in
-    ``dtype``, converting only the un-broadcast data."""
+    """``t`` checked to broadcast to ``shape`` and made 4-D ``(B|1, H_q|1, N_q|1, N_k|1)``
+    (a view), in ``dtype``, converting only the un-broadcast data. Not expanded: the kernel
+    reads a size-1 dim at every index (``broadcast_strides`` in ``attention.cpp``)."""
     ts = t.shape
-    if len(ts) > 4:
-        raise ValueError(f"{what} must have at most 4 dims, got shape {tuple(ts)}")
-    if len(ts) < 4:
+    if len(ts) != 4:
+        if len(ts) > 4:
+            raise ValueError(f"{what} must have at most 4 dims, got shape {tuple(ts)}")
         t = t.reshape((1,) * (4 - len(ts)) + tuple(ts))
         ts = t.shape
-    # (tuple arithmetic: torch.broadcast_shapes costs ~100 µs, on every masked small call)
-    if any(n != m and n != 1 for n, m in zip(ts, shape, strict=True)):
+    # (plain comparisons: torch.broadcast_shapes costs ~100 µs, a generator a few, on every
+    # masked small call)
+    b, h, n_q, n_k = shape
+    if not ((ts[0] == b or ts[0] == 1) and (ts[1] == h or ts[1] == 1)
+            and (ts[2] == n_q or ts[2] == 1) and (ts[3] == n_k or ts[3] == 1)):
         raise ValueError(f"{what} of shape {tuple(ts)} does not broadcast to "
                          f"(B, H_q, N_q, N_k) = {shape}")
-    if t.dtype != dtype:
-        small = t[tuple(slice(0, 1) if st == 0 else slice(None) for st in t.stride())]
-        t = small.to(dtype)
-    return t if ts == shape else t.expand(shape)
+    if t.dtype is not dtype:
+        t = t[tuple(slice(0, 1) if st == 0 else slice(None) for st in t.stride())].to(dtype)
+    return t
 
 
 def _per_batch(x: object, B: int, what: str) -> torch.Tensor:
@@ -239,6 +242,21 @@ def plain_terms(scale: float, softcap: float = 0.0,
     (allowed ⇔ ``lo <= q − k <= hi``; none by default)."""
     return KernelTerms(float(scale), float(softcap), None, 0.0, None, 0, None,
                        float(band[0]), float(band[1]), None, None, None, None, None, 0, 0)
+
+
+_PLAIN_RECORDS: dict[tuple[float, float], KernelTerms] = {}
+
+
+def _plain_record(scale: float, softcap: float) -> KernelTerms:
+    """``plain_terms(scale, softcap)``, one shared (immutable) record per pair: what every
+    call without a score term or mask passes (a decoder's calls repeat a few pairs)."""
+    key = (scale, softcap)
+    got = _PLAIN_RECORDS.get(key)
+    if got is None:
+        if len(_PLAIN_RECORDS) >= 64:
+            _PLAIN_RECORDS.clear()
+        got = _PLAIN_RECORDS[key] = plain_terms(scale, softcap)
+    return got
 
 
 def _auto_splits(items: int, n_k: int) -> int:
@@ -314,7 +332,7 @@ def _forward(ops: object, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              and kv_lengths is None and q_lengths is None and doc_ids is None
              and kv_doc_ids is None and dense_mask is None and score_mod is None)
     if plain:                                # no tensor options: the record as is
-        common = plain_terms(Dk ** -0.5 if scale is None else scale, softcap or 0.0)
+        common = _plain_record(Dk ** -0.5 if scale is None else scale, softcap or 0.0)
         call = None
     else:
         common, call = _common(q, k, v, B, Hq, Nq, Nk, Dk, cdt, scale, softcap, alibi_slopes,
@@ -670,13 +688,16 @@ def forward_problem(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     device and dtype by :func:`supports`, so the layout checks of :func:`forward` are not
     repeated (the mask and score terms: :func:`_terms`)."""
     ops = _ops()
-    t = _terms(p)
     n_q = p.q.shape[2]
+    block = n_q if n_q <= DECODE_MAX_QUERIES else None          # native.decode's block
+    if p.mask is None and p.score_mod is None:     # nothing lowered: no term, no mask part
+        return _forward(ops, p.q, p.k, p.v, p.scale, p.softcap, None, 0, None, None, p.bias,
+                        None, None, None, None, None, None, block, None, None)
+    t = _terms(p)
     return _forward(ops, p.q, p.k, p.v, p.scale, p.softcap, t.alibi_slopes, t.alibi_offset,
                     t.rel_table, t.rel_max_distance, p.bias, t.band, t.kv_lengths,
-                    t.q_lengths, t.doc_ids, t.kv_doc_ids, t.dense_mask,
-                    n_q if n_q <= DECODE_MAX_QUERIES else None,  # native.decode's block
-                    None, t.score_mod)
+                    t.q_lengths, t.doc_ids, t.kv_doc_ids, t.dense_mask, block, None,
+                    t.score_mod)
 
 
 def backward_problem(p: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,

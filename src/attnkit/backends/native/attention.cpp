@@ -38,6 +38,19 @@ template <typename P> const P* opt_ptr(const std::optional<Tensor>& t) {
   return t.has_value() ? t->data_ptr<P>() : nullptr;
 }
 
+// The strides that read ``t`` (B|1, H_q|1, N_q|1, N_k|1) broadcast to (B, H_q, N_q, N_k):
+// a size-1 dim reads its one entry at every index (stride 0, whatever stride it has), so a
+// mask or bias comes in as it is, never expanded or copied.
+void broadcast_strides(const Tensor& t, const i64 (&full)[4], i64 (&s)[4], const char* what) {
+  TORCH_CHECK(t.dim() == 4 && (t.size(0) == full[0] || t.size(0) == 1) &&
+                  (t.size(1) == full[1] || t.size(1) == 1) &&
+                  (t.size(2) == full[2] || t.size(2) == 1) &&
+                  (t.size(3) == full[3] || t.size(3) == 1),
+              "attnkit native: ", what, " of shape ", t.sizes(), " does not broadcast to (B, ",
+              "H_q, N_q, N_k) = (", full[0], ", ", full[1], ", ", full[2], ", ", full[3], ")");
+  for (int i = 0; i < 4; ++i) s[i] = t.size(i) == 1 ? 0 : t.stride(i);
+}
+
 // The call's parameters from the operator's arguments (shared by forward and backward); the
 // score terms' tensors (alibi, rel, bias) come in A's dtype.
 template <typename A>
@@ -79,7 +92,8 @@ Args<A> make_args(const Tensor& q, const Tensor& k, const Tensor& v, double scal
                 "attnkit native: rel_table must be contiguous (H_q, 2*max_distance+1) "
                 "= (", a.Hq, ", ", 2 * rel_max_distance + 1, "), got ", rel->sizes());
   a.bias = opt_ptr<A>(bias);
-  if (a.bias) for (int i = 0; i < 4; ++i) a.sb[i] = bias->stride(i);
+  const i64 full[4] = {a.B, a.Hq, a.Nq, a.Nk};
+  if (a.bias) broadcast_strides(*bias, full, a.sb, "bias");
   a.band_lo = band_lo; a.band_hi = band_hi;
   a.kv_len = opt_ptr<int64_t>(kv_len); if (a.kv_len) a.skl = kv_len->stride(0);
   a.q_len = opt_ptr<int64_t>(q_len); if (a.q_len) a.sql = q_len->stride(0);
@@ -87,7 +101,7 @@ Args<A> make_args(const Tensor& q, const Tensor& k, const Tensor& v, double scal
   if (a.q_doc)
     for (int i = 0; i < 2; ++i) { a.sqd[i] = q_doc->stride(i); a.skd[i] = k_doc->stride(i); }
   a.mask = opt_ptr<bool>(mask);
-  if (a.mask) for (int i = 0; i < 4; ++i) a.sm[i] = mask->stride(i);
+  if (a.mask) broadcast_strides(*mask, full, a.sm, "mask");
   a.NKP = round_up(a.Nk, BK);
   a.mod = reinterpret_cast<ScoreModFn<A>>(score_mod);    // addresses from score_mod.py (ctypes)
   a.mod_caps = reinterpret_cast<const void* const*>(score_mod_caps);
