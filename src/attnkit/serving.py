@@ -387,18 +387,17 @@ def _attend_rows_native(qs: list[torch.Tensor], k_pool: torch.Tensor, v_pool: to
     part, in place (:func:`attnkit.backends.native.paged_merge_rows`). ``table``: the
     caller's block table, used as it is when no prefix is shared (row b = sequence b)."""
     bs = k_pool.shape[1]
-    # the call's sequences: (queries, pages, keys, position of the first query); the
-    # groups' prefixes first, then row b's (own) keys as sequence len(groups) + b
-    seqs: list[tuple[torch.Tensor, list[int], int, int]] = []
+    # the call's sequences: (queries as pieces of qs, pages, keys, position of the first
+    # query); the groups' prefixes first, then row b's (own) keys as sequence len(groups) + b
+    seqs: list[tuple[list[torch.Tensor], list[int], int, int]] = []
     start: dict[int, int] = {}                     # row -> its pages' first key (a suffix)
     for rows, n_pages in groups:
         n_pre = n_pages * bs
-        seqs.append((torch.cat([qs[b] for b in rows]), pages[rows[0]][:n_pages], n_pre,
-                     n_pre - 1))
+        seqs.append(([qs[b] for b in rows], pages[rows[0]][:n_pages], n_pre, n_pre - 1))
         start.update(dict.fromkeys(rows, n_pages))
     for b, q in enumerate(qs):
         n_k = lengths[b] - start.get(b, 0) * bs
-        seqs.append((q, pages[b][start.get(b, 0):], n_k, n_k - q.shape[0]))
+        seqs.append(([q], pages[b][start.get(b, 0):], n_k, n_k - q.shape[0]))
     if not groups and table is not None:
         tab = table
     else:
@@ -406,11 +405,12 @@ def _attend_rows_native(qs: list[torch.Tensor], k_pool: torch.Tensor, v_pool: to
         tab = torch.tensor([p + [0] * (width - len(p)) for _, p, _, _ in seqs],
                            dtype=torch.int64)
     cu = [0]
-    for q, *_ in seqs:
-        cu.append(cu[-1] + q.shape[0])
+    for pieces, *_ in seqs:
+        cu.append(cu[-1] + sum(q.shape[0] for q in pieces))
+    pieces = [q for each, *_ in seqs for q in each]
     # (slopes (B, H_q) are per row = per sequence: no prefix is shared with ALiBi)
     out, lse = _native.paged_attention(
-        torch.cat([q for q, *_ in seqs]) if len(seqs) > 1 else seqs[0][0], k_pool, v_pool,
+        torch.cat(pieces) if len(pieces) > 1 else pieces[0], k_pool, v_pool,   # one copy
         tab, cu, [n for _, _, n, _ in seqs], q_positions=[p for _, _, _, p in seqs],
         scale=scale, softcap=softcap or None, alibi_slopes=slopes, window=window)
     if groups:                                     # prefix query i -> its row's query
