@@ -206,20 +206,23 @@ def _check_pages(block_table: Any, batch: int, num_blocks: int, block_size: int,
                 f"{block_size}, but its block_table row holds only {width}: a sequence longer "
                 "than its pages. Allocate pages first (PagedKVCache.reserve)")
         row = rows[b][:need]
-        for j, p in enumerate(row):
-            if not 0 <= p < num_blocks:
-                why = (" (-1 is padding: the row has fewer pages than the sequence's length "
-                       "needs — a sequence longer than its pages)" if p == -1 else "")
-                raise ValueError(
-                    f"block_table[{b}, {j}] = {p} is out of range: the pool has {num_blocks} "
-                    f"pages (0..{num_blocks - 1}){why}")
+        if row and (min(row) < 0 or max(row) >= num_blocks):     # then find the entry
+            j, p = next((j, p) for j, p in enumerate(row) if not 0 <= p < num_blocks)
+            why = (" (-1 is padding: the row has fewer pages than the sequence's length "
+                   "needs — a sequence longer than its pages)" if p == -1 else "")
+            raise ValueError(
+                f"block_table[{b}, {j}] = {p} is out of range: the pool has {num_blocks} "
+                f"pages (0..{num_blocks - 1}){why}")
         if len(set(row)) != len(row):
             dup = next(p for p in row if row.count(p) > 1)
             raise ValueError(f"block_table row {b} lists page {dup} twice: each token position "
                              "needs a page of its own")
         pages.append(row)
     if starts is not None:
-        readers = Counter(itertools.chain.from_iterable(pages))      # page -> rows using it
+        written = {p for b, row in enumerate(pages) if starts[b] < lengths[b]
+                   for p in row[starts[b] // block_size:]}
+        # written page -> rows using it (set intersections: no count of every page)
+        readers = Counter(itertools.chain.from_iterable(written.intersection(r) for r in pages))
         for b, row in enumerate(pages):
             if starts[b] >= lengths[b]:
                 continue
