@@ -54,6 +54,7 @@ Caution
 
 from __future__ import annotations
 
+import array
 import itertools
 import math
 import numbers
@@ -405,8 +406,13 @@ def _attend_rows_native(qs: list[torch.Tensor], k_pool: torch.Tensor, v_pool: to
         tab = table
     else:
         width = max([1, *(len(p) for _, p, _, _ in seqs)])
-        tab = torch.tensor([p + [0] * (width - len(p)) for _, p, _, _ in seqs],
-                           dtype=torch.int64)
+        # (S, width), rows padded with page 0: a flat int64 array read in place (a third
+        # of the time of torch.tensor over nested lists: a 4096-token prefix has 256 pages)
+        flat = array.array("q")
+        for _, p, _, _ in seqs:
+            flat.extend(p)
+            flat.extend(itertools.repeat(0, width - len(p)))
+        tab = torch.frombuffer(flat, dtype=torch.int64).view(len(seqs), width)
     cu = [0]
     for pieces, *_ in seqs:
         cu.append(cu[-1] + sum(q.shape[0] for q in pieces))
