@@ -378,6 +378,11 @@ def _use_native(qs: list[torch.Tensor], k_pool: torch.Tensor, backend: str) -> b
     return _native.available()
 
 
+# a cascade's result is a view of the kernel's output past the prefix parts while those are
+# at most this many query rows (a decode step's); more (prefill chunks) are copied out
+_KEEP_PREFIX_ROWS = 256
+
+
 def _attend_rows_native(qs: list[torch.Tensor], k_pool: torch.Tensor, v_pool: torch.Tensor,
                         pages: list[list[int]], lengths: list[int],
                         groups: list[tuple[list[int], int]], table: torch.Tensor | None, *,
@@ -427,7 +432,10 @@ def _attend_rows_native(qs: list[torch.Tensor], k_pool: torch.Tensor, v_pool: to
         dst = [cu[own + b] + i for rows, _ in groups for b in rows
                for i in range(qs[b].shape[0])]
         _native.paged_merge_rows(out, lse, range(cu[0], cu[own]), dst)
-    return out[cu[len(groups)]:], lse[cu[len(groups)]:]
+    rows_out, rows_lse = out[cu[len(groups)]:], lse[cu[len(groups)]:]
+    if cu[len(groups)] > _KEEP_PREFIX_ROWS:        # views would keep the prefix rows alive
+        rows_out, rows_lse = rows_out.clone(), rows_lse.clone()
+    return rows_out, rows_lse
 
 
 def _packed(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
