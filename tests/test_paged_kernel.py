@@ -198,6 +198,76 @@ def test_bad_lengths_and_table_shape_are_refused():
         native.paged_attention(q.float(), k_pages, v_pages, table, [0, 1, 2], [20, 40])
 
 
+# --------------------------------------------------------------------------- cascade merge
+@pytest.mark.parametrize("dtype", [DT, torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n_q", [1, 3])
+def test_merge_rows_of_prefix_and_own_parts_equals_attention_over_all_keys(dtype, n_q):
+    """The cascade by hand: each row's queries over its first 10 keys (the 'prefix') and
+    over the rest (its own, none for row 1) in one paged call, then paged_merge_rows in
+    place → the reference over all the row's keys (gathered); the src rows stay."""
+    h_q, h_kv, d, bs, prefix = 4, 2, 8, 5, 10
+    own = [6, 0, 9, 1]
+    lengths = [prefix + n for n in own]
+    k_pages, v_pages, table, ks, vs = _pool(lengths, bs, h_kv, d, d, dtype)
+    B = len(lengths)
+    q = torch.randn(B * n_q, h_q, d).to(dtype)                 # row b: rows b·n_q ...
+    tab = torch.cat([table, torch.cat([table[:, prefix // bs:],
+                                       table[:, :prefix // bs]], 1)])   # own keys' pages
+    cu = list(range(0, 2 * B * n_q + 1, n_q))
+    kv = [prefix] * B + own
+    out, lse = native.paged_attention(torch.cat([q, q]), k_pages, v_pages, tab, cu, kv)
+    parts = out[: B * n_q].clone(), lse[: B * n_q].clone()
+    native.paged_merge_rows(out, lse, range(B * n_q), range(B * n_q, 2 * B * n_q))
+    assert torch.equal(out[: B * n_q], parts[0]) and torch.equal(lse[: B * n_q], parts[1])
+    for b in range(B):
+        rows = slice(B * n_q + b * n_q, B * n_q + (b + 1) * n_q)
+        want, want_lse = _reference(q[b * n_q: (b + 1) * n_q], ks[b], vs[b], 0)
+        if dtype == DT:
+            torch.testing.assert_close(out[rows], want, rtol=1e-10, atol=1e-10)
+            torch.testing.assert_close(lse[rows], want_lse, rtol=1e-10, atol=1e-10)
+        elif dtype == torch.float32:
+            torch.testing.assert_close(out[rows].double(), want, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(lse[rows].double(), want_lse, rtol=1e-5, atol=1e-5)
+        else:
+            naive, _ = _reference(q[b * n_q: (b + 1) * n_q], ks[b], vs[b], 0, dtype=dtype)
+            assert_low_precision_close(out[rows], naive, want, what=f"merged {dtype} row {b}")
+
+
+def test_merge_rows_follows_merge_partials_rules_for_empty_and_nan_parts():
+    """Rows with an empty part (LSE −∞), both parts empty (→ 0, −∞) and NaN in one part's
+    LSE (→ NaN) merge as base.merge_partials merges them; pairs in any order."""
+    from attnkit.backends.base import merge_partials
+
+    h_q, d_v = 3, 5
+    out = torch.randn(8, h_q, d_v, dtype=DT)
+    lse = torch.randn(8, h_q, dtype=DT)
+    src, dst = [6, 1, 4, 0], [2, 7, 3, 5]
+    lse[6, 0] = -torch.inf                                     # prefix part empty
+    lse[2, 1] = -torch.inf                                     # own part empty
+    lse[1, :] = lse[7, :] = -torch.inf                         # both: no key at all
+    out[1] = out[7] = 0.0
+    lse[4, 2] = torch.nan
+    s, t = torch.tensor(src), torch.tensor(dst)
+    want_out, want_lse = merge_partials([(out[s].transpose(0, 1), lse[s].t()),
+                                         (out[t].transpose(0, 1), lse[t].t())])
+    native.paged_merge_rows(out, lse, src, dst)
+    torch.testing.assert_close(out[t], want_out.transpose(0, 1), rtol=1e-12, atol=1e-12,
+                               equal_nan=True)
+    torch.testing.assert_close(lse[t], want_lse.t(), rtol=1e-12, atol=0, equal_nan=True)
+    assert torch.equal(out[7], torch.zeros(h_q, d_v, dtype=DT)) and (lse[7] == -torch.inf).all()
+    assert lse[3, 2].isnan() and out[3, 2].isnan().all()
+
+
+def test_merge_rows_refuses_a_row_used_twice_or_out_of_range():
+    out, lse = torch.zeros(4, 2, 3), torch.zeros(4, 2)
+    for src, dst, match in (([0, 1], [2, 2], "used twice"), ([0, 2], [2, 3], "used twice"),
+                            ([1], [1], "used twice"), ([0], [4], "out of range")):
+        with pytest.raises(ValueError, match=match):
+            native.paged_merge_rows(out, lse, src, dst)
+    with pytest.raises(ValueError, match="lse must be"):
+        native.paged_merge_rows(out, lse.double(), [0], [1])
+
+
 # --------------------------------------------------------------------------- serving wiring
 def _no_gather(monkeypatch):
     import attnkit.serving as serving

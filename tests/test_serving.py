@@ -429,6 +429,26 @@ def test_shared_prefix_in_low_precision(dtype):
         assert_low_precision_close(out[b], naive, want64, what=f"cascade {dtype} row {b}")
 
 
+def test_shared_prefix_of_many_queries_returns_its_own_tensors():
+    """Forks sending 70 queries each (280 prefix rows, more than a decode step's): the
+    result equals the reference and holds no storage beyond itself (the prefix parts are
+    not kept alive behind a view); decode-sized results are views of the kernel's output."""
+    cache, seqs = _forked_batch(DT, block_size=8, prefix=16, n_new=70)
+    q = torch.randn(len(seqs), 70, 4, 8, dtype=DT)
+    kn, vn = torch.randn(len(seqs), 70, 2, 8, dtype=DT), torch.randn(len(seqs), 70, 2, 8, dtype=DT)
+    out, lse = ak.attention_with_kvcache(q, cache.k_pages, cache.v_pages, kn, vn,
+                                         cache_seqlens=cache.seqlens(seqs),
+                                         block_table=cache.block_table(seqs), causal=True,
+                                         return_softmax_lse=True)
+    assert out.untyped_storage().nbytes() == out.numel() * out.element_size()
+    cache.commit(seqs, 70)
+    for b, s in enumerate(seqs):
+        kk, vv = cache.gather(s)
+        want, want_lse = _reference(q[b], kk, vv, causal=True)
+        torch.testing.assert_close(out[b], want, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(lse[b], want_lse, rtol=1e-10, atol=1e-10)
+
+
 def test_varlen_over_forked_pages_uses_the_shared_prefix():
     cache, seqs = _forked_batch(DT, n_new=0)
     len_q = [2, 1, 1, 3, 1]

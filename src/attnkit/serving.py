@@ -54,6 +54,7 @@ Caution
 
 from __future__ import annotations
 
+import array
 import itertools
 import math
 import numbers
@@ -206,20 +207,23 @@ def _check_pages(block_table: Any, batch: int, num_blocks: int, block_size: int,
                 f"{block_size}, but its block_table row holds only {width}: a sequence longer "
                 "than its pages. Allocate pages first (PagedKVCache.reserve)")
         row = rows[b][:need]
-        for j, p in enumerate(row):
-            if not 0 <= p < num_blocks:
-                why = (" (-1 is padding: the row has fewer pages than the sequence's length "
-                       "needs — a sequence longer than its pages)" if p == -1 else "")
-                raise ValueError(
-                    f"block_table[{b}, {j}] = {p} is out of range: the pool has {num_blocks} "
-                    f"pages (0..{num_blocks - 1}){why}")
+        if row and (min(row) < 0 or max(row) >= num_blocks):     # then find the entry
+            j, p = next((j, p) for j, p in enumerate(row) if not 0 <= p < num_blocks)
+            why = (" (-1 is padding: the row has fewer pages than the sequence's length "
+                   "needs — a sequence longer than its pages)" if p == -1 else "")
+            raise ValueError(
+                f"block_table[{b}, {j}] = {p} is out of range: the pool has {num_blocks} "
+                f"pages (0..{num_blocks - 1}){why}")
         if len(set(row)) != len(row):
             dup = next(p for p in row if row.count(p) > 1)
             raise ValueError(f"block_table row {b} lists page {dup} twice: each token position "
                              "needs a page of its own")
         pages.append(row)
     if starts is not None:
-        readers = Counter(itertools.chain.from_iterable(pages))      # page -> rows using it
+        written = {p for b, row in enumerate(pages) if starts[b] < lengths[b]
+                   for p in row[starts[b] // block_size:]}
+        # written page -> rows using it (set intersections: no count of every page)
+        readers = Counter(itertools.chain.from_iterable(written.intersection(r) for r in pages))
         for b, row in enumerate(pages):
             if starts[b] >= lengths[b]:
                 continue
@@ -257,7 +261,13 @@ def _write(pool: torch.Tensor, pages: list[list[int]] | None, starts: list[int],
             return
         page = torch.tensor([[row[(s + t) // block_size] for t in range(n_new)]    # (B, N_new)
                              for row, s in zip(pages, starts, strict=True)], device=dev)
-        pool[page, pos % block_size] = new
+        if pool.stride(0) == block_size * pool.stride(1):   # token slots as one dim: a view
+            # rows copied by index_copy_ (index_put's path took ms on a loaded CPU)
+            slots = pool.view(-1, *pool.shape[2:])          # (num_blocks · bs, H_kv, D)
+            slots.index_copy_(0, (page * block_size + pos % block_size).flatten(),
+                              new.reshape(-1, *new.shape[2:]))
+        else:
+            pool[page, pos % block_size] = new
 
 
 # --------------------------------------------------------------------------- rows
@@ -368,69 +378,81 @@ def _use_native(qs: list[torch.Tensor], k_pool: torch.Tensor, backend: str) -> b
     return _native.available()
 
 
+# a cascade's result is a view of the kernel's output past the prefix parts while those are
+# at most this many query rows (a decode step's); more (prefill chunks) are copied out
+_KEEP_PREFIX_ROWS = 256
+
+
 def _attend_rows_native(qs: list[torch.Tensor], k_pool: torch.Tensor, v_pool: torch.Tensor,
                         pages: list[list[int]], lengths: list[int],
                         groups: list[tuple[list[int], int]], table: torch.Tensor | None, *,
                         scale: float | None, window: tuple[int, int], softcap: float,
                         slopes: torch.Tensor | None,
-                        ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_attend_rows` in ONE native call that reads the pages through the block table
     (no gathered copy): each shared prefix is one sequence of the call holding all its
     rows' queries (placed after the prefix, so each sees all of it), each row (or its own
-    suffix, merged after by LSE) another. ``table``: the caller's block table, used as it is
-    when no prefix is shared (row b = sequence b)."""
+    suffix) another; then one native merge by LSE of every prefix part into its row's own
+    part, in place (:func:`attnkit.backends.native.paged_merge_rows`). ``table``: the
+    caller's block table, used as it is when no prefix is shared (row b = sequence b)."""
     bs = k_pool.shape[1]
-    # the call's sequences: (queries, pages, keys, position of the first query, row | None)
-    seqs: list[tuple[torch.Tensor, list[int], int, int, int | None]] = []
+    # the call's sequences: (queries as pieces of qs, pages, keys, position of the first
+    # query); the groups' prefixes first, then row b's (own) keys as sequence len(groups) + b
+    seqs: list[tuple[list[torch.Tensor], list[int], int, int]] = []
     start: dict[int, int] = {}                     # row -> its pages' first key (a suffix)
     for rows, n_pages in groups:
         n_pre = n_pages * bs
-        seqs.append((torch.cat([qs[b] for b in rows]), pages[rows[0]][:n_pages], n_pre,
-                     n_pre - 1, None))
+        seqs.append(([qs[b] for b in rows], pages[rows[0]][:n_pages], n_pre, n_pre - 1))
         start.update(dict.fromkeys(rows, n_pages))
     for b, q in enumerate(qs):
         n_k = lengths[b] - start.get(b, 0) * bs
-        seqs.append((q, pages[b][start.get(b, 0):], n_k, n_k - q.shape[0], b))
+        seqs.append(([q], pages[b][start.get(b, 0):], n_k, n_k - q.shape[0]))
     if not groups and table is not None:
         tab = table
     else:
-        width = max([1, *(len(p) for _, p, _, _, _ in seqs)])
-        tab = torch.tensor([p + [0] * (width - len(p)) for _, p, _, _, _ in seqs],
-                           dtype=torch.int64)
+        width = max([1, *(len(p) for _, p, _, _ in seqs)])
+        # (S, width), rows padded with page 0: a flat int64 array read in place (a third
+        # of the time of torch.tensor over nested lists: a 4096-token prefix has 256 pages)
+        flat = array.array("q")
+        for _, p, _, _ in seqs:
+            flat.extend(p)
+            flat.extend(itertools.repeat(0, width - len(p)))
+        tab = torch.frombuffer(flat, dtype=torch.int64).view(len(seqs), width)
     cu = [0]
-    for q, *_ in seqs:
-        cu.append(cu[-1] + q.shape[0])
+    for pieces, *_ in seqs:
+        cu.append(cu[-1] + sum(q.shape[0] for q in pieces))
+    pieces = [q for each, *_ in seqs for q in each]
     # (slopes (B, H_q) are per row = per sequence: no prefix is shared with ALiBi)
     out, lse = _native.paged_attention(
-        torch.cat([q for q, *_ in seqs]) if len(seqs) > 1 else seqs[0][0], k_pool, v_pool,
-        tab, cu, [n for _, _, n, _, _ in seqs], q_positions=[p for _, _, _, p, _ in seqs],
+        torch.cat(pieces) if len(pieces) > 1 else pieces[0], k_pool, v_pool,   # one copy
+        tab, cu, [n for _, _, n, _ in seqs], q_positions=[p for _, _, _, p in seqs],
         scale=scale, softcap=softcap or None, alibi_slopes=slopes, window=window)
-    parts = [(out[a:e], lse[a:e].t()) for a, e in zip(cu, cu[1:], strict=False)]
-    results = {seq[4]: part for seq, part in zip(seqs, parts, strict=True)
-               if seq[4] is not None}
-    for gi, (rows, _) in enumerate(groups):        # a group's rows: prefix + own, by LSE
-        o_pre, lse_pre = parts[gi]                 # (n, H_q, D_v), (H_q, n): rows in order
-        o_own = torch.cat([results[b][0] for b in rows])
-        lse_own = torch.cat([results[b][1] for b in rows], 1)
-        o, lse_g = merge_partials([(o_pre.transpose(0, 1), lse_pre),
-                                   (o_own.transpose(0, 1), lse_own)])
-        o = o.transpose(0, 1).to(o_pre.dtype)
-        at = 0
-        for b in rows:
-            n = qs[b].shape[0]
-            results[b] = (o[at: at + n], lse_g[:, at: at + n])
-            at += n
-    return [results[b] for b in range(len(qs))]
+    if groups:                                     # prefix query i -> its row's query
+        own = len(groups)
+        dst = [cu[own + b] + i for rows, _ in groups for b in rows
+               for i in range(qs[b].shape[0])]
+        _native.paged_merge_rows(out, lse, range(cu[0], cu[own]), dst)
+    rows_out, rows_lse = out[cu[len(groups)]:], lse[cu[len(groups)]:]
+    if cu[len(groups)] > _KEEP_PREFIX_ROWS:        # views would keep the prefix rows alive
+        rows_out, rows_lse = rows_out.clone(), rows_lse.clone()
+    return rows_out, rows_lse
+
+
+def _packed(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row ``(out (N_q(b), H_q, D_v), lse (H_q, N_q(b)))`` → rows packed in order:
+    ``(out (Σ N_q, H_q, D_v), lse (Σ N_q, H_q))``."""
+    return torch.cat([o for o, _ in parts]), torch.cat([lse.t() for _, lse in parts])
 
 
 def _attend_rows(qs: list[torch.Tensor], k_pool: torch.Tensor, v_pool: torch.Tensor,
                  pages: list[list[int]] | None, lengths: list[int], *, scale: float | None,
                  window: tuple[int, int], softcap: float, slopes: torch.Tensor | None,
                  backend: str, shared_prefix: bool, table: torch.Tensor | None = None,
-                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Every row b: ``qs[b] (N_q(b), H_q, D)`` over its first ``lengths[b]`` keys — the pages
-    ``pages[b]`` of the pools, or row b of a contiguous cache (``pages`` None) →
-    ``(out (N_q(b), H_q, D_v), lse (H_q, N_q(b)))``.
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row b (at least one): ``qs[b] (N_q(b), H_q, D)`` over its first ``lengths[b]``
+    keys — the pages ``pages[b]`` of the pools, or row b of a contiguous cache (``pages``
+    None) → the rows' queries packed in order: ``out (Σ N_q(b), H_q, D_v)``, ``lse (Σ
+    N_q(b), H_q)`` (row b's at ``N_q(0) + … + N_q(b − 1)``).
 
     Paged, with the native kernel available: one call reading the pages through the block
     table (:func:`_attend_rows_native`). Otherwise (the fallback) each row's pages are
@@ -492,7 +514,7 @@ def _attend_rows(qs: list[torch.Tensor], k_pool: torch.Tensor, v_pool: torch.Ten
         o, lse = merge_partials([(o_pre.transpose(0, 1), lse_pre),
                                  (o_own.transpose(0, 1), lse_own)])
         results[b] = (o.transpose(0, 1).to(qs[b].dtype), lse)
-    return [results[b] for b in range(len(qs))]
+    return _packed([results[b] for b in range(len(qs))])
 
 
 # --------------------------------------------------------------------------- public calls
@@ -656,15 +678,16 @@ def attention_with_kvcache(
         assert v is not None
         _write(k_cache, pages, starts, k, block_size)
         _write(v_cache, pages, starts, v, block_size)
-    res = _attend_rows(list(q.unbind(0)), k_cache, v_cache, pages, lengths, table=block_table,
-                       scale=softmax_scale, window=window, softcap=float(softcap),
-                       slopes=slopes, backend=backend, shared_prefix=shared_prefix)
-    outs, lses = [o for o, _ in res], [lse for _, lse in res]
     if batch == 0:
         out = q.new_zeros(0, n_q, h_q, v_cache.shape[3])
         lse_all = torch.zeros(0, h_q, n_q, dtype=compute_dtype(q.dtype), device=q.device)
     else:
-        out, lse_all = torch.stack(outs), torch.stack(lses)
+        out, lse_rows = _attend_rows(list(q.unbind(0)), k_cache, v_cache, pages, lengths,
+                                     table=block_table, scale=softmax_scale, window=window,
+                                     softcap=float(softcap), slopes=slopes, backend=backend,
+                                     shared_prefix=shared_prefix)   # (B·N_q, H_q, D_v)
+        out = out.view(batch, n_q, h_q, v_cache.shape[3])
+        lse_all = lse_rows.view(batch, n_q, h_q).transpose(1, 2).contiguous()
     return (out, lse_all) if return_softmax_lse else out
 
 
@@ -748,20 +771,20 @@ def attention_varlen(
         if owner is not None:
             owner.check_block_table(block_table, len_k)
     qs = [q[cu_q[b]: cu_q[b + 1]] for b in range(batch)]
-    if pages is not None:
-        res = _attend_rows(qs, k, v, pages, len_k, table=block_table, scale=softmax_scale,
-                           window=window,
-                           softcap=float(softcap), slopes=slopes, backend=backend,
-                           shared_prefix=shared_prefix)
-    else:
-        res = [_attend_one(qs[b], k[cu_k[b]: cu_k[b + 1]], v[cu_k[b]: cu_k[b + 1]],
-                           scale=softmax_scale, window=window, softcap=float(softcap),
-                           slopes=None if slopes is None else slopes[b], backend=backend)
-               for b in range(batch)]
-    outs, lses = [o for o, _ in res], [lse for _, lse in res]
-    if outs:
-        out, lse_all = torch.cat(outs, 0), torch.cat(lses, 1)
-    else:
+    if not qs:
         out = q.new_zeros(0, h_q, v.shape[-1])
         lse_all = torch.zeros(h_q, 0, dtype=compute_dtype(q.dtype), device=q.device)
+    else:
+        if pages is not None:
+            out, lse_rows = _attend_rows(qs, k, v, pages, len_k, table=block_table,
+                                         scale=softmax_scale, window=window,
+                                         softcap=float(softcap), slopes=slopes,
+                                         backend=backend, shared_prefix=shared_prefix)
+        else:
+            out, lse_rows = _packed([
+                _attend_one(qs[b], k[cu_k[b]: cu_k[b + 1]], v[cu_k[b]: cu_k[b + 1]],
+                            scale=softmax_scale, window=window, softcap=float(softcap),
+                            slopes=None if slopes is None else slopes[b], backend=backend)
+                for b in range(batch)])
+        lse_all = lse_rows.t().contiguous()                          # (H_q, total_q)
     return (out, lse_all) if return_softmax_lse else out

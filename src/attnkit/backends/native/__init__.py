@@ -106,8 +106,8 @@ from .score_mod import CompiledScoreMod, compile_score_mod, for_problem
 
 __all__ = ["available", "why_unavailable", "forward", "decode", "supports", "forward_problem",
            "backward_problem", "compile_score_mod", "CompiledScoreMod", "low_precision_paths",
-           "paged_attention", "KernelTerms", "plain_terms", "use_native", "native_enabled",
-           "DTYPES", "DECODE_MAX_QUERIES", "DENSE_MASK_LIMIT"]
+           "paged_attention", "paged_merge_rows", "KernelTerms", "plain_terms", "use_native",
+           "native_enabled", "DTYPES", "DECODE_MAX_QUERIES", "DENSE_MASK_LIMIT"]
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 DECODE_MAX_QUERIES = 16
@@ -611,6 +611,27 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
         if "attnkit native paged:" in msg:
             raise ValueError(msg.split("attnkit native paged:", 1)[1].split("\n")[0]
                              .strip()) from None
+        raise
+
+
+def paged_merge_rows(out: torch.Tensor, lse: torch.Tensor, src_rows: object,
+                     dst_rows: object) -> None:
+    """Cascade's merge, in place: row ``src_rows[i]`` of a :func:`paged_attention` call's
+    ``(out (total_q, H_q, D_v), lse (total_q, H_q))`` — a query's part over a shared prefix
+    — merged by LSE into row ``dst_rows[i]`` — the same query's part over its own keys —
+    every head, by :func:`attnkit.backends.base.merge_partials`' rules (an empty part adds
+    nothing; NaN in a part's LSE gives NaN). The src rows are left as they were; a row may
+    not be both a src and a dst, nor a dst twice (ValueError). One native call, on the
+    calling thread for a decode step's few rows."""
+    src = _int64(src_rows, "src_rows").reshape(-1)
+    dst = _int64(dst_rows, "dst_rows").reshape(-1)
+    try:
+        _ops().paged_merge_rows(out, lse, src, dst)  # type: ignore[attr-defined]
+    except RuntimeError as e:
+        msg = str(e)
+        if "attnkit native paged_merge_rows:" in msg:
+            raise ValueError(msg.split("attnkit native ", 1)[1].split("\n")[0].strip()
+                             ) from None
         raise
 
 # ------------------------------------------------------------------ Problem → options

@@ -30,6 +30,7 @@
 #pragma once
 #include <array>
 #include <atomic>
+#include <torch/library.h>
 
 #include "forward.h"
 
@@ -431,5 +432,80 @@ void run_paged(const Args<A>& a, const Pages<T>& pg, const T* q, const i64 (&sq)
   });
 }
 
+// Cascade (serving.py's shared prefixes): rows src[i] of out / lse — a query's part over a
+// shared prefix — merged by LSE into rows dst[i] — the same query's part over its own keys —
+// in place, every head (the rules of merge_row: an empty part adds nothing, NaN -> NaN).
+// out (total_q, H_q, D_v) in T, lse (total_q, H_q) in A; n pairs, no row both a src and a
+// dst. A decode step's few rows run on the calling thread (no parallel region to wake).
+template <typename T>
+void merge_rows_into(T* out, compute_t<T>* lse, i64 Hq, i64 Dv, const i64* src,
+                     const i64* dst, i64 n) {
+  using A = compute_t<T>;
+  const i64 grain = std::max<i64>(1, (i64(1) << 16) / std::max<i64>(1, Dv));  // (row, head)s
+  at::parallel_for(0, n * Hq, grain, [&](i64 r0, i64 r1) {
+    std::vector<A> parts(2 * Dv), accv(Dv);                // (2, D_v): prefix, own
+    for (i64 r = r0; r < r1; ++r) {                        // (pair r / H_q, head r % H_q)
+      const i64 fs = src[r / Hq] * Hq + r % Hq, fd = dst[r / Hq] * Hq + r % Hq;
+      const A lses[2] = {lse[fs], lse[fd]};
+      for (i64 d = 0; d < Dv; ++d) {
+        parts[d] = A(out[fs * Dv + d]);
+        parts[Dv + d] = A(out[fd * Dv + d]);
+      }
+      merge_row(lses, 1, parts.data(), Dv, 2, Dv, accv.data(), out + fd * Dv, lse + fd);
+    }
+  });
+}
+
+// The op: paged_merge_rows(out, lse, src, dst) on a paged_attend call's (out, lse).
+void paged_merge_rows(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& src,
+                      const at::Tensor& dst) {
+  TORCH_CHECK(out.dim() == 3 && out.is_contiguous() && out.device().is_cpu(),
+              "attnkit native paged_merge_rows: out must be a contiguous CPU (total_q, H_q, "
+              "D_v) tensor, got ", out.sizes());
+  TORCH_CHECK(lse.dim() == 2 && lse.is_contiguous() && lse.size(0) == out.size(0) &&
+                  lse.size(1) == out.size(1),
+              "attnkit native paged_merge_rows: lse must be contiguous (total_q, H_q) = (",
+              out.size(0), ", ", out.size(1), "), got ", lse.sizes());
+  TORCH_CHECK(src.scalar_type() == at::kLong && dst.scalar_type() == at::kLong &&
+                  src.dim() == 1 && src.is_contiguous() && dst.is_contiguous() &&
+                  dst.sizes() == src.sizes(),
+              "attnkit native paged_merge_rows: src and dst must be contiguous int64 (n,)");
+  const i64 total = out.size(0), n = src.numel();
+  const i64* s = src.data_ptr<i64>();
+  const i64* d = dst.data_ptr<i64>();
+  std::vector<char> role(total, 0);                        // 1 = a src row, 2 = a dst row
+  for (i64 i = 0; i < n; ++i) {
+    TORCH_CHECK(s[i] >= 0 && s[i] < total && d[i] >= 0 && d[i] < total,
+                "attnkit native paged_merge_rows: pair ", i, " (", s[i], " -> ", d[i],
+                ") is out of range: out has ", total, " rows");
+    TORCH_CHECK(role[s[i]] != 2 && role[d[i]] == 0 && s[i] != d[i],
+                "attnkit native paged_merge_rows: row ", role[d[i]] ? d[i] : s[i],
+                " is used twice (a dst row must be no other pair's src or dst)");
+    role[s[i]] = 1;
+    role[d[i]] = 2;
+  }
+  auto run = [&](auto* o, auto* l) {
+    using T = std::remove_pointer_t<decltype(o)>;
+    TORCH_CHECK(lse.scalar_type() == c10::CppTypeToScalarType<compute_t<T>>::value,
+                "attnkit native paged_merge_rows: lse must be ",
+                c10::CppTypeToScalarType<compute_t<T>>::value, " for out ", out.scalar_type());
+    merge_rows_into<T>(o, static_cast<compute_t<T>*>(l), out.size(1), out.size(2), s, d, n);
+  };
+  void* l = lse.data_ptr();
+  switch (out.scalar_type()) {
+    case at::kFloat: return run(out.data_ptr<float>(), l);
+    case at::kDouble: return run(out.data_ptr<double>(), l);
+    case at::kBFloat16: return run(out.data_ptr<at::BFloat16>(), l);
+    case at::kHalf: return run(out.data_ptr<at::Half>(), l);
+    default: TORCH_CHECK(false, "attnkit native paged_merge_rows: dtype ", out.scalar_type());
+  }
+}
+
 }  // namespace
 }  // namespace attnkit_native
+
+TORCH_LIBRARY_FRAGMENT(attnkit_native, m) {
+  m.def("paged_merge_rows(Tensor(a!) out, Tensor(b!) lse, Tensor src_rows, Tensor dst_rows) "
+        "-> ()",
+        &attnkit_native::paged_merge_rows);
+}
