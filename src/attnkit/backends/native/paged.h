@@ -95,11 +95,16 @@ inline v8f load8(const float* p) {
   return v;
 }
 inline v8f load8(const at::BFloat16* p) {                 // bfloat16 = a float's top half
+#if defined(__AVX2__)
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return (v8f)_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16);   // as common.h's load_vec
+#else
   typedef uint16_t v8h __attribute__((vector_size(16)));
   typedef uint32_t v8u __attribute__((vector_size(32)));
   v8h h;
   std::memcpy(&h, p, sizeof h);
   return (v8f)(__builtin_convertvector(h, v8u) << 16);
+#endif
 }
 inline v8f load8(const at::Half* p) {
 #if defined(__F16C__)
@@ -317,9 +322,11 @@ void attend_paged_task(const Args<A>& a, const Pages<T>& pg, const T* q, const i
     for (i64 h = 0; h < a.Hkv; ++h)
       rows_of_tile(pg, its[h]->s, h, k0, n_ptr, pb.krow.data() + h * TILE_PTRS,
                    pb.vrow.data() + h * TILE_PTRS);
-    for (i64 h = 0; h < a.Hkv; ++h) scores_dot(a, pb.rows(h, n_ptr), n, R, pb.heads[h]);
-    for (i64 h = 0; h < a.Hkv; ++h) rows_pass(a, its[h]->it, k0, n, npad, kind, pb.heads[h]);
-    for (i64 h = 0; h < a.Hkv; ++h) values_axpy(a, pb.rows(h, n_ptr), n, R, pb.heads[h]);
+    for (i64 h = 0; h < a.Hkv; ++h) {                      // head h's V read while cached
+      scores_dot(a, pb.rows(h, n_ptr), n, R, pb.heads[h]);
+      rows_pass(a, its[h]->it, k0, n, npad, kind, pb.heads[h]);
+      values_axpy(a, pb.rows(h, n_ptr), n, R, pb.heads[h]);
+    }
   });
 }
 
