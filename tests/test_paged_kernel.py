@@ -8,6 +8,8 @@ written; serving's paged calls take this path (no gathered copy) and fall back w
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -43,6 +45,20 @@ def _reference(q, k, v, pos, *, window=(-1, -1), softcap=0.0, slopes=None, scale
                          allowed=allowed, bias=bias, scale=scale, softcap=softcap or None,
                          dtype=dtype)
     return out.transpose(0, 1), lse.transpose(0, 1)
+
+
+def _assert_rows(out, lse, dtype, what, reference):
+    """out / lse of some rows against ``reference(dtype=)`` → (out, lse) by the formula: equal
+    to float64 in float64, close in float32, within the low-precision rule in half."""
+    want, want_lse = reference()
+    if dtype == DT:
+        torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(lse, want_lse, rtol=1e-10, atol=1e-10)
+    elif dtype == torch.float32:
+        torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
+    else:
+        assert_low_precision_close(out, reference(dtype=dtype)[0], want, what=what)
 
 
 def _pool(lengths, block_size, h_kv, d, d_v, dtype, *, poison=True):
@@ -106,16 +122,8 @@ def _check(dtype, block_size, opts, *, split_len, block_q, h_q=8, h_kv=2, d=16, 
         rows = slice(int(cu[b]), int(cu[b + 1]))
         kw = dict(window=o.get("window", (-1, -1)), softcap=o.get("softcap", 0.0),
                   slopes=None if slopes is None else slopes[b], scale=o.get("scale"))
-        want, want_lse = _reference(q[rows], ks[b], vs[b], pos, **kw)
-        if dtype == DT:
-            torch.testing.assert_close(out[rows], want, rtol=1e-10, atol=1e-10)
-            torch.testing.assert_close(lse[rows], want_lse, rtol=1e-10, atol=1e-10)
-        elif dtype == torch.float32:
-            torch.testing.assert_close(out[rows].double(), want, rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(lse[rows].double(), want_lse, rtol=1e-5, atol=1e-5)
-        else:
-            naive, _ = _reference(q[rows], ks[b], vs[b], pos, dtype=dtype, **kw)
-            assert_low_precision_close(out[rows], naive, want, what=f"paged {dtype} seq {b}")
+        _assert_rows(out[rows], lse[rows], dtype, f"paged {dtype} seq {b}",
+                     functools.partial(_reference, q[rows], ks[b], vs[b], pos, **kw))
 
 
 @pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: ",".join(o) or "plain")
@@ -221,16 +229,8 @@ def test_merge_rows_of_prefix_and_own_parts_equals_attention_over_all_keys(dtype
     assert torch.equal(out[: B * n_q], parts[0]) and torch.equal(lse[: B * n_q], parts[1])
     for b in range(B):
         rows = slice(B * n_q + b * n_q, B * n_q + (b + 1) * n_q)
-        want, want_lse = _reference(q[b * n_q: (b + 1) * n_q], ks[b], vs[b], 0)
-        if dtype == DT:
-            torch.testing.assert_close(out[rows], want, rtol=1e-10, atol=1e-10)
-            torch.testing.assert_close(lse[rows], want_lse, rtol=1e-10, atol=1e-10)
-        elif dtype == torch.float32:
-            torch.testing.assert_close(out[rows].double(), want, rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(lse[rows].double(), want_lse, rtol=1e-5, atol=1e-5)
-        else:
-            naive, _ = _reference(q[b * n_q: (b + 1) * n_q], ks[b], vs[b], 0, dtype=dtype)
-            assert_low_precision_close(out[rows], naive, want, what=f"merged {dtype} row {b}")
+        _assert_rows(out[rows], lse[rows], dtype, f"merged {dtype} row {b}",
+                     functools.partial(_reference, q[b * n_q: (b + 1) * n_q], ks[b], vs[b], 0))
 
 
 def test_merge_rows_follows_merge_partials_rules_for_empty_and_nan_parts():
