@@ -444,7 +444,7 @@ def interrupt_when_compiling():
     while not (list(loader.cache_dir().glob("native/*/*.build-*/lock"))  # torch's lock
                or list(loader.cache_dir().glob("native/*/lock"))):        # (before the fix)
         time.sleep(0.05)
-        if time.monotonic() - t0 > 60:
+        if time.monotonic() - t0 > 120:                # (a loaded machine starts slowly)
             return
     time.sleep(0.5)
     os.kill(os.getpid(), signal.SIGINT)               # Ctrl-C
@@ -470,7 +470,7 @@ def test_ctrl_c_during_the_first_build_reaches_the_caller_and_is_not_remembered(
     try:
         run = _child(_INTERRUPTED.replace("sys.argv[3]", repr(str(tiny["slow_flag"]))),
                      tmp_path / "cache", source=tiny["src"], env={"CXX": str(tiny["slow"])},
-                     timeout=120)
+                     timeout=300)         # it hung past 120 s once on a 2-core box under load
     finally:
         tiny["slow_flag"].unlink(missing_ok=True)
     got = _last_json(run)
