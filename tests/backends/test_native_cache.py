@@ -141,10 +141,10 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     slow_flag = root / "slow"
     slow = root / "bin" / "c++"                 # (named c++: torch checks the name)
     slow.parent.mkdir()
-    # slow for compiling and linking only: torch asks the compiler its version before the
-    # build starts (and takes its lock), and a slow answer there kept the Ctrl-C test's
-    # interrupter waiting for a lock that came too late
-    slow.write_text(f'#!/bin/sh\ncase "$*" in *-dump*|*--version*) ;; *) [ -e "{slow_flag}" ] '
+    # slow for compiling and linking only (-c, -o): torch asks the compiler its version (-v,
+    # -dumpversion) before the build starts and takes its lock, and a slow answer there kept
+    # the Ctrl-C test's interrupter waiting for a lock that came too late
+    slow.write_text(f'#!/bin/sh\ncase " $* " in *" -c "*|*" -o "*) [ -e "{slow_flag}" ] '
                     f'&& sleep 60;; esac\nexec "{loader.compiler()}" "$@"\n')
     slow.chmod(0o755)
     cache = root / "built"
