@@ -212,6 +212,26 @@ def test_truncated_score_mod_library_is_rebuilt(tmp_path) -> None:  # noqa: ANN0
     assert loader.verify_library(mod) is None
 
 
+_LOADED = """
+ops = loader.load()
+report(loaded=ops is not None, reason=loader.reason(),
+       cpp_extension="torch.utils.cpp_extension" in sys.modules,
+       setuptools="setuptools" in sys.modules)
+"""
+
+
+def test_loading_the_cached_kernel_imports_no_extension_builder() -> None:
+    """``torch.utils.cpp_extension`` imports setuptools (~0.2 s of every fresh process's
+    first native call); a verified cached kernel loads without it."""
+    if not native.available():
+        pytest.skip(f"native kernel unavailable here: {native.why_unavailable()}")
+    level, flags = loader.cpu_flags()
+    key = loader.build_key(flags, loader.compiler())
+    got = _last_json(_child(_LOADED, loader.cache_dir(), key=key))
+    assert got["loaded"] and got["reason"] is None, got
+    assert not got["cpp_extension"] and not got["setuptools"], got
+
+
 def test_verify_library_names_what_is_wrong(tmp_path) -> None:  # noqa: ANN001
     so = tmp_path / "lib.so"
     assert loader.verify_library(so) == "missing"
