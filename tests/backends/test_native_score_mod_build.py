@@ -1,19 +1,31 @@
 """How a score_mod is built (native/score_mod.py, codegen.py): what the generated file
-includes.
+includes, and the int64 variant built only for a call whose positions reach
+``codegen.POSITION_LIMIT`` (2^24).
+
+A call up to that size gets the narrow (int32-position) variant alone; a larger call, or
+:meth:`CompiledScoreMod.bind` without the call's extent, builds the full library (both
+variants) first, and a failed build of it leaves the call its Python path with one warning.
+Values are compared with torch running the same function over the row (as in
+``test_native_score_mod_ops.py``), beside the limit and far past it.
+
+Shape legend: x, dx (n,) one row of keys k0 .. k0 + n - 1.
 """
 
 from __future__ import annotations
 
 import ctypes
 import re
+import warnings
 from collections.abc import Callable
 
 import pytest
 import torch
 
+import attnkit as ak
 from attnkit.backends import native
 from attnkit.backends.native import codegen
 from attnkit.backends.native import score_mod as sm
+from attnkit.backends.tiled import counting
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernel unavailable: "
                                                                f"{native.why_unavailable()}")
@@ -78,3 +90,102 @@ def test_the_generated_file_includes_no_cmath_or_type_traits() -> None:
         src = generated(fn)
         assert re.findall(r"#include\s*<([^>]+)>", src) == ["climits", "cstdint"], src[:400]
         assert "std::" not in src
+
+
+@pytest.mark.parametrize("name", list(MODS))
+def test_a_call_below_the_limit_builds_the_narrow_variant_alone(name: str) -> None:
+    fn = MODS[name]
+    src = generated(fn, extent=LIM)
+    assert "ak_rows_n<" in src and "ak_rows<" not in src       # no int64 loop compiled
+    full = generated(fn)
+    assert "ak_rows_n<" in full and "ak_rows<" in full
+    mod = sm.compile_score_mod(fn, grad=True, extent=4096)
+    assert mod.limit == LIM and mod.serves(LIM) and not mod.serves(LIM + 1)
+    assert not mod.serves(None)
+    g = torch.Generator().manual_seed(3)
+    narrow_call = mod.bind(4096)
+    assert mod.limit == LIM                                     # still narrow: not rebuilt
+    for b, h, q, k0, n in ROWS[:2]:
+        x = torch.randn(n, generator=g)
+        y, dy = run_row(narrow_call, x, b, h, q, k0)
+        want, dwant = torch_row(fn, x, b, h, q, k0)
+        torch.testing.assert_close(y, want, rtol=2e-6, atol=2e-6)
+        torch.testing.assert_close(dy, dwant, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="narrow build"):     # never a silent wrong row
+        run_row(narrow_call, torch.zeros(40), *ROWS[2][:4])
+
+
+@pytest.mark.parametrize("name", list(MODS))
+def test_a_larger_call_widens_the_build_on_both_sides_of_the_limit(name: str) -> None:
+    fn = MODS[name]
+    mod = sm.compile_score_mod(fn, grad=True, extent=100)
+    narrow = mod.address
+    call = mod.bind(LIM + 1)                                    # a call past the limit
+    assert mod.limit is None and mod.full_source is None and call.address != narrow
+    g = torch.Generator().manual_seed(4)
+    for b, h, q, k0, n in ROWS:
+        x = torch.randn(n, generator=g)
+        y, dy = run_row(call, x, b, h, q, k0)
+        want, dwant = torch_row(fn, x, b, h, q, k0)
+        torch.testing.assert_close(y, want, rtol=2e-6, atol=2e-6)
+        torch.testing.assert_close(dy, dwant, rtol=0, atol=0)
+    assert mod.bind().address == call.address                   # no extent: the full build
+
+
+def test_for_problem_serves_each_calls_extent() -> None:
+    """The kernel's path: a small call gets the narrow build; a later call of the same
+    score_mod past the limit gets it widened (one more build), a small one again reuses it."""
+    sm.clear()
+
+    def mod(s, b, h, q, kv):  # noqa: ANN001, ANN202
+        return s - 0.0311 * (q - kv).abs().float()
+
+    small = sm.for_problem(mod, torch.float32, 128)
+    assert isinstance(small, sm.CompiledScoreMod) and small.limit == LIM
+    same = sm.for_problem(mod, torch.float32, 2048)
+    assert same is small and same.limit == LIM                  # trace reused, not widened
+    big = sm.for_problem(mod, torch.float32, LIM + 5)
+    assert big is small and big.limit is None
+    q = torch.randn(1, 4, 70, 16)
+
+    def fresh(s, b, h, q, kv):  # noqa: ANN001, ANN202
+        return s - 0.0277 * (q - kv).abs().float()
+
+    for fn in (mod, fresh):
+        with warnings.catch_warnings(), counting() as n:
+            warnings.simplefilter("error")
+            out = ak.attention(q, q, q, score_mod=fn, backend="tiled")
+        ref = ak.attention(q.double(), q.double(), q.double(), score_mod=fn,
+                           backend="reference")
+        assert n["native"] == 1 and (out.double() - ref).abs().max() < 1e-5
+    kernel_built = sm.for_problem(fresh, torch.float32, 70)    # what the kernel's call built
+    assert isinstance(kernel_built, sm.CompiledScoreMod) and kernel_built.limit == LIM
+
+
+def test_a_failed_wide_build_falls_back_with_one_warning(monkeypatch: pytest.MonkeyPatch,
+                                                         tmp_path) -> None:  # noqa: ANN001
+    monkeypatch.setenv("ATTNKIT_CACHE_DIR", str(tmp_path))
+    sm.clear()
+
+    def mod(s, b, h, q, kv):  # noqa: ANN001, ANN202
+        return s + 0.0173 * (q - kv).float()
+
+    got = sm.for_problem(mod, torch.float32, 64)
+    assert isinstance(got, sm.CompiledScoreMod) and got.limit == LIM
+    real = sm._build
+
+    def failing(name: str, src: str) -> int:                    # the int64 variant fails
+        if "ak_rows<" in src:
+            sm._fail("full:" + name, name, "the C++ build failed (stand-in)")
+        return real(name, src)
+
+    monkeypatch.setattr(sm, "_build", failing)
+    with pytest.warns(RuntimeWarning, match="stand-in"):
+        why = sm.for_problem(mod, torch.float32, LIM + 1)
+    assert isinstance(why, str) and "stand-in" in why
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                          # one warning, not one per call
+        assert isinstance(sm.for_problem(mod, torch.float32, LIM + 1), str)
+        small = sm.for_problem(mod, torch.float32, 64)          # small calls keep the narrow
+    assert small is got and got.limit == LIM
+    sm.clear()

@@ -21,6 +21,7 @@ Caution
   (2^24): there each int64 node whose interval (followed from the positions' bounds, the
   literals and the captured dtypes) fits int32 is computed in int32 — the same values, so the
   same results, in the lanes AVX2 has (its int64 -> float conversion is scalar).
+  ``source(..., wide=False)`` builds the narrow one alone (calls that never pass the limit).
 - The file includes ``<climits>`` and ``<cstdint>`` only: ``akm::`` stands in for
   ``<cmath>`` (the same builtins libstdc++ calls) and ``<type_traits>``, whose parsing was
   half of each build.
@@ -1191,23 +1192,33 @@ def _run(gen: Gen, fn: str) -> str:
             "      }\n      bad |= got;\n    }\n")
 
 
-def source(gen: Gen, out: _Val, narrow: tuple[Gen, _Val] | None = None) -> str:
+def source(gen: Gen, out: _Val, narrow: tuple[Gen, _Val] | None = None, *,
+           wide: bool = True) -> str:
     """The C++ file of ``attnkit_mod`` for the graph ``gen`` has run, returning ``out``.
 
     ``narrow``: the same graph run by ``Gen(limit=L)`` (and its output): rows whose b, h,
     q and keys are all below L run that variant (``ak_rows_n``, int32 positions: the loop
-    vectorises on AVX2), the others the wide one (``ak_rows``, exact for every int64)."""
+    vectorises on AVX2), the others the wide one (``ak_rows``, exact for every int64).
+    ``wide=False`` (with ``narrow``): the narrow variant alone, for calls whose positions
+    all stay below L (a third less to compile); a row beyond L is left as it is and sets
+    bit 2 of the call's error flag (``ScoreModCall.check`` raises: such a call must bind the
+    full build, see ``CompiledScoreMod.bind``)."""
     S = gen.score_ct
-    rows = _rows(gen, out, "ak_rows")
-    run = _run(gen, "ak_rows")
+    flag = f"static_cast<int*>(const_cast<void*>(caps[{len(gen.caps)}]))"
+    if narrow is None and not wide:
+        raise ValueError("wide=False needs the narrow variant")
+    rows = _rows(gen, out, "ak_rows") if wide else ""
+    run = _run(gen, "ak_rows") if wide else ""
     if narrow is not None:
         ng, nout = narrow
         assert ng.limit is not None and len(ng.caps) == len(gen.caps)
         L = f"INT64_C({ng.limit})"
         rows += _rows(ng, nout, "ak_rows_n")
+        beyond = run if wide else (f"    __atomic_fetch_or({flag}, 2, __ATOMIC_RELAXED);"
+                                   "  // not built: positions past the limit\n")
         run = (f"  if (b >= 0 && h >= 0 && q >= 0 && k0 >= 0 && b < {L} && h < {L} && q < {L}"
                f" && n <= {L} - k0) {{\n"
-               f"{_run(ng, 'ak_rows_n')}  }} else {{\n{run}  }}\n")
+               f"{_run(ng, 'ak_rows_n')}  }} else {{\n{beyond}  }}\n")
     else:
         run = "  {\n" + run + "  }\n"
     return (_PRELUDE + rows +
@@ -1215,8 +1226,7 @@ def source(gen: Gen, out: _Val, narrow: tuple[Gen, _Val] | None = None) -> str:
             "                            int64_t b, int64_t h, int64_t q, int64_t k0,\n"
             "                            const void* const* caps) {\n"
             f"  int bad = 0;\n{run}"
-            "  if (bad) __atomic_store_n(static_cast<int*>(const_cast<void*>("
-            f"caps[{len(gen.caps)}])), 1, __ATOMIC_RELAXED);\n}}\n")
+            f"  if (bad) __atomic_fetch_or({flag}, 1, __ATOMIC_RELAXED);\n}}\n")
 
 
 def uses_positions(gm: fx.GraphModule) -> bool:
