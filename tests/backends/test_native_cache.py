@@ -212,6 +212,55 @@ def test_truncated_score_mod_library_is_rebuilt(tmp_path) -> None:  # noqa: ANN0
     assert loader.verify_library(mod) is None
 
 
+_LOADED = """
+ops = loader.load()
+report(loaded=ops is not None, reason=loader.reason(),
+       cpp_extension="torch.utils.cpp_extension" in sys.modules,
+       setuptools="setuptools" in sys.modules)
+"""
+
+
+def test_loading_the_cached_kernel_imports_no_extension_builder() -> None:
+    """``torch.utils.cpp_extension`` imports setuptools (~0.2 s of every fresh process's
+    first native call); a verified cached kernel loads without it."""
+    if not native.available():
+        pytest.skip(f"native kernel unavailable here: {native.why_unavailable()}")
+    level, flags = loader.cpu_flags()
+    key = loader.build_key(flags, loader.compiler())
+    got = _last_json(_child(_LOADED, loader.cache_dir(), key=key))
+    assert got["loaded"] and got["reason"] is None, got
+    assert not got["cpp_extension"] and not got["setuptools"], got
+
+
+def test_two_processes_building_one_score_mod_at_once(tmp_path) -> None:  # noqa: ANN001
+    """Two fresh processes call the same new score_mod at the same moment (a compiler slowed
+    by 1.5 s, so that one usually still holds the library's lock when the other arrives): one
+    builds it, the other loads that build; both are right, one verified library is left."""
+    if not native.available():
+        pytest.skip(f"native kernel unavailable here: {native.why_unavailable()}")
+    level, flags = loader.cpu_flags()
+    key = loader.build_key(flags, loader.compiler())
+    cache = tmp_path / "cache"
+    shutil.copytree(loader.cache_dir() / "native" / key, cache / "native" / key,
+                    ignore=shutil.ignore_patterns("*.lock", "lock", "*.build-*", "failed"))
+    slow = tmp_path / "slow-c++"
+    slow.write_text(f"#!/bin/sh\nsleep 1.5\nexec {loader.compiler()} \"$@\"\n")
+    slow.chmod(0o755)
+    procs = [_start(_SCORE_MOD, cache, key=key, env={"CXX": str(slow)}) for _ in range(2)]
+    runs = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=180)
+        finally:
+            _kill_group(p)
+        runs.append(_last_json(subprocess.CompletedProcess(p.args, p.returncode, out, err)))
+    assert sum(r["builds"] for r in runs) == 1, runs
+    assert all(r["err"] < 1e-5 and not r["failed"] and not r["warnings"] for r in runs), runs
+    (mod,) = (cache / "score_mod").glob("mod_*.so")
+    assert loader.verify_library(mod) is None
+    assert not list((cache / "score_mod").glob("*.build-*"))
+
+
 def test_verify_library_names_what_is_wrong(tmp_path) -> None:  # noqa: ANN001
     so = tmp_path / "lib.so"
     assert loader.verify_library(so) == "missing"

@@ -380,7 +380,7 @@ def _common(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, B: int, Hq: int, 
     cut = 0                                # table columns on each side that no |k - q| reaches
     if rel is not None:
         cut = max(0, int(rel_max_distance) - (max(Nq, Nk) - 1))  # type: ignore[arg-type]
-    call = None if score_mod is None else score_mod.bind()  # this call's caps and error flag
+    call = None if score_mod is None else score_mod.bind(max(B, Hq, Nq, Nk))  # caps, error flag
     common = KernelTerms(
         float(Dk ** -0.5 if scale is None else scale), float(softcap or 0.0),
         slopes, float(alibi_offset),
@@ -655,7 +655,8 @@ def supports(p: Problem) -> list[str]:
             out.append(f"mask {rest.name!r} has no closed form and its dense form would "
                        f"take {size / 2**20:.0f} MB (limit {DENSE_MASK_LIMIT / 2**20:.0f} MB)")
     if not out and low.terms.user is not None:
-        got = for_problem(low.terms.user, _compute_dtype(p.dtype))  # compiled when it would run
+        got = for_problem(low.terms.user, _compute_dtype(p.dtype),  # compiled when it would run
+                          max(p.batch, p.heads_q, p.n_q, p.n_k))
         if isinstance(got, str):
             out.append(f"the Python score_mod cannot be compiled natively: {got}")
     return out
@@ -693,7 +694,8 @@ def _terms(p: Problem) -> _Terms:
     ali, rel = terms.alibi, terms.relative
     mod = None
     if terms.user is not None:
-        mod = for_problem(terms.user, _compute_dtype(p.dtype))
+        mod = for_problem(terms.user, _compute_dtype(p.dtype),
+                          max(p.batch, p.heads_q, p.n_q, p.n_k))
     return _Terms(None if ali is None else torch.as_tensor(ali.slopes),
                   0 if ali is None else int(ali.offset),
                   None if rel is None else rel.table,

@@ -21,6 +21,10 @@ Caution
   (2^24): there each int64 node whose interval (followed from the positions' bounds, the
   literals and the captured dtypes) fits int32 is computed in int32 — the same values, so the
   same results, in the lanes AVX2 has (its int64 -> float conversion is scalar).
+  ``source(..., wide=False)`` builds the narrow one alone (calls that never pass the limit).
+- The file includes ``<climits>`` and ``<cstdint>`` only: ``akm::`` stands in for
+  ``<cmath>`` (the same builtins libstdc++ calls) and ``<type_traits>``, whose parsing was
+  half of each build.
 - Every node computes what torch computes for it (the table test,
   ``tests/backends/test_native_score_mod_ops.py``, compares each op and dtype to torch):
   float32 / float64 nodes in float / double; float16 / bfloat16 nodes in float, each result
@@ -297,25 +301,25 @@ _UNARY: dict[str, tuple[str, str | None]] = {
     "neg": ("(-{a})", "(-{ta})"), "pos": ("{a}", "{ta}"),
     "abs": ("ak_abs({a})", "(ak_sgn({a}) * {ta})"),
     "exp": ("ak_exp({a})", "({ta} * {y})"),
-    "exp2": ("std::exp2({a})", "({ta} * {y} * (T)0.6931471805599453)"),
-    "expm1": ("std::expm1({a})", "({ta} * ({y} + (T)1))"),
+    "exp2": ("akm::exp2({a})", "({ta} * {y} * (T)0.6931471805599453)"),
+    "expm1": ("akm::expm1({a})", "({ta} * ({y} + (T)1))"),
     "log": ("ak_log({a})", "({ta} / {a})"),
-    "log2": ("std::log2({a})", "({ta} / ({a} * (T)0.6931471805599453))"),
-    "log10": ("std::log10({a})", "({ta} / ({a} * (T)2.302585092994046))"),
-    "log1p": ("std::log1p({a})", "({ta} / ((T)1 + {a}))"),
-    "sqrt": ("std::sqrt({a})", "({ta} / ((T)2 * {y}))"),
-    "rsqrt": ("((T)1 / std::sqrt({a}))", "((T)-0.5 * {ta} * {y} * {y} * {y})"),
+    "log2": ("akm::log2({a})", "({ta} / ({a} * (T)0.6931471805599453))"),
+    "log10": ("akm::log10({a})", "({ta} / ({a} * (T)2.302585092994046))"),
+    "log1p": ("akm::log1p({a})", "({ta} / ((T)1 + {a}))"),
+    "sqrt": ("akm::sqrt({a})", "({ta} / ((T)2 * {y}))"),
+    "rsqrt": ("((T)1 / akm::sqrt({a}))", "((T)-0.5 * {ta} * {y} * {y} * {y})"),
     "tanh": ("ak_tanh({a})", "({ta} * ((T)1 - {y} * {y}))"),
     "sigmoid": ("ak_sigmoid({a})", "({ta} * {y} * ((T)1 - {y}))"),
-    "sin": ("std::sin({a})", "({ta} * std::cos({a}))"),
-    "cos": ("std::cos({a})", "(-{ta} * std::sin({a}))"),
-    "erf": ("std::erf({a})", "({ta} * (T)1.1283791670955126 * std::exp(-{a} * {a}))"),
+    "sin": ("akm::sin({a})", "({ta} * akm::cos({a}))"),
+    "cos": ("akm::cos({a})", "(-{ta} * akm::sin({a}))"),
+    "erf": ("akm::erf({a})", "({ta} * (T)1.1283791670955126 * akm::exp(-{a} * {a}))"),
     "reciprocal": ("((T)1 / {a})", "(-{ta} * {y} * {y})"),
     "relu": ("(({a} > (T)0 || {a} != {a}) ? {a} : (T)0)", "({y} > (T)0 ? {ta} : (T)0)"),
     "square": ("({a} * {a})", "((T)2 * {a} * {ta})"),
-    "sign": ("ak_sgn({a})", None), "floor": ("std::floor({a})", None),
-    "ceil": ("std::ceil({a})", None), "trunc": ("std::trunc({a})", None),
-    "round": ("std::nearbyint({a})", None), "frac": ("({a} - std::trunc({a}))", "{ta}"),
+    "sign": ("ak_sgn({a})", None), "floor": ("akm::floor({a})", None),
+    "ceil": ("akm::ceil({a})", None), "trunc": ("akm::trunc({a})", None),
+    "round": ("akm::nearbyint({a})", None), "frac": ("({a} - akm::trunc({a}))", "{ta}"),
 }
 _INT_UNARY = {"neg", "pos", "abs", "sign", "square", "floor", "ceil", "trunc", "round", "relu"}
 _ARITH = {"add", "sub", "rsub", "mul", "div", "floor_divide", "remainder", "fmod", "pow",
@@ -757,7 +761,7 @@ class Gen:
             if name == "remainder":                      # torch: fmod, moved to b's sign
                 return self.value(ct, dtype, f"ak_fremainder({A}, {B})", _sum(
                     ta, None if tb is None else f"(-{tb} * ak_ffloordiv({A}, {B}))"))
-            return self.value(ct, dtype, f"std::fmod({A}, {B})",
+            return self.value(ct, dtype, f"akm::fmod({A}, {B})",
                               _sum(ta, None if tb is None else f"(-{tb} * ak_ftruncdiv({A}, {B}))"))
         if name == "pow":
             if not fl:                                   # negative exponents: 0, or ±1
@@ -773,7 +777,7 @@ class Gen:
                 for _ in range(int(abs(e)) - 1):                 # type: ignore[arg-type]
                     pos = f"({pos} * {A})"
                     pos = f"ak_bf16({pos})" if dtype == torch.bfloat16 else pos
-                pos = f"std::sqrt({A})" if abs(e) == 0.5 else pos  # type: ignore[arg-type]
+                pos = f"akm::sqrt({A})" if abs(e) == 0.5 else pos  # type: ignore[arg-type]
                 y = self.new(ct, pos if e > 0 else f"(({ct})1 / {pos})")  # type: ignore[operator]
                 d = (f"(({ct})0.5 / {y})" if e == 0.5 else
                      f"(({ct})-0.5 * {y} / {A})" if e == -0.5 else
@@ -782,22 +786,22 @@ class Gen:
                 t = None if ta is None else self.new(ct, f"({ta} * {d})", tangent=True)
                 return _Val(y, ct, dtype, t)
             if e is not None and dtype == torch.float32:      # torch: pow(float, double)
-                y = self.new(ct, f"((float)std::pow((double){A}, {_cast(b, 'double')}))")
+                y = self.new(ct, f"((float)akm::pow((double){A}, {_cast(b, 'double')}))")
             else:
-                y = self.new(ct, f"std::pow({A}, {B})")
+                y = self.new(ct, f"akm::pow({A}, {B})")
             parts = []
             if ta is not None:                           # torch: the exponent as given
                 E = _cast(b, ct) if b.lit else B
                 parts.append(f"({E} == ({ct})0 ? ({ct})0 : "
-                             f"{ta} * {E} * std::pow({A}, {E} - ({ct})1))")
+                             f"{ta} * {E} * akm::pow({A}, {E} - ({ct})1))")
             if tb is not None:
                 parts.append(f"(({A} == ({ct})0 && {B} >= ({ct})0) ? ({ct})0 : "
-                             f"{tb} * {y} * std::log({A}))")
+                             f"{tb} * {y} * akm::log({A}))")
             t = _sum(*parts)
             return _Val(y, ct, dtype, None if t is None else self.new(ct, t, tangent=True))
         if name in ("minimum", "maximum", "fmin", "fmax"):
-            f = {"minimum": "ak_min", "maximum": "ak_max", "fmin": "std::fmin",
-                 "fmax": "std::fmax"}[name]
+            f = {"minimum": "ak_min", "maximum": "ak_max", "fmin": "akm::fmin",
+                 "fmax": "akm::fmax"}[name]
             if not fl:                                   # integers: no NaN; exact in int64
                 f = {"fmin": "ak_min", "fmax": "ak_max"}.get(name, f)
             t = None
@@ -874,13 +878,43 @@ def _example(ex: Any, v: _Val) -> Any:
 
 _PRELUDE = r"""// generated by attnkit/backends/native/score_mod.py (codegen.py)
 #include <climits>
-#include <cmath>
 #include <cstdint>
-#include <type_traits>
+// No <cmath> / <type_traits>: parsing them took half the build (~0.2 s of ~0.4 s). akm:: holds
+// what libstdc++'s <cmath> gives for float / double (the same builtins: the same code); any
+// other argument goes through double, as <cmath>'s integer overloads do.
+#define INFINITY (__builtin_inff())
+#define NAN (__builtin_nanf(""))
+namespace akm {
+#define AK_MATH1(F)                                                                  \
+  static inline float F(float a) { return __builtin_##F##f(a); }                    \
+  static inline double F(double a) { return __builtin_##F(a); }                     \
+  template <class T> static inline double F(T a) { return __builtin_##F((double)a); }
+#define AK_MATH2(F)                                                                  \
+  static inline float F(float a, float b) { return __builtin_##F##f(a, b); }        \
+  static inline double F(double a, double b) { return __builtin_##F(a, b); }        \
+  template <class T, class U> static inline double F(T a, U b) {                    \
+    return __builtin_##F((double)a, (double)b);                                     \
+  }
+AK_MATH1(fabs) AK_MATH1(sqrt) AK_MATH1(exp) AK_MATH1(exp2) AK_MATH1(expm1) AK_MATH1(log)
+AK_MATH1(log2) AK_MATH1(log10) AK_MATH1(log1p) AK_MATH1(tanh) AK_MATH1(sin) AK_MATH1(cos)
+AK_MATH1(erf) AK_MATH1(floor) AK_MATH1(ceil) AK_MATH1(trunc) AK_MATH1(nearbyint)
+AK_MATH2(fmod) AK_MATH2(pow) AK_MATH2(fmin) AK_MATH2(fmax) AK_MATH2(copysign)
+#undef AK_MATH1
+#undef AK_MATH2
+// <type_traits>' make_signed / make_unsigned / is_signed for the integer C types used here
+template <class T> struct sign_of;
+#define AK_SIGN(T, S, U) template <> struct sign_of<T> { typedef S s; typedef U u; };
+AK_SIGN(int8_t, int8_t, uint8_t) AK_SIGN(uint8_t, int8_t, uint8_t)
+AK_SIGN(int16_t, int16_t, uint16_t) AK_SIGN(uint16_t, int16_t, uint16_t)
+AK_SIGN(int32_t, int32_t, uint32_t) AK_SIGN(uint32_t, int32_t, uint32_t)
+AK_SIGN(int64_t, int64_t, uint64_t) AK_SIGN(uint64_t, int64_t, uint64_t)
+#undef AK_SIGN
+template <class T> struct is_signed { static const bool value = (T)-1 < (T)0; };
+}  // namespace akm
 // integers wrap in their width (two's complement, as torch; built with -fwrapv)
 template <class T> static inline T ak_abs(T a) { return a < (T)0 ? -a : a; }
-static inline float ak_abs(float a) { return std::fabs(a); }
-static inline double ak_abs(double a) { return std::fabs(a); }
+static inline float ak_abs(float a) { return akm::fabs(a); }
+static inline double ak_abs(double a) { return akm::fabs(a); }
 template <class T> static inline T ak_sgn(T a) { return (T)((a > (T)0) - (a < (T)0)); }
 template <class T> static inline T ak_max(T a, T b) {
   return a != a ? a : (b != b ? b : (a > b ? a : b));
@@ -937,14 +971,14 @@ template <class F> static inline int32_t ak_f2i32(F x) {
 }
 // << and >> as torch: a shift by < 0 or >= the width gives 0 (<<) or the sign (>>)
 template <class T> static inline T ak_shl(T a, T b) {
-  typedef typename std::make_unsigned<T>::type U;
-  typedef typename std::make_signed<T>::type I;
+  typedef typename akm::sign_of<T>::u U;
+  typedef typename akm::sign_of<T>::s I;
   const bool out = (I)b < 0 || (int64_t)b >= (int64_t)sizeof(T) * 8;
   return out ? (T)0 : (T)((U)a << (out ? 0 : b));
 }
 template <class T> static inline T ak_shr(T a, T b) {
-  const int64_t top = (int64_t)sizeof(T) * 8 - (std::is_signed<T>::value ? 1 : 0);
-  const bool out = (typename std::make_signed<T>::type)b < 0 || (int64_t)b >= top;
+  const int64_t top = (int64_t)sizeof(T) * 8 - (akm::is_signed<T>::value ? 1 : 0);
+  const bool out = (typename akm::sign_of<T>::s)b < 0 || (int64_t)b >= top;
   return (T)(a >> (out ? top : (int64_t)b));
 }
 // e^x in float, ~1 ulp, branch-free so loops vectorise (Cody-Waite, degree-6 polynomial;
@@ -969,7 +1003,7 @@ static inline float ak_exp(float x) {
   const float e = y * p1 * p2;
   return nan ? x : (x < -104.f ? 0.f : e);
 }
-static inline double ak_exp(double x) { return std::exp(x); }
+static inline double ak_exp(double x) { return akm::exp(x); }
 // tanh in float: an odd polynomial below 0.625 (Cephes' tanhf), else 1 - 2 / (e^2|x| + 1)
 static inline float ak_tanh(float x) {
   const float a = x < 0.f ? -x : x, z = x * x;
@@ -981,7 +1015,7 @@ static inline float ak_tanh(float x) {
   const float big = 1.f - 2.f / (ak_exp(2.f * (a > 10.f ? 10.f : a)) + 1.f);
   return a < 0.625f ? p * z * x + x : (x < 0.f ? -big : big);
 }
-static inline double ak_tanh(double x) { return std::tanh(x); }
+static inline double ak_tanh(double x) { return akm::tanh(x); }
 // ln x in float, ~1 ulp, branch-free (Cephes' logf: mantissa in [sqrt(1/2), sqrt(2)),
 // degree-8 polynomial; subnormals scaled by 2^23; 0 -> -inf, x < 0 -> NaN, inf -> inf)
 static inline float ak_log(float x) {
@@ -1014,7 +1048,7 @@ static inline float ak_log(float x) {
   r = x == INFINITY ? x : r;
   return x != x ? x : r;
 }
-static inline double ak_log(double x) { return std::log(x); }
+static inline double ak_log(double x) { return akm::log(x); }
 // 1 / (1 + e^-x) through e = e^-|x| (both tails keep their relative accuracy)
 template <class T> static inline T ak_sigmoid(T x) {
   const T e = ak_exp(x < (T)0 ? x : -x);
@@ -1023,19 +1057,19 @@ template <class T> static inline T ak_sigmoid(T x) {
 // float % and // as torch computes them: from the exact fmod (a - b * floor(a / b) loses
 // the remainder once a / b rounds), the remainder moved to b's sign, the quotient rounded
 template <class T> static inline T ak_fremainder(T a, T b) {
-  const T m = std::fmod(a, b);
+  const T m = akm::fmod(a, b);
   return (m != (T)0 && ((b < (T)0) != (m < (T)0))) ? m + b : m;
 }
 template <class T> static inline T ak_ffloordiv(T a, T b) {
   if (b == (T)0) return a / b;
-  const T m = std::fmod(a, b);
+  const T m = akm::fmod(a, b);
   T d = (a - m) / b;
   if (m != (T)0 && ((b < (T)0) != (m < (T)0))) d -= (T)1;
-  if (d == (T)0) return std::copysign((T)0, a / b);
-  const T f = std::floor(d);
+  if (d == (T)0) return akm::copysign((T)0, a / b);
+  const T f = akm::floor(d);
   return d - f > (T)0.5 ? f + (T)1 : f;
 }
-template <class T> static inline T ak_ftruncdiv(T a, T b) { return std::trunc(a / b); }
+template <class T> static inline T ak_ftruncdiv(T a, T b) { return akm::trunc(a / b); }
 static inline int64_t ak_idx(int64_t i, int64_t size, int& bad) {
   i = i < 0 ? i + size : i;
   bad |= (i < 0) | (i >= size);
@@ -1158,23 +1192,33 @@ def _run(gen: Gen, fn: str) -> str:
             "      }\n      bad |= got;\n    }\n")
 
 
-def source(gen: Gen, out: _Val, narrow: tuple[Gen, _Val] | None = None) -> str:
+def source(gen: Gen, out: _Val, narrow: tuple[Gen, _Val] | None = None, *,
+           wide: bool = True) -> str:
     """The C++ file of ``attnkit_mod`` for the graph ``gen`` has run, returning ``out``.
 
     ``narrow``: the same graph run by ``Gen(limit=L)`` (and its output): rows whose b, h,
     q and keys are all below L run that variant (``ak_rows_n``, int32 positions: the loop
-    vectorises on AVX2), the others the wide one (``ak_rows``, exact for every int64)."""
+    vectorises on AVX2), the others the wide one (``ak_rows``, exact for every int64).
+    ``wide=False`` (with ``narrow``): the narrow variant alone, for calls whose positions
+    all stay below L (a third less to compile); a row beyond L is left as it is and sets
+    bit 2 of the call's error flag (``ScoreModCall.check`` raises: such a call must bind the
+    full build, see ``CompiledScoreMod.bind``)."""
     S = gen.score_ct
-    rows = _rows(gen, out, "ak_rows")
-    run = _run(gen, "ak_rows")
+    flag = f"static_cast<int*>(const_cast<void*>(caps[{len(gen.caps)}]))"
+    if narrow is None and not wide:
+        raise ValueError("wide=False needs the narrow variant")
+    rows = _rows(gen, out, "ak_rows") if wide else ""
+    run = _run(gen, "ak_rows") if wide else ""
     if narrow is not None:
         ng, nout = narrow
         assert ng.limit is not None and len(ng.caps) == len(gen.caps)
         L = f"INT64_C({ng.limit})"
         rows += _rows(ng, nout, "ak_rows_n")
+        beyond = run if wide else (f"    __atomic_fetch_or({flag}, 2, __ATOMIC_RELAXED);"
+                                   "  // not built: positions past the limit\n")
         run = (f"  if (b >= 0 && h >= 0 && q >= 0 && k0 >= 0 && b < {L} && h < {L} && q < {L}"
                f" && n <= {L} - k0) {{\n"
-               f"{_run(ng, 'ak_rows_n')}  }} else {{\n{run}  }}\n")
+               f"{_run(ng, 'ak_rows_n')}  }} else {{\n{beyond}  }}\n")
     else:
         run = "  {\n" + run + "  }\n"
     return (_PRELUDE + rows +
@@ -1182,8 +1226,7 @@ def source(gen: Gen, out: _Val, narrow: tuple[Gen, _Val] | None = None) -> str:
             "                            int64_t b, int64_t h, int64_t q, int64_t k0,\n"
             "                            const void* const* caps) {\n"
             f"  int bad = 0;\n{run}"
-            "  if (bad) __atomic_store_n(static_cast<int*>(const_cast<void*>("
-            f"caps[{len(gen.caps)}])), 1, __ATOMIC_RELAXED);\n}}\n")
+            f"  if (bad) __atomic_fetch_or({flag}, 1, __ATOMIC_RELAXED);\n}}\n")
 
 
 def uses_positions(gm: fx.GraphModule) -> bool:

@@ -354,8 +354,6 @@ def _build_environment(compiler: str, ninja_dir: str | None) -> Iterator[None]:
 def _build() -> object:
     """Load the verified cached build of attention.cpp, or compile it (see the module
     docstring); returns torch.ops.attnkit_native."""
-    from torch.utils import cpp_extension
-
     missing_src = [str(s) for s in SOURCES if not s.exists()]
     if missing_src:
         raise _Unavailable(f"the kernel's C++ sources are missing from this install "
@@ -381,6 +379,10 @@ def _build() -> object:
     loaded: list[str] = []
 
     def compile_into(staging: Path) -> Path:
+        # imported for a build only: it imports setuptools (~0.2 s), which a process that
+        # loads the cached library does not need
+        from torch.utils import cpp_extension
+
         if failed.exists():                                # another process failed meanwhile
             raise _Unavailable(_failed_before(failed))
         print(f"attnkit: compiling the native CPU kernel ({level}) into {folder} "

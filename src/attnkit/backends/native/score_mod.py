@@ -17,7 +17,7 @@ The derivative is forward-mode from the same graph (every node carries its value
 derivative by the score, with torch's conventions: ``abs'(0) = 0``, a clamp passes the
 gradient at its bounds, ``maximum`` / ``minimum`` split it on ties and pass it to both
 operands at a NaN). The source is compiled
-by the plain C++ compiler (no torch headers: a fraction of a second) with ``-O3`` and the
+by the plain C++ compiler (no torch headers, not even ``<cmath>``: ~0.1–0.2 s) with ``-O3`` and the
 CPU's vector flags (``loader.cpu_flags``) into ``loader.cache_dir() / "score_mod"``, keyed by
 the hash of source, flags and compiler, loaded with ctypes, and kept in a bounded in-process
 cache (``_CACHE_SIZE`` libraries). Captured tensors are not baked into the source: their
@@ -73,7 +73,10 @@ Caution
   are the C library's scalar calls, and a loop holding one runs scalar. Position arithmetic
   (``q_idx - kv_idx``, ``//``, ``%``, clamps, table offsets) runs in int32 while every
   position is below 2^24 (``codegen.POSITION_LIMIT``; int64 beyond, exact either way), so
-  on AVX2 it vectorises too; a float -> int64 cast (``.long()`` of a float) does not.
+  on AVX2 it vectorises too; a float -> int64 cast (``.long()`` of a float) does not. A
+  call whose batch, heads, queries and keys are all at most 2^24 (:func:`for_problem`'s
+  ``extent``, from the kernel's call) builds the int32 variant alone; the int64 one is
+  built (with it, a second library) only when a larger call comes.
   Measured forward speed against the plain causal call (fp32, N=4096, 2 cores, load ~1):
   ALiBi-like functions 0.9–1.0×, hand-written tanh soft-cap 0.75×, T5 log-buckets 0.5×;
   ``score - 0.02 * (q_idx - kv_idx).abs().float().sqrt()`` (AMD Zen 3, AVX2, 1 thread, CPU
@@ -92,7 +95,10 @@ Caution
   keeps the captured tensors alive (at most ``_CACHE_SIZE`` entries).
 - Built with ``-ffp-contract=off``: no multiply-add is fused, so every elementwise op rounds
   as torch's op does; ``-fwrapv``: signed integers wrap, as torch's do. The build
-  runs per new source (~0.2–0.6 s, once per process, or never again once on disk).
+  runs per new source (~0.1–0.2 s of one core on Zen 3, most of it optimising the loops;
+  once per process, or never again once on disk). A new score_mod's first
+  call in a fresh process: 0.3–0.6 s on a busy 2-core machine (the build, the trace, and
+  the process's first full garbage collection, ~0.1 s, which lands in the trace).
 """
 
 from __future__ import annotations
@@ -133,18 +139,44 @@ class CompiledScoreMod:
     """A loaded score_mod: the C function's ``address``, the tensors it reads (``sources``: the
     trace's captured tensors themselves) and the dtype the kernel reads each as (``stores``).
     One object serves many calls and threads; a call's own state — the captured data as it is
-    at that call, and its error flag — is the :class:`ScoreModCall` that :meth:`bind` returns."""
+    at that call, and its error flag — is the :class:`ScoreModCall` that :meth:`bind` returns.
+
+    ``limit``: the loaded build serves calls whose batch, heads, queries and keys are all at
+    most this many (the narrow variant alone, built for such a call: ``extent`` of
+    :func:`compile_score_mod`); None: any call. :meth:`bind` of a larger call builds the full
+    library first (:meth:`widen`)."""
 
     name: str
     address: int
     sources: list[torch.Tensor] = field(repr=False)
     stores: list[torch.dtype] = field(repr=False)
     dtype: torch.dtype = torch.float32                     # the row type it was built for
+    limit: int | None = None
+    full_source: str | None = field(default=None, repr=False)   # (while ``limit`` is set)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def bind(self) -> ScoreModCall:
+    def serves(self, extent: int | None) -> bool:
+        """Whether the loaded build runs a call of this ``extent`` (None: any call)."""
+        return self.limit is None or (extent is not None and extent <= self.limit)
+
+    def widen(self) -> None:
+        """Build (or load) the full library — both variants, any position — and use it from
+        now on; raises :class:`Unsupported` (after its one warning) when it cannot be built.
+        Calls bound before keep the narrow build, which stays loaded."""
+        with self._lock:
+            if self.limit is None:
+                return
+            assert self.full_source is not None
+            self.address = _build(self.name, self.full_source)
+            self.limit, self.full_source = None, None
+
+    def bind(self, extent: int | None = None) -> ScoreModCall:
         """One call's ``caps``: the captured tensors' data as it is now — float32 / float64 /
         int32 / int64 read in place, narrower dtypes widened (copied, as is a non-contiguous
-        tensor) — and a fresh error flag."""
+        tensor) — and a fresh error flag. ``extent``: the call's largest of batch, heads,
+        queries and keys (None: unknown), which the bound build must serve (:meth:`widen`)."""
+        if not self.serves(extent):
+            self.widen()
         tensors = [t.detach().to(s).contiguous()
                    for t, s in zip(self.sources, self.stores, strict=True)]
         flag = torch.zeros(1, dtype=torch.int32)
@@ -169,9 +201,17 @@ class ScoreModCall:
     dtype: torch.dtype = torch.float32
 
     def check(self) -> None:
-        """Raise ``IndexError`` when the kernel met an out-of-range index (or / 0)."""
-        if int(self.flag[0]):
+        """Raise ``IndexError`` when the kernel met an out-of-range index (or / 0) — flag bit
+        1 — or ``RuntimeError`` when it ran a narrow-only build past its limit (bit 2: the
+        call was bound without its extent; its result is wrong)."""
+        got = int(self.flag[0])
+        if got:
             self.flag.zero_()
+            if got & 2:
+                raise RuntimeError(
+                    f"score_mod {self.name}: its narrow build (positions below "
+                    f"{POSITION_LIMIT}) ran rows past that limit; bind it with the call's "
+                    "extent (CompiledScoreMod.bind(extent)) so the full build is used")
             raise IndexError(
                 f"score_mod {self.name} indexed a captured tensor out of range (or divided an "
                 "integer by zero) for some (b, h, q_idx, kv_idx) of this call, where torch "
@@ -422,11 +462,16 @@ def _fail(key: str, name: str, why: str, *, remember: bool = True) -> NoReturn:
 
 
 def compile_score_mod(fn: Any, *, grad: bool | None = None,
-                      dtype: torch.dtype = torch.float32) -> CompiledScoreMod:
+                      dtype: torch.dtype = torch.float32,
+                      extent: int | None = None) -> CompiledScoreMod:
     """``fn(score, b, h, q_idx, kv_idx)`` traced, generated, built and loaded; raises
     :class:`Unsupported` (with the reason) when it cannot be. ``grad`` (default: autograd is
     recording) refuses captured tensors that require grad. ``dtype``: the kernel's compute
-    dtype — float32 (for float32 / bfloat16 / float16 inputs) or float64."""
+    dtype — float32 (for float32 / bfloat16 / float16 inputs) or float64. ``extent``: the
+    largest of batch, heads, queries and keys of the calls it is for: up to
+    ``POSITION_LIMIT``, a score_mod that reads positions is built with its narrow (int32)
+    variant only — the int64 one is built when a larger call binds it
+    (:meth:`CompiledScoreMod.bind`); None (default): both at once."""
     if dtype not in (torch.float32, torch.float64):
         raise ValueError(f"dtype must be torch.float32 or torch.float64 (the kernel's compute "
                          f"dtypes), got {dtype}")
@@ -442,18 +487,25 @@ def compile_score_mod(fn: Any, *, grad: bool | None = None,
         ng = Gen(gm, examples, grad, dtype, limit=POSITION_LIMIT)
         narrow = (ng, ng.run())
     src = source(gen, out, narrow)
+    lazy = narrow is not None and extent is not None and extent <= POSITION_LIMIT
     with _LOCK:
         _STATS["traces"] += 1
         _STATS["trace_s"] += time.perf_counter() - t0
-    addr = _build(name, src)
-    return CompiledScoreMod(name, addr, gen.caps, gen.cap_stores, dtype)
+    if not lazy:
+        return CompiledScoreMod(name, _build(name, src), gen.caps, gen.cap_stores, dtype)
+    addr = _build(name, source(gen, out, narrow, wide=False))
+    return CompiledScoreMod(name, addr, gen.caps, gen.cap_stores, dtype,
+                            limit=POSITION_LIMIT, full_source=src)
 
 
 def for_problem(score_mod: Any, dtype: torch.dtype = torch.float32,
-                ) -> CompiledScoreMod | str:
+                extent: int | None = None) -> CompiledScoreMod | str:
     """The compiled form of a call's ``score_mod`` (api's checked wrapper, or a raw
     function) for the kernel's compute ``dtype`` (float32 or float64), or the reason it has
-    none — remembered per wrapper object (one per call) and dtype."""
+    none — remembered per wrapper object (one per call) and dtype. ``extent``: the call's
+    largest of batch, heads, queries and keys (None: any), which the result serves (see
+    :func:`compile_score_mod`; an earlier narrow build is widened here, where a failed
+    build still leaves the call its Python path)."""
     if torch.compiler.is_compiling():
         return "inside torch.compile (the score_mod runs on the Python path there)"
     per_call = unwrap(score_mod) is not score_mod         # api's wrapper: one per call
@@ -461,7 +513,7 @@ def for_problem(score_mod: Any, dtype: torch.dtype = torch.float32,
     with _LOCK, contextlib.suppress(TypeError):           # not weak-referenceable
         got = _BY_CALL.get(score_mod, {}).get(dtype) if per_call else None
     if got is not None:
-        return got
+        return _serving(got, extent)
     fn = unwrap(score_mod)
     user = fn.fn if isinstance(fn, ScoreTerm) else fn
     signed = _signature(user, dtype)
@@ -474,9 +526,9 @@ def for_problem(score_mod: Any, dtype: torch.dtype = torch.float32,
                 _TRACES.move_to_end(key)
                 _STATS["reused"] += 1
         if hit is not None:
-            return _remember(score_mod, per_call, hit[0], dtype)
+            return _serving(_remember(score_mod, per_call, hit[0], dtype), extent)
     try:
-        got = compile_score_mod(fn, dtype=dtype)
+        got = compile_score_mod(fn, dtype=dtype, extent=extent)
     except Unsupported as e:
         got = str(e)
     except Exception as e:  # noqa: BLE001 — never worse than the Python path
@@ -489,6 +541,18 @@ def for_problem(score_mod: Any, dtype: torch.dtype = torch.float32,
             while len(_TRACES) > _CACHE_SIZE:
                 _TRACES.popitem(last=False)
     return _remember(score_mod, per_call, got, dtype)
+
+
+def _serving(got: CompiledScoreMod | str, extent: int | None) -> CompiledScoreMod | str:
+    """``got``, widened first where its narrow build does not serve ``extent``; the reason
+    as a string when that build fails (the call runs its Python path)."""
+    if isinstance(got, str) or got.serves(extent):
+        return got
+    try:
+        got.widen()
+    except Unsupported as e:
+        return str(e)
+    return got
 
 
 def _remember(score_mod: Any, per_call: bool, got: CompiledScoreMod | str,
