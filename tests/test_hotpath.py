@@ -746,3 +746,14 @@ def test_lean_operator_is_attend_and_flags_non_finite_outputs(dtype):
         out, _, finite = ops.attend_lean(q_bad, k, v, 0.3, 0.0, -inf, inf, no_key, 1, 3,
                                          check_q)
         assert torch.isfinite(out).all() and finite == (not check_q)
+
+
+def test_a_repeated_empty_call_selects_nothing(monkeypatch):
+    """A call with no score to compute never reaches a backend, also on its repeats: a
+    backend that could not run it (triton on CPU tensors) may be named every time."""
+    monkeypatch.setattr(eager, "_FRAMES", {})
+    name = "triton" if "triton" in REGISTRY else "reference"
+    q, k, v = torch.randn(1, 2, 0, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 4)
+    with torch.no_grad():
+        for _ in range(3):
+            assert ak.attention(q, k, v, backend=name).shape == (1, 2, 0, 4)

@@ -657,7 +657,8 @@ def _make_lane(p: Problem, backend: str) -> _Lane:
         order = state[2]
     consulted: list[tuple[str, Any, int]] = []
     launch = None
-    if state[7] is _SELECT and not state[5] and p.q.is_cpu:
+    if state[7] is _SELECT and not state[5] and p.q.is_cpu and not _is_empty(p) \
+            and p.d_k > 0 and p.d_v > 0:  # (what _run answers itself selects nothing)
         chosen = _SELECT(p, backend)
         reg = _backends.REGISTRY
         for name in order:
