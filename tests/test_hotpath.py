@@ -80,6 +80,22 @@ def test_nan_query_row_still_nan_after_clean_calls():
     assert torch.isfinite(out[0, 3, :7]).all() and torch.isfinite(out[0, :3]).all()
 
 
+def test_minus_inf_query_row_gives_nan_after_clean_calls():
+    """A query row of −∞ whose every score is −∞ (keys all positive) attends to keys it may
+    see: NaN, as the tiled engine's query screen gives — also on a repeat of a clean
+    signature, where the kernel alone would call the row empty (output 0)."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 8, 40, 16), torch.rand(1, 8, 40, 16) + 0.5, torch.randn(1, 8, 40, 16)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.isfinite(ak.attention(q, k, v, is_causal=True)).all()
+        q_bad = q.clone()
+        q_bad[0, 3, 7] = -math.inf
+        out = ak.attention(q_bad, k, v, is_causal=True)
+    assert out[0, 3, 7].isnan().all()
+    assert torch.isfinite(out[0, 3, :7]).all() and torch.isfinite(out[0, :3]).all()
+
+
 def test_score_mod_minus_inf_on_nan_v_row_still_gives_nan():
     """A Python score_mod's −∞ is a score, not a mask: a NaN V row it removes still gives
     NaN — on the first call and on a repeat with new values."""
@@ -542,8 +558,8 @@ def test_a_frame_lowers_its_mask_once_and_a_new_mask_tensor_anew(monkeypatch):
         assert len(lowered) == n
         other = m.clone()
         other[..., :9] = False
-        got = ak.attention(q, k, v, mask=other)      # a new tensor: its own lowering
-        assert len(lowered) == n + 1
+        got = ak.attention(q, k, v, mask=other)      # a new tensor: lowered at most anew
+        assert len(lowered) <= n + 1                 # (the lean lane passes it as it is)
         want = ak.attention(q.double(), k.double(), v.double(), mask=other,
                             backend="reference")
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
@@ -560,3 +576,184 @@ def test_sdpa_outside_autocast_is_attentions_eager_call():
                         ({"attn_mask": m}, {"mask": m})):
             got = ak.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw)
             assert torch.equal(got, ak.attention(q, k, v, **akw))
+
+
+# ============================================================ the lean lane (a frame's repeats)
+def _warm(call, n: int = 3) -> None:
+    for _ in range(n):
+        call()
+
+
+def test_a_repeated_decode_call_skips_select_and_the_glue(monkeypatch):
+    """A repeat of a decode signature (no mask, or a bool mask tensor) runs on the kernel's
+    lean operator: neither ``backends.select`` nor ``native.forward_problem`` is called, the
+    native counter still counts it, and the answer is the full path's, bit for bit."""
+    if not native.available():
+        pytest.skip("native kernel unavailable")
+    monkeypatch.setattr(eager, "_FRAMES", {})
+    q, k, v = _decode_qkv()
+    m = torch.ones(1, 1, 1, 192, dtype=torch.bool)
+    m[..., :20] = False
+    from attnkit.backends.tiled import counting
+    with torch.no_grad():
+        full = [ak.attention(q, k, v, backend="decode"),
+                ak.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)]
+        _warm(lambda: ak.attention(q, k, v))
+        _warm(lambda: ak.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True))
+        seen: list[str] = []
+        real_select, real_fp = ak.backends.select, native.forward_problem
+        monkeypatch.setattr(eager._backends, "select",
+                            lambda *a: seen.append("select") or real_select(*a))
+        monkeypatch.setattr(native, "forward_problem",
+                            lambda *a: seen.append("forward_problem") or real_fp(*a))
+        monkeypatch.setattr(eager, "_SELECT", eager._backends.select)   # (the spy is select)
+        _warm(lambda: ak.attention(q, k, v), 1)                         # the lanes anew
+        _warm(lambda: ak.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True),
+              1)
+        assert "select" in seen
+        seen.clear()
+        with counting() as c:
+            lean = [ak.attention(q, k, v),
+                    ak.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)]
+        assert c["native"] == 2
+    assert seen == []
+    for a, b in zip(lean, full, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_the_lean_lane_honours_scopes_switches_registry_edits_and_grad(monkeypatch):
+    """What ``backend="auto"`` would choose is chosen on every repeat: a ``use`` scope, a
+    forced name, ``use_native(False)``, ``ATTNKIT_NATIVE=0``, a backend registered ahead, a
+    patched ``extra_reasons``, inputs that need gradients and a new thread count each change
+    the choice at once, and the lane comes back after."""
+    if not native.available():
+        pytest.skip("native kernel unavailable")
+    from attnkit.backends import tiled
+    from attnkit.backends.base import Backend, Capabilities
+    from attnkit.backends.tiled import counting
+
+    monkeypatch.setattr(eager, "_FRAMES", {})
+    q, k, v = _decode_qkv()
+    runs: list[str] = []
+    for name in ("tiled", "reference"):
+        b = REGISTRY[name]
+        monkeypatch.setattr(type(b), "forward",
+                            lambda self, p, real=type(b).forward: runs.append(self.name)
+                            or real(self, p))
+
+    def call() -> torch.Tensor:
+        return ak.attention(q, k, v)
+
+    def lean() -> bool:                    # the decode backend on the native kernel ran it
+        runs.clear()
+        with counting() as c:
+            call()
+        return c["native"] == 1 and not runs
+
+    with torch.no_grad():
+        _warm(call)
+        assert lean()
+        with ak.backends.use("reference"):
+            call()
+            assert runs == ["reference"]
+        with ak.backends.use(["tiled", "reference"]):
+            runs.clear()
+            call()
+            assert runs == ["tiled"]
+        runs.clear()
+        ak.attention(q, k, v, backend="tiled")
+        assert runs == ["tiled"]
+        assert lean()
+        with tiled.use_native(False), counting() as c:
+            call()
+        assert c["native"] == 0
+        monkeypatch.setenv("ATTNKIT_NATIVE", "0")
+        with counting() as c:
+            call()
+        assert c["native"] == 0
+        monkeypatch.delenv("ATTNKIT_NATIVE")
+        assert lean()
+
+        class Ahead(Backend):
+            name = "test_lane_ahead"
+            capabilities = Capabilities(devices=("cpu",))
+
+            def forward(self, p):  # noqa: ANN001, ANN202
+                runs.append(self.name)
+                return REGISTRY["reference"].forward(p)
+
+        saved = dict(REGISTRY), list(ak.backends.PRIORITY)
+        try:
+            ak.backends.register(Ahead(), before="decode")
+            runs.clear()
+            call()
+            assert runs[0] == "test_lane_ahead"
+        finally:
+            REGISTRY.clear()
+            REGISTRY.update(saved[0])
+            ak.backends.PRIORITY[:] = saved[1]
+        assert lean()
+        monkeypatch.setattr(REGISTRY["decode"], "extra_reasons", lambda p: ["not today"])
+        runs.clear()
+        call()
+        assert runs == ["tiled"]
+        monkeypatch.delattr(REGISTRY["decode"], "extra_reasons")
+        assert lean()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(max(1, threads // 2) if threads > 1 else 2)
+        with torch.no_grad():
+            assert lean()
+    finally:
+        torch.set_num_threads(threads)
+    qg = q.clone().requires_grad_()
+    runs.clear()
+    out = ak.attention(qg, k, v)
+    assert out.grad_fn is not None and runs == ["tiled"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_lean_operator_is_attend_and_flags_non_finite_outputs(dtype):
+    """``attend_lean`` gives what ``attend`` gives for the same call (no mask, a band, a
+    broadcast bool mask), and its flag says whether every output element (and, asked, every
+    query element) is finite."""
+    if not native.available():
+        pytest.skip("native kernel unavailable")
+    ops = native.loader.load()
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 3, 8).to(dtype), torch.randn(2, 2, 37, 8).to(dtype),
+               torch.randn(2, 2, 37, 8).to(dtype))
+    m = torch.rand(2, 1, 1, 37) > 0.3
+    inf = math.inf
+    for mask, band in ((None, (-inf, inf)), (m, (-inf, inf)), (None, (-34.0, 0.0)),
+                       (m, (-40.0, -30.0))):
+        rec = native.plain_terms(0.3, band=band)._replace(mask=mask)
+        want = ops.attend(q, k, v, *rec, 1, 3)
+        out, lse, finite = ops.attend_lean(q, k, v, 0.3, 0.0, *band, mask, 1, 3, True)
+        assert finite and torch.equal(out, want[0]) and torch.equal(lse, want[1])
+    v_bad = v.clone()
+    v_bad[1, 0, 5, 2] = math.inf
+    out, _, finite = ops.attend_lean(q, k, v_bad, 0.3, 0.0, -inf, inf, None, 1, 3, False)
+    assert not finite and not torch.isfinite(out).all()
+    blocked = (torch.arange(37) != 5).reshape(1, 1, 1, 37)    # the inf row stays out
+    out, _, finite = ops.attend_lean(q, k, v_bad, 0.3, 0.0, -inf, inf, blocked, 1, 3, False)
+    assert finite and torch.isfinite(out).all()
+    q_bad = q.clone()
+    q_bad[0, 3, 2, 1] = -math.inf        # a query row that sees no key: output 0 (finite)
+    no_key = torch.ones(2, 4, 3, 37, dtype=torch.bool)
+    no_key[0, 3, 2] = False
+    for check_q in (False, True):
+        out, _, finite = ops.attend_lean(q_bad, k, v, 0.3, 0.0, -inf, inf, no_key, 1, 3,
+                                         check_q)
+        assert torch.isfinite(out).all() and finite == (not check_q)
+
+
+def test_a_repeated_empty_call_selects_nothing(monkeypatch):
+    """A call with no score to compute never reaches a backend, also on its repeats: a
+    backend that could not run it (triton on CPU tensors) may be named every time."""
+    monkeypatch.setattr(eager, "_FRAMES", {})
+    name = "triton" if "triton" in REGISTRY else "reference"
+    q, k, v = torch.randn(1, 2, 0, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 4)
+    with torch.no_grad():
+        for _ in range(3):
+            assert ak.attention(q, k, v, backend=name).shape == (1, 2, 0, 4)

@@ -14,6 +14,15 @@ makes once per layer and token) is validated once per *signature* — shapes, dt
 the mask's shape and the options: a repeat rebuilds only the Problem around its new
 tensors, lowered as before (``_FRAMES``, at most 256 signatures). Nothing about values is
 remembered: the NaN/inf screens read each call's own tensors.
+
+A frame also remembers which backend its calls choose (``_Lane``), with everything that
+choice depends on besides the signature (the ``backend`` argument, the ``use`` scope, the
+priority list and the registry entries asked, ``use_native``, ``ATTNKIT_NATIVE``,
+``TRITON_INTERPRET``, the thread count), checked on every repeat. When the choice is the
+decode backend on the native kernel, a repeat without gradients runs the kernel's lean
+operator directly (``native.lean_launch``): no Problem, no ``select``, and the kernel
+reports whether every output is finite in place of the output screen's sum (a non-finite
+output runs the full path, which screens K/V as before).
 """
 
 from __future__ import annotations
@@ -30,8 +39,11 @@ import torch
 from . import backends as _backends
 from . import masks as _masks
 from . import scores as _scores
+from .backends import native as _native
 from .backends.base import Problem
 from .backends.base import compute_dtype as _compute_dtype
+from .backends.native import loader as _loader
+from .backends.tiled.counters import count as _count
 from .scores import ScoreMod
 
 __all__ = ["Prepared", "prepare", "check_inputs", "attend"]
@@ -504,7 +516,7 @@ class _Frame:
     """What prepare() made of one call signature (see above)."""
 
     __slots__ = ("lead", "two_d", "mask", "scale", "softcap", "dropout_p", "as_is", "rank",
-                 "mask_name", "last_mask", "lowered")
+                 "mask_name", "last_mask", "lowered", "lane")
 
     def __init__(self, prep: Prepared, as_is: tuple[bool, bool, bool],
                  mask_name: str | None) -> None:
@@ -523,6 +535,7 @@ class _Frame:
         self.last_mask: tuple[Any, ...] = (None, None, None, None, None)
         # the lowered form of the frame's own mask (no mask, or is_causal): one per signature
         self.lowered = None if mask_name is not None else p.lowered
+        self.lane: _Lane | None = None  # the backend choice, remembered (see _Lane)
 
     def prepared(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  mask: torch.Tensor | None) -> Prepared:
@@ -550,6 +563,117 @@ class _Frame:
                     dropout_p=self.dropout_p, mask_tensor=dense)
         self.last_mask = (mask, ptr, structured, dense, p.lowered)
         return Prepared(p, lead, two_d, False)
+
+
+    def lean(self, launch: _native.LeanLaunch, q: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor, mask: torch.Tensor | None, return_lse: bool) -> Any:
+        """The call run on the kernel's lean operator (what ``_run`` would run: see
+        :class:`_Lane`), in the user's layout; None when an output is not finite (the full
+        path then screens K/V as ``_run`` does)."""
+        lead, two_d = self.lead, self.two_d
+        if two_d:
+            q4, k4, v4 = q[None, None], k[None, None], v[None, None]
+        else:
+            qi, ki, vi = self.as_is
+            q4 = q if qi else _flatten_batch(q, lead)
+            k4 = k if ki else _flatten_batch(k, lead)
+            v4 = v if vi else _flatten_batch(v, lead)
+        if q4.stride()[3] != 1:
+            q4 = q4.contiguous()
+        if k4.stride()[3] != 1:
+            k4 = k4.contiguous()
+        if v4.stride()[3] != 1:
+            v4 = v4.contiguous()
+        dense = _mask_in_frame(mask, self.rank, lead) if launch.masked else None  # type: ignore[arg-type]
+        out, lse, finite = launch.op(  # type: ignore[operator]
+            q4, k4, v4, launch.scale, launch.softcap, launch.band_lo, launch.band_hi, dense,
+            launch.splits, launch.block_q, launch.check_q)
+        if not finite:
+            return None
+        _count(native=1)
+        if two_d:
+            out, lse = out[0, 0], lse[0, 0]
+        elif len(lead) != 1:
+            out = out.reshape(*lead, *out.shape[1:])
+            lse = lse.reshape(*lead, *lse.shape[1:])
+        return (out, lse) if return_lse else out
+
+
+# ------------------------------------------------------------------ the backend, remembered
+# backend="auto" asks every backend in priority order on every call; for a frame's repeats
+# the answer is remembered with everything it depends on besides the signature, and a call
+# whose state differs is chosen afresh by select(). Only built-in backends are remembered:
+# the triton backend refusing CPU tensors (no TRITON_INTERPRET) before the decode backend,
+# whose native run depends on the signature, native_enabled() and the loader (ATTNKIT_NATIVE).
+class _Lane:
+    """The backend a frame's calls choose, and what that choice depends on."""
+
+    __slots__ = ("state", "consulted", "launch")
+
+    def __init__(self, state: tuple[Any, ...], consulted: tuple[tuple[str, Any, int], ...],
+                 launch: _native.LeanLaunch | None) -> None:
+        self.state = state            # (_lane_state(): the choice's inputs besides p)
+        self.consulted = consulted    # (name, backend, len(vars(backend))) select asked
+        self.launch = launch          # the decode backend's lean launch, or None (full path)
+
+    def holds(self, backend: str) -> bool:
+        """Whether the remembered choice still stands (the registry entries asked unchanged,
+        instance attributes included: a patched ``extra_reasons`` shows as one more)."""
+        if self.state != _lane_state(backend):
+            return False
+        reg = _backends.REGISTRY
+        for name, b, n_attrs in self.consulted:
+            if reg.get(name) is not b or len(vars(b)) != n_attrs:
+                return False
+        return True
+
+
+_SELECT = _backends.select
+
+
+def _lane_state(backend: str) -> tuple[Any, ...]:
+    return (backend, _backends.current(), tuple(_backends.PRIORITY), _native.native_enabled(),
+            _loader.load(), _loader.switch("TRITON_INTERPRET", False), torch.get_num_threads(),
+            _backends.select)
+
+
+_REFUSERS = {("attnkit.backends.triton", "TritonBackend"),   # CPU tensors, no interpreter
+             ("attnkit.backends.decode", "DecodeBackend")}   # more than 16 queries
+_LEAN = {("attnkit.backends.decode", "DecodeBackend"), ("attnkit.backends.tiled", "TiledBackend")}
+
+
+def _make_lane(p: Problem, backend: str) -> _Lane:
+    """The lane of a frame's CPU call ``p`` (run clean by ``_run`` just now, without
+    gradients): the backends ``select`` asks before its choice must be built-in ones whose
+    refusal depends on the signature and the state only, and the choice a built-in one with
+    a lean launch; else the lane only remembers that the full path runs."""
+    state = _lane_state(backend)
+    scope = state[1]
+    if backend != "auto":
+        order: tuple[str, ...] = (backend,)
+    elif scope is not None:
+        order = scope
+    else:
+        order = state[2]
+    consulted: list[tuple[str, Any, int]] = []
+    launch = None
+    if state[7] is _SELECT and not state[5] and p.q.is_cpu and not _is_empty(p) \
+            and p.d_k > 0 and p.d_v > 0:  # (what _run answers itself selects nothing)
+        chosen = _SELECT(p, backend)
+        reg = _backends.REGISTRY
+        for name in order:
+            b = reg.get(name)
+            if b is None:
+                continue
+            consulted.append((name, b, len(vars(b))))
+            kind = (type(b).__module__, type(b).__qualname__)
+            if b is chosen:
+                if kind in _LEAN and not vars(b):
+                    launch = b.lean(p)
+                break
+            if kind not in _REFUSERS or "can_run" in vars(b):
+                break
+    return _Lane(state, tuple(consulted), launch)
 
 
 def _frame_key(q: Any, k: Any, v: Any, mask: Any, is_causal: Any, scale: Any, softcap: Any,
@@ -594,13 +718,24 @@ def attend(q: Any, k: Any, v: Any, *, mask: Any = None, is_causal: bool = False,
     key = _frame_key(q, k, v, mask, is_causal, scale, softcap, score_mod, dropout_p)
     frame = None if key is None else _FRAMES.get(key)
     if frame is not None:
+        lane = frame.lane
+        grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
+                                            or v.requires_grad)
+        fresh = not grad and (lane is None or not lane.holds(backend))
+        if not grad and not fresh and lane.launch is not None:  # type: ignore[union-attr]
+            got = frame.lean(lane.launch, q, k, v, mask, return_lse)  # type: ignore[union-attr]
+            if got is not None:
+                return got
         prep = frame.prepared(q, k, v, mask)
+        out, lse = _run(prep.problem, backend)
+        if fresh:
+            frame.lane = _make_lane(prep.problem, backend)
     else:
         prep = prepare(q, k, v, mask=mask, is_causal=is_causal, scale=scale, softcap=softcap,
                        score_mod=score_mod, dropout_p=dropout_p)
         if key is not None:
             _remember(key, prep, q, k, v)
-    out, lse = _run(prep.problem, backend)
+        out, lse = _run(prep.problem, backend)
     if return_lse:
         return prep.restore(out), prep.restore(lse)
     return prep.restore(out)

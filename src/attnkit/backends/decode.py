@@ -225,6 +225,12 @@ class DecodeBackend(Backend):
                ("grad", "use 'tiled' for training"),
                ("dropout", "decoding is inference; use 'tiled'")))
 
+    def lean(self, p: Problem) -> native.LeanLaunch | None:
+        """The native kernel's lean launch of ``p`` (:func:`native.lean_launch`) when
+        :meth:`forward` runs ``p`` on the kernel, else None: the eager hot path runs a
+        repeat of ``p``'s signature with it (what :meth:`forward` would run)."""
+        return None if native_reasons(p) else native.lean_launch(p)
+
     def forward(self, p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
         if not native_reasons(p):
             count(native=1)

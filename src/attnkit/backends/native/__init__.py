@@ -35,6 +35,12 @@ API (what ``tiled``, ``decode`` and the custom operator ``attnkit::attention`` c
     supports(p: Problem) -> list[str]    forward_problem(p: Problem) -> (out, lse)
     backward_problem(p, out, lse, dout, dlse=None, bias_grad=False)
                                          -> (dq, dk, dv, dbias)  from saved out, lse
+    lean_launch(p: Problem) -> LeanLaunch | None   the eager hot path's launch of a call
+                                         with no score term, a band and at most the call's
+                                         bool mask tensor on the lean operator
+                                         attend_lean(q, k, v, scale, softcap, band_lo,
+                                         band_hi, mask, splits, block_q, check_q)
+                                         -> (out, lse, all outputs (and q) finite)
 
 Wiring an engine (``supports`` is empty only when the kernel is available)::
 
@@ -107,7 +113,8 @@ from .score_mod import CompiledScoreMod, compile_score_mod, for_problem
 __all__ = ["available", "why_unavailable", "forward", "decode", "supports", "forward_problem",
            "backward_problem", "compile_score_mod", "CompiledScoreMod", "low_precision_paths",
            "paged_attention", "paged_merge_rows", "KernelTerms", "plain_terms", "use_native",
-           "native_enabled", "DTYPES", "DECODE_MAX_QUERIES", "DENSE_MASK_LIMIT"]
+           "native_enabled", "LeanLaunch", "lean_launch", "DTYPES", "DECODE_MAX_QUERIES",
+           "DENSE_MASK_LIMIT"]
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 DECODE_MAX_QUERIES = 16
@@ -721,6 +728,53 @@ def forward_problem(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
                     t.rel_table, t.rel_max_distance, p.bias, t.band, t.kv_lengths,
                     t.q_lengths, t.doc_ids, t.kv_doc_ids, t.dense_mask, block, None,
                     t.score_mod)
+
+
+class LeanLaunch(NamedTuple):
+    """How the eager hot path runs a call on the kernel's lean operator
+    ``attend_lean(q, k, v, scale, softcap, band_lo, band_hi, mask, splits, block_q,
+    check_q) -> (out, lse, finite)``: what :func:`forward_problem` would pass, fixed per
+    call signature (see :func:`lean_launch`). ``finite``: every output element — and with
+    ``check_q`` every query element — is finite."""
+
+    op: object                          # torch.ops.attnkit_native.attend_lean.default
+    scale: float
+    softcap: float                      # 0 = none
+    band_lo: float                      # allowed ⇔ band_lo <= q − k <= band_hi
+    band_hi: float
+    splits: int
+    block_q: int
+    masked: bool                        # the call passes its bool mask tensor
+    check_q: bool
+
+
+def lean_launch(p: Problem, *, check_q: bool = False) -> LeanLaunch | None:
+    """The lean launch of ``p`` when it is one :func:`forward_problem` runs with no score
+    term, no bias and no mask but a band and (at most) the bool tensor the call gave
+    (``p.mask_tensor``), without gradients; else None. It depends on the call's signature
+    (shapes, dtypes, options, the thread count) and not on any tensor's values."""
+    if supports(p) or p.requires_grad or p.score_mod is not None or p.bias is not None:
+        return None
+    B, Hq, n_q, d_k = p.q.shape
+    Hkv, n_k = p.k.shape[1], p.k.shape[2]
+    if n_q == 0 or n_k == 0 or d_k == 0 or p.v.shape[3] == 0 or B == 0 or Hq == 0 \
+            or p.softcap is not None and not p.softcap > 0:
+        return None
+    parts = p.lowered.mask
+    if parts.kv_lengths is not None or parts.q_lengths is not None \
+            or parts.doc_ids is not None or parts.kv_doc_ids is not None:
+        return None                           # closed-form parts: the full record
+    masked = parts.rest is not None
+    if masked and (parts.rest is not p.mask or p.mask_tensor is None):
+        return None                           # a rest evaluated densely
+    op = getattr(_ops(), "attend_lean", None)
+    if op is None:
+        return None
+    rows = n_q if n_q <= DECODE_MAX_QUERIES else max(1, _ROWS_PER_ITEM // (Hq // Hkv))
+    lo, hi = (-math.inf, math.inf) if parts.band is None else parts.band
+    return LeanLaunch(op.default, float(p.scale), float(p.softcap or 0.0), float(lo),
+                      float(hi), _auto_splits(B * Hkv * -(-n_q // rows), n_k), rows, masked,
+                      check_q)
 
 
 def backward_problem(p: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,

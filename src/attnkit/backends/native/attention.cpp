@@ -162,6 +162,49 @@ std::tuple<Tensor, Tensor> attend(
   return {out, lse};
 }
 
+// Whether out (n,) in T holds no inf/NaN (A-wide for float and double; half types widened).
+template <typename T> bool output_finite(const T* out, i64 n) {
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
+    return all_finite(out, n);
+  } else {
+    for (i64 i = 0; i < n; ++i)
+      if (!std::isfinite(float(out[i]))) return false;
+    return true;
+  }
+}
+
+// Whether every row of q (B, H, N, D), last dim contiguous, is finite.
+template <typename T> bool input_finite(const Tensor& q) {
+  const T* p = q.data_ptr<T>();
+  for (i64 b = 0; b < q.size(0); ++b)
+    for (i64 h = 0; h < q.size(1); ++h)
+      for (i64 i = 0; i < q.size(2); ++i)
+        if (!output_finite(p + b * q.stride(0) + h * q.stride(1) + i * q.stride(2), q.size(3)))
+          return false;
+  return true;
+}
+
+// The eager hot path's forward (a decoder's per-token call, a short prefill: attnkit/eager.py):
+// no score term, a band lo <= q - k <= hi and at most a dense bool mask (B|1, H_q|1, N_q|1,
+// N_k|1); the few arguments keep the dispatcher's per-call cost small. Returns (out, lse) as
+// attend does and whether every output element (and, with check_q, every query element)
+// is finite: the caller's NaN/inf screen.
+std::tuple<Tensor, Tensor, bool> attend_lean(const Tensor& q, const Tensor& k, const Tensor& v,
+                                             double scale, double softcap, double band_lo,
+                                             double band_hi, const std::optional<Tensor>& mask,
+                                             int64_t splits, int64_t block_q, bool check_q) {
+  TORCH_CHECK(!mask.has_value() || mask->scalar_type() == at::kBool,
+              "attnkit native: mask must be bool (True = may attend)");
+  static const std::optional<Tensor> none;
+  auto [out, lse] = attend(q, k, v, scale, softcap, none, 0.0, none, 0, none, band_lo, band_hi,
+                           none, none, none, none, mask, 0, 0, splits, block_q);
+  bool finite = true;
+  ATTNKIT_DISPATCH(q.scalar_type(), {
+    finite = output_finite(out.data_ptr<T>(), out.numel()) && (!check_q || input_finite<T>(q));
+  });
+  return {out, lse, finite};
+}
+
 // Backward: (dq, dk, dv) like q, k, v (contiguous), d rel_table (H_q, 2M+1) in A (empty
 // without a table), d alibi (H_q,) in A (empty unless alibi_grad) and d bias
 // (B, H_q, N_q, N_k) in A (empty unless bias_grad; the caller sums broadcast dims); lse,
@@ -386,6 +429,10 @@ TORCH_LIBRARY(attnkit_native, m) {
         "int block_q) "
         "-> (Tensor, Tensor)",
         &attend);
+  m.def("attend_lean(Tensor q, Tensor k, Tensor v, float scale, float softcap, float band_lo, "
+        "float band_hi, Tensor? mask, int splits, int block_q, bool check_q) "
+        "-> (Tensor, Tensor, bool)",
+        &attend_lean);
   m.def("attend_backward(Tensor q, Tensor k, Tensor v, Tensor dout, Tensor lse, Tensor delta, "
         "float scale, float softcap, Tensor? alibi, float alibi_offset, Tensor? rel_table, "
         "int rel_max_distance, Tensor? bias, float band_lo, float band_hi, Tensor? kv_len, "

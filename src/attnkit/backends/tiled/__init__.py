@@ -169,6 +169,12 @@ class TiledBackend(Backend):
     capabilities = Capabilities(devices=("cpu",),
                                 hints=(("devices", "use backend='triton' on GPU"),))
 
+    def lean(self, p: Problem) -> native.LeanLaunch | None:
+        """The native kernel's lean launch of ``p`` (:func:`native.lean_launch`, its flag
+        covering the query rows too: a non-finite one takes :meth:`forward`'s screen) when
+        :meth:`forward` runs ``p`` on the kernel, else None."""
+        return None if native_reasons(p) else native.lean_launch(p, check_q=True)
+
     def forward(self, p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
         bad = _nonfinite_query_rows(p.q)
         if bad is None:
