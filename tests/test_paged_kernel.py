@@ -164,6 +164,19 @@ def test_decode_heads_together_with_chosen_splits(dtype, threads):
         torch.set_num_threads(old)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("h_q,h_kv", [(8, 4), (6, 2), (8, 2), (10, 2), (7, 1), (16, 2)])
+def test_gqa_group_loops_on_decode_rows(dtype, h_q, h_kv):
+    # decode / few-query rows of R = G * n_q in 2 .. 8 take the GQA loops (paged.h:
+    # group_tile; one K/V row read for all R rows, key-major over the heads): groups 2 .. 8,
+    # D_v with a remainder of one vector (40 = 32 + 8), tiles of 128 keys and ragged ends,
+    # a window whose P == 0 keys take the exact path, NaN past each length; R = 16 (8 x 2
+    # queries) stays on the generic loops
+    for opts in ({"window": (-1, 0)}, {"window": (100, 0), "softcap": 4.0}):
+        _check(dtype, 16, opts, split_len=None, block_q=None, h_q=h_q, h_kv=h_kv, d=64,
+               d_v=40, n_q=[1, 2, 1, 1], lengths=[300, 129, 1, 1000])
+
+
 def test_explicit_query_positions():
     # every query placed after all keys (a shared prefix's call) sees every key
     _check(DT, 5, {"window": (-1, 0)}, split_len=128, block_q=4, n_q=[3, 16],

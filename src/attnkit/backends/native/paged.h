@@ -26,7 +26,10 @@
 // tile by tile with every head's rows of a tile read before the next tile: a page holds a
 // token's heads side by side (slot stride H_kv * D), so one head alone reads D of every
 // H_kv * D elements (a strided walk: fp32 decode took 2.2x the CPU time of the same keys
-// stored head by head), while all heads together read the page's tokens whole.
+// stored head by head), while all heads together read the page's tokens whole. With GQA
+// (R = G * queries in 2 .. 8 rows per K/V head, float compute) a tile runs on the GQA loops
+// (group_tile): each K and V row is converted in registers once for all R rows, keys taken
+// key-major across the heads (the pages read front to back).
 #pragma once
 #include <array>
 #include <atomic>
@@ -331,6 +334,159 @@ void attend_paged_item(const Args<A>& a, const Pages<T>& pg, const T* q, const i
   });
 }
 
+// ---- GQA on the dot loops: the R = G * nr query rows of a K/V head (decode: its G query
+// heads) read each K and V row once, converted in registers, for all R rows at once (the
+// generic loops convert a low-precision row into a buffer, then read it back R times).
+
+// S[r, j + u] (rows R, stride BK) <- q_r . k_{j+u} for KEYS keys: R * KEYS accumulators.
+template <int R, int KEYS, typename T>
+inline void dots_group(const Args<float>& a, const ListedRows<T>& rows, i64 j,
+                       Buffers<float>& buf) {
+  const float* q = buf.q.data();
+  const T* kr[KEYS];
+  for (int u = 0; u < KEYS; ++u) {
+    if (j + u + AHEAD < rows.end) prefetch_row(rows.k(j + u + AHEAD), a.Dk);
+    prefetch_row(rows.v(j + u), a.Dv);                     // this tile's V, used next
+    kr[u] = rows.k(j + u);
+  }
+  vf s[R][KEYS];
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < KEYS; ++u) s[r][u] = splat(0.f);
+  for (i64 d = 0; d < a.Dk; d += W) {                      // (R, W) . (W, KEYS)
+    vf k[KEYS];
+    for (int u = 0; u < KEYS; ++u) k[u] = load_vec(kr[u] + d);
+    for (int r = 0; r < R; ++r) {
+      const vf qd = load(q + r * a.DKP + d);
+      for (int u = 0; u < KEYS; ++u) s[r][u] += qd * k[u];
+    }
+  }
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  if constexpr (R * KEYS == 8) {                           // the 8 sums at once (hadd tree)
+    const vf* f = &s[0][0];                                // row-major: f[r * KEYS + u]
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps((__m256)f[0], (__m256)f[1]),
+                                     _mm256_hadd_ps((__m256)f[2], (__m256)f[3]));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps((__m256)f[4], (__m256)f[5]),
+                                     _mm256_hadd_ps((__m256)f[6], (__m256)f[7]));
+    float sums[8];
+    _mm256_storeu_ps(sums, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                                         _mm256_permute2f128_ps(u0, u1, 0x31)));
+    for (int r = 0; r < R; ++r)
+      for (int u = 0; u < KEYS; ++u) buf.s[r * BK + j + u] = sums[r * KEYS + u];
+    return;
+  }
+#endif
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < KEYS; ++u) buf.s[r * BK + j + u] = hsum(s[r][u]);
+}
+
+// x in every lane (one vbroadcastss from memory; splat's 0 + x costs an add before it).
+inline vf bcast(float x) {
+  vf v;
+  for (int i = 0; i < W; ++i) v[i] = x;
+  return v;
+}
+
+// acc[:, d : d + DC * W) (R rows) += P[:, j0 : j1) . V rows j0 .. j1 - 1 (those columns):
+// the R * DC accumulators held in registers over the keys.
+template <int R, int DC, typename T>
+inline void values_cols(const Args<float>& a, const ListedRows<T>& rows, i64 j0, i64 j1,
+                        i64 d, Buffers<float>& buf) {
+  float* acc = buf.acc.data();
+  const float* p = buf.s.data();
+  vf o[R][DC];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < DC; ++c) o[r][c] = load(acc + r * a.DVP + d + c * W);
+  for (i64 j = j0; j < j1; ++j) {
+    const T* vr = rows.v(j) + d;
+    vf v[DC];
+    for (int c = 0; c < DC; ++c) v[c] = load_vec(vr + c * W);
+    for (int r = 0; r < R; ++r) {
+      const vf pr = bcast(p[r * BK + j]);
+      for (int c = 0; c < DC; ++c) o[r][c] += pr * v[c];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < DC; ++c) store(acc + r * a.DVP + d + c * W, o[r][c]);
+}
+
+// acc (R, D_v) += P (R, [j0, j1)) . V rows j0 .. j1 - 1 (a few keys: their rows stay in L1),
+// DC vectors of d at a time (R * DC <= 8 accumulators), the rest one vector at a time.
+// Every P must be nonzero (a P == 0 key's V row is not to be read: NaN in masked V; see
+// values_group_ok).
+template <int R, typename T>
+void values_group(const Args<float>& a, const ListedRows<T>& rows, i64 j0, i64 j1,
+                  Buffers<float>& buf) {
+  constexpr int DC = R >= 4 ? std::max(1, 8 / R) : (R == 3 ? 2 : 4);
+  i64 d = 0;
+  for (; d + DC * W <= a.Dv; d += DC * W) values_cols<R, DC>(a, rows, j0, j1, d, buf);
+  for (; d < a.Dv; d += W) values_cols<R, 1>(a, rows, j0, j1, d, buf);
+}
+
+// Whether values_group may run on the tile: no P == 0 among its R rows' n keys.
+inline bool values_group_ok(i64 R, i64 n, const Buffers<float>& buf) {
+  int zeros = 0;                                           // (no early exit: vectorised)
+  for (i64 r = 0; r < R; ++r)
+    for (i64 j = 0; j < n; ++j) zeros |= buf.s[r * BK + j] == 0.f;
+  return !zeros;
+}
+
+// Rows per group the GQA loops take (2 .. 8, float compute, D_k and D_v on whole vectors).
+template <typename A> inline bool on_group_loop(const Args<A>& a, i64 R) {
+  if constexpr (!std::is_same_v<A, float>) return false;
+  return R >= 2 && R <= 8 && a.Dk % W == 0 && a.Dv % W == 0;
+}
+
+// Calls f with the group size R as a compile-time constant (on_group_loop's 2 .. 8).
+template <typename F> inline void with_group(i64 R, F f) {
+  switch (R) {
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 7: return f(std::integral_constant<int, 7>{});
+    default: return f(std::integral_constant<int, 8>{});
+  }
+}
+
+// One head's tile on forward.h's dot loops: scores, the row pass, P . V.
+template <typename A, typename T>
+void dot_tile(const Args<A>& a, const ListedRows<T>& rows, const Item& it, i64 k0, i64 n,
+              i64 npad, TileKind kind, i64 R, Buffers<A>& buf) {
+  scores_dot(a, rows, n, R, buf);
+  rows_pass(a, it, k0, n, npad, kind, buf);
+  values_axpy(a, rows, n, R, buf);
+}
+
+// The tile [k0, k0 + n) of every head's item on the GQA loops, key-major: KEYS keys of
+// every head, then the next KEYS (a page holds a token's heads side by side, so this reads
+// the pages front to back, which the hardware prefetcher follows; head by head read 256 of
+// every 2048 bytes, H_kv passes over each page); then each head's row pass; then P . V by
+// blocks of SUBV keys, every head's. n_ptr: the rows listed per head (prefetches).
+template <int R, typename T>
+void group_tile(const Args<float>& a, const PagedItem* const* its, i64 k0, i64 n, i64 n_ptr,
+                i64 npad, TileKind kind, PagedBuffers<float, T>& pb) {
+  constexpr int KEYS = R >= 8 ? 1 : 8 / R;
+  constexpr i64 SUBV = 8;
+  i64 j = 0;
+  for (; j + KEYS <= n; j += KEYS)
+    for (i64 h = 0; h < a.Hkv; ++h) dots_group<R, KEYS>(a, pb.rows(h, n_ptr), j, pb.heads[h]);
+  for (; j < n; ++j)
+    for (i64 h = 0; h < a.Hkv; ++h) dots_group<R, 1>(a, pb.rows(h, n_ptr), j, pb.heads[h]);
+  bool ok = true;
+  for (i64 h = 0; h < a.Hkv; ++h) {
+    rows_pass(a, its[h]->it, k0, n, npad, kind, pb.heads[h]);
+    ok = ok && values_group_ok(R, n, pb.heads[h]);
+  }
+  if (!ok) {                                               // some P == 0: the exact path
+    for (i64 h = 0; h < a.Hkv; ++h) values_axpy(a, pb.rows(h, n_ptr), n, R, pb.heads[h]);
+    return;
+  }
+  for (i64 j0 = 0; j0 < n; j0 += SUBV)
+    for (i64 h = 0; h < a.Hkv; ++h)
+      values_group<R>(a, pb.rows(h, n_ptr), j0, std::min(n, j0 + SUBV), pb.heads[h]);
+}
+
 // The H_kv items its[h] (head h) of one (sequence, query block, split) on the dot loops,
 // tile by tile, every head's rows of the tile before the next tile (the page order): acc,
 // m, l of head h in pb.heads[h] (R = G * nr rows each).
@@ -348,10 +504,14 @@ void attend_paged_task(const Args<A>& a, const Pages<T>& pg, const T* q, const i
     for (i64 h = 0; h < a.Hkv; ++h)
       rows_of_tile(pg, its[h]->s, h, k0, n_ptr, pb.krow.data() + h * TILE_PTRS,
                    pb.vrow.data() + h * TILE_PTRS);
+    if constexpr (std::is_same_v<A, float>) {
+      if (on_group_loop(a, R))
+        return with_group(R, [&](auto g) {
+          group_tile<decltype(g)::value>(a, its, k0, n, n_ptr, npad, kind, pb);
+        });
+    }
     for (i64 h = 0; h < a.Hkv; ++h) {                      // head h's V read while cached
-      scores_dot(a, pb.rows(h, n_ptr), n, R, pb.heads[h]);
-      rows_pass(a, its[h]->it, k0, n, npad, kind, pb.heads[h]);
-      values_axpy(a, pb.rows(h, n_ptr), n, R, pb.heads[h]);
+      dot_tile(a, pb.rows(h, n_ptr), its[h]->it, k0, n, npad, kind, R, pb.heads[h]);
     }
   });
 }
