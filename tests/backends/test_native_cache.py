@@ -191,15 +191,22 @@ report(err=(out - ref).abs().max().item(), builds=st["builds"], loads=st["loads"
 """
 
 
-def test_truncated_score_mod_library_is_rebuilt(tmp_path) -> None:  # noqa: ANN001
-    """The same for a compiled score_mod (``score_mod/mod_<key>.so``, loaded with ctypes)."""
-    if not native.available():
-        pytest.skip(f"native kernel unavailable here: {native.why_unavailable()}")
+def _copy_of_the_kernel_cache(tmp_path: Path) -> tuple[str, Path]:
+    """This CPU's built kernel copied into a fresh cache under ``tmp_path`` (no locks, no
+    half-built or failed markers): its build key and the cache's root."""
     level, flags = loader.cpu_flags()
     key = loader.build_key(flags, loader.compiler())
     cache = tmp_path / "cache"
     shutil.copytree(loader.cache_dir() / "native" / key, cache / "native" / key,
                     ignore=shutil.ignore_patterns("*.lock", "lock", "*.build-*", "failed"))
+    return key, cache
+
+
+def test_truncated_score_mod_library_is_rebuilt(tmp_path) -> None:  # noqa: ANN001
+    """The same for a compiled score_mod (``score_mod/mod_<key>.so``, loaded with ctypes)."""
+    if not native.available():
+        pytest.skip(f"native kernel unavailable here: {native.why_unavailable()}")
+    key, cache = _copy_of_the_kernel_cache(tmp_path)
     first = _last_json(_child(_SCORE_MOD, cache, key=key))
     assert first["builds"] == 1 and first["loads"] == 1 and first["err"] < 1e-5, first
     (mod,) = (cache / "score_mod").glob("mod_*.so")
@@ -238,11 +245,7 @@ def test_two_processes_building_one_score_mod_at_once(tmp_path) -> None:  # noqa
     builds it, the other loads that build; both are right, one verified library is left."""
     if not native.available():
         pytest.skip(f"native kernel unavailable here: {native.why_unavailable()}")
-    level, flags = loader.cpu_flags()
-    key = loader.build_key(flags, loader.compiler())
-    cache = tmp_path / "cache"
-    shutil.copytree(loader.cache_dir() / "native" / key, cache / "native" / key,
-                    ignore=shutil.ignore_patterns("*.lock", "lock", "*.build-*", "failed"))
+    key, cache = _copy_of_the_kernel_cache(tmp_path)
     slow = tmp_path / "slow-c++"
     slow.write_text(f"#!/bin/sh\nsleep 1.5\nexec {loader.compiler()} \"$@\"\n")
     slow.chmod(0o755)

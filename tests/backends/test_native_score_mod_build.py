@@ -13,7 +13,6 @@ Shape legend: x, dx (n,) one row of keys k0 .. k0 + n - 1.
 
 from __future__ import annotations
 
-import ctypes
 import re
 import warnings
 from collections.abc import Callable
@@ -26,12 +25,11 @@ from attnkit.backends import native
 from attnkit.backends.native import codegen
 from attnkit.backends.native import score_mod as sm
 from attnkit.backends.tiled import counting
+from helpers.score_mod_rows import call_row, torch_row
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernel unavailable: "
                                                                f"{native.why_unavailable()}")
 LIM = codegen.POSITION_LIMIT
-_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 5,
-                       ctypes.c_void_p)
 SLOPES = torch.tensor([0.5, 0.25, 0.125, 0.0625])
 MODS: dict[str, Callable] = {
     "alibi": lambda s, b, h, q, kv: s - SLOPES[h] * (q - kv),
@@ -48,19 +46,10 @@ def run_row(call: sm.ScoreModCall, x: torch.Tensor, b: int, h: int, q: int, k0: 
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """The bound function on row ``x``: (values, d / d score); raises what check raises."""
     y, dy = x.clone(), torch.zeros(len(x), dtype=x.dtype)
-    _FN(call.address)(y.data_ptr(), dy.data_ptr(), len(x), b, h, q, k0, call.caps_address)
+    call_row(call.address, call.caps_address, y, dy, b, h, q, k0)
     call.check()
     return y, dy
 
-
-def torch_row(fn: Callable, x: torch.Tensor, b: int, h: int, q: int, k0: int,
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    n = len(x)
-    x = x.clone().requires_grad_(True)
-    idx = [torch.full((n,), i, dtype=torch.int64) for i in (b, h, q)]
-    y = fn(x, *idx, torch.arange(k0, k0 + n, dtype=torch.int64))
-    g, = torch.autograd.grad(y.sum(), x)
-    return y.detach(), g
 
 
 def generated(fn: Callable, **kw) -> str:  # noqa: ANN003

@@ -16,7 +16,6 @@ Shape legend: x, dx (n,) one row; tables (n,) edge values, one per key.
 
 from __future__ import annotations
 
-import ctypes
 import math
 import operator
 from collections.abc import Callable
@@ -30,6 +29,7 @@ import attnkit as ak
 from attnkit.backends import native
 from attnkit.backends.native import score_mod as sm
 from attnkit.backends.native.codegen import Gen, Unsupported
+from helpers.score_mod_rows import ROW_FN, call_row, torch_row
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernel unavailable: "
                                                                f"{native.why_unavailable()}")
@@ -37,8 +37,6 @@ F64 = torch.float64
 FLOATS = [torch.float32, F64, torch.float16, torch.bfloat16]
 INTS = [torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8]
 DTYPES = FLOATS + INTS + [torch.bool]
-_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 5,
-                       ctypes.c_void_p)
 
 FLOAT_EDGES = [0.0, -0.0, 1.0, -1.0, 0.5, -0.5, 1.5, -2.5, 2.5, 3.7, -3.7, 0.1, 1e-3, 7.0,
                -7.0, 100.25, 2047.0, 1000.3, -65504.0, 65520.0, 3e9, 2.0**31, -2.0**63, 1e19,
@@ -238,7 +236,7 @@ def call(mod: sm.CompiledScoreMod, x: torch.Tensor, h: int, grad: bool = True,
     """The compiled function on row ``x`` (keys 0..n-1) for head ``h``: (values, d/d score)."""
     c = mod.bind() if hasattr(mod, "bind") else mod          # (before 0.x: one shared binding)
     y, dy = x.clone().to(mod.dtype), torch.zeros(len(x), dtype=mod.dtype)
-    _FN(c.address)(y.data_ptr(), dy.data_ptr() if grad else None, len(x), 0, h, 0, 0,
+    ROW_FN(c.address)(y.data_ptr(), dy.data_ptr() if grad else None, len(x), 0, h, 0, 0,
                    c.caps_address)
     c.check()
     return y, dy
@@ -450,20 +448,10 @@ def call_at(mod: sm.CompiledScoreMod, x: torch.Tensor, b: int, h: int, q: int, k
     """The compiled function on row ``x`` of keys k0 .. k0 + n - 1: (values, d / d score)."""
     c = mod.bind()
     y, dy = x.clone().to(mod.dtype), torch.zeros(len(x), dtype=mod.dtype)
-    _FN(c.address)(y.data_ptr(), dy.data_ptr(), len(x), b, h, q, k0, c.caps_address)
+    call_row(c.address, c.caps_address, y, dy, b, h, q, k0)
     c.check()
     return y, dy
 
-
-def torch_at(fn: Callable, x: torch.Tensor, b: int, h: int, q: int, k0: int,
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch on the whole row (int64 index tensors): the values and d / d score."""
-    n = len(x)
-    x = x.clone().requires_grad_(True)
-    idx = [torch.full((n,), i, dtype=torch.int64) for i in (b, h, q)]
-    y = fn(x, *idx, torch.arange(k0, k0 + n, dtype=torch.int64))
-    g, = torch.autograd.grad(y.sum(), x)
-    return y.detach(), g
 
 
 def generated(fn: Callable, dtype: torch.dtype) -> str:
@@ -484,7 +472,7 @@ def test_positions_in_int32_and_int64_give_torchs_results(name: str, dtype: torc
     for b, h, q, k0, n in ROWS:
         x = torch.randn(n, generator=g, dtype=dtype)
         y, dy = call_at(compiled, x, b, h, q, k0)
-        want, dwant = torch_at(fn, x, b, h, q, k0)
+        want, dwant = torch_row(fn, x, b, h, q, k0)
         approx = name == "abs_sqrt" and dtype == torch.float32   # torch's own float32 sqrt
         rows = mismatches(y, want, approx, dtype)
         assert not len(rows), (name, (b, h, q, k0), rows.tolist(), y[rows].tolist(),
