@@ -338,8 +338,70 @@ void attend_paged_item(const Args<A>& a, const Pages<T>& pg, const T* q, const i
 // heads) read each K and V row once, converted in registers, for all R rows at once (the
 // generic loops convert a low-precision row into a buffer, then read it back R times).
 
+// Whether the GQA loops read bf16 K rows as pairs (AVX2 build, D_k on whole 16s): a load of
+// 16 bf16 is 8 floats of the even d (<< 16) and 8 of the odd d (& 0xffff0000), no widening;
+// q then lies split (split_q). (AVX-512 and the portable build convert as before.)
+template <typename T> inline bool k_pairs(const Args<float>& a) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  return std::is_same_v<T, at::BFloat16> && a.Dk % (2 * W) == 0;
+#else
+  (void)a;
+  return false;
+#endif
+}
+
+// Qs (R, DKP) in place <- each 2W-block of d as its even d, then its odd d (k_pairs' order).
+inline void split_q(const Args<float>& a, i64 R, Buffers<float>& buf) {
+  for (i64 r = 0; r < R; ++r)
+    for (i64 d = 0; d + 2 * W <= a.Dk; d += 2 * W) {       // block (2W,) -> (W even, W odd)
+      float* q = buf.q.data() + r * a.DKP + d;
+      float t[2 * W];
+      std::copy_n(q, 2 * W, t);
+      for (int i = 0; i < W; ++i) {
+        q[i] = t[2 * i];
+        q[W + i] = t[2 * i + 1];
+      }
+    }
+}
+
+// s[r][u] += q_r . k_u over D_k (R * KEYS accumulators): K rows widened to float as loaded,
+// or, PAIRS (k_pairs; q split), read 16 bf16 at a time as their even and odd d.
+template <int R, int KEYS, bool PAIRS, typename T>
+inline void dots_acc(const Args<float>& a, const float* q, const T* const (&kr)[KEYS],
+                     vf (&s)[R][KEYS]) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  if constexpr (PAIRS && std::is_same_v<T, at::BFloat16>) {
+    const __m256i hi = _mm256_set1_epi32(int32_t(0xffff0000u));
+    for (i64 d = 0; d < a.Dk; d += 2 * W) {                // (R, 2W) . (2W, KEYS)
+      vf ke[KEYS], ko[KEYS];
+      for (int u = 0; u < KEYS; ++u) {
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kr[u] + d));
+        ke[u] = (vf)_mm256_slli_epi32(x, 16);
+        ko[u] = (vf)_mm256_and_si256(x, hi);
+      }
+      for (int r = 0; r < R; ++r) {
+        const vf qe = load(q + r * a.DKP + d), qo = load(q + r * a.DKP + d + W);
+        for (int u = 0; u < KEYS; ++u) {
+          s[r][u] += qe * ke[u];
+          s[r][u] += qo * ko[u];
+        }
+      }
+    }
+    return;
+  }
+#endif
+  for (i64 d = 0; d < a.Dk; d += W) {                      // (R, W) . (W, KEYS)
+    vf k[KEYS];
+    for (int u = 0; u < KEYS; ++u) k[u] = load_vec(kr[u] + d);
+    for (int r = 0; r < R; ++r) {
+      const vf qd = load(q + r * a.DKP + d);
+      for (int u = 0; u < KEYS; ++u) s[r][u] += qd * k[u];
+    }
+  }
+}
+
 // S[r, j + u] (rows R, stride BK) <- q_r . k_{j+u} for KEYS keys: R * KEYS accumulators.
-template <int R, int KEYS, typename T>
+template <int R, int KEYS, bool PAIRS, typename T>
 inline void dots_group(const Args<float>& a, const ListedRows<T>& rows, i64 j,
                        Buffers<float>& buf) {
   const float* q = buf.q.data();
@@ -352,14 +414,7 @@ inline void dots_group(const Args<float>& a, const ListedRows<T>& rows, i64 j,
   vf s[R][KEYS];
   for (int r = 0; r < R; ++r)
     for (int u = 0; u < KEYS; ++u) s[r][u] = splat(0.f);
-  for (i64 d = 0; d < a.Dk; d += W) {                      // (R, W) . (W, KEYS)
-    vf k[KEYS];
-    for (int u = 0; u < KEYS; ++u) k[u] = load_vec(kr[u] + d);
-    for (int r = 0; r < R; ++r) {
-      const vf qd = load(q + r * a.DKP + d);
-      for (int u = 0; u < KEYS; ++u) s[r][u] += qd * k[u];
-    }
-  }
+  dots_acc<R, KEYS, PAIRS>(a, q, kr, s);
 #if defined(__AVX2__) && !defined(__AVX512F__)
   if constexpr (R * KEYS == 8) {                           // the 8 sums at once (hadd tree)
     const vf* f = &s[0][0];                                // row-major: f[r * KEYS + u]
@@ -379,11 +434,18 @@ inline void dots_group(const Args<float>& a, const ListedRows<T>& rows, i64 j,
     for (int u = 0; u < KEYS; ++u) buf.s[r * BK + j + u] = hsum(s[r][u]);
 }
 
-// x in every lane (one vbroadcastss from memory; splat's 0 + x costs an add before it).
-inline vf bcast(float x) {
+// x in every lane (one vbroadcastss from memory; splat's 0 + x costs an add before it, and
+// a lane-by-lane fill was compiled as up to 9 inserts per row).
+inline vf bcast(const float* x) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_set1_ps(*x);
+#elif defined(__AVX__)
+  return (vf)_mm256_broadcast_ss(x);
+#else
   vf v;
-  for (int i = 0; i < W; ++i) v[i] = x;
+  for (int i = 0; i < W; ++i) v[i] = *x;
   return v;
+#endif
 }
 
 // acc[:, d : d + DC * W) (R rows) += P[:, j0 : j1) . V rows j0 .. j1 - 1 (those columns):
@@ -401,7 +463,7 @@ inline void values_cols(const Args<float>& a, const ListedRows<T>& rows, i64 j0,
     vf v[DC];
     for (int c = 0; c < DC; ++c) v[c] = load_vec(vr + c * W);
     for (int r = 0; r < R; ++r) {
-      const vf pr = bcast(p[r * BK + j]);
+      const vf pr = bcast(p + r * BK + j);
       for (int c = 0; c < DC; ++c) o[r][c] += pr * v[c];
     }
   }
@@ -468,11 +530,17 @@ void group_tile(const Args<float>& a, const PagedItem* const* its, i64 k0, i64 n
                 i64 npad, TileKind kind, PagedBuffers<float, T>& pb) {
   constexpr int KEYS = R >= 8 ? 1 : 8 / R;
   constexpr i64 SUBV = 8;
-  i64 j = 0;
-  for (; j + KEYS <= n; j += KEYS)
-    for (i64 h = 0; h < a.Hkv; ++h) dots_group<R, KEYS>(a, pb.rows(h, n_ptr), j, pb.heads[h]);
-  for (; j < n; ++j)
-    for (i64 h = 0; h < a.Hkv; ++h) dots_group<R, 1>(a, pb.rows(h, n_ptr), j, pb.heads[h]);
+  const auto dots = [&](auto pairs) {                      // pairs: k_pairs, at compile time
+    constexpr bool P = decltype(pairs)::value;
+    i64 j = 0;
+    for (; j + KEYS <= n; j += KEYS)
+      for (i64 h = 0; h < a.Hkv; ++h)
+        dots_group<R, KEYS, P>(a, pb.rows(h, n_ptr), j, pb.heads[h]);
+    for (; j < n; ++j)
+      for (i64 h = 0; h < a.Hkv; ++h) dots_group<R, 1, P>(a, pb.rows(h, n_ptr), j, pb.heads[h]);
+  };
+  if (k_pairs<T>(a)) dots(std::true_type{});
+  else dots(std::false_type{});
   bool ok = true;
   for (i64 h = 0; h < a.Hkv; ++h) {
     rows_pass(a, its[h]->it, k0, n, npad, kind, pb.heads[h]);
@@ -499,6 +567,10 @@ void attend_paged_task(const Args<A>& a, const Pages<T>& pg, const T* q, const i
   for (i64 h = 0; h < a.Hkv; ++h) clear_rows(a, R, pb.heads[h]);
   if (it.ke <= it.kb || it.nr <= 0) return;
   for (i64 h = 0; h < a.Hkv; ++h) gather_q_packed(a, q, sq, seq, *its[h], pb.heads[h]);
+  if constexpr (std::is_same_v<A, float>) {
+    if (on_group_loop(a, R) && k_pairs<T>(a))              // group_tile's dots read q split
+      for (i64 h = 0; h < a.Hkv; ++h) split_q(a, R, pb.heads[h]);
+  }
   for_each_tile(a, it, false, [&](i64 k0, i64 n, i64 npad, TileKind kind, const Sub*, int) {
     const i64 n_ptr = std::min(TILE_PTRS, it.ke - k0);   // this tile and the prefetched rows
     for (i64 h = 0; h < a.Hkv; ++h)
