@@ -578,12 +578,7 @@ class _Frame:
             q4 = q if qi else _flatten_batch(q, lead)
             k4 = k if ki else _flatten_batch(k, lead)
             v4 = v if vi else _flatten_batch(v, lead)
-        if q4.stride()[3] != 1:
-            q4 = q4.contiguous()
-        if k4.stride()[3] != 1:
-            k4 = k4.contiguous()
-        if v4.stride()[3] != 1:
-            v4 = v4.contiguous()
+        q4, k4, v4 = _native.unit_rows(q4, k4, v4)
         dense = _mask_in_frame(mask, self.rank, lead) if launch.masked else None  # type: ignore[arg-type]
         out, lse, finite = launch.op(  # type: ignore[operator]
             q4, k4, v4, launch.scale, launch.softcap, launch.band_lo, launch.band_hi, dense,

@@ -302,6 +302,20 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float |
                     dense_mask, block_q, splits, score_mod)
 
 
+def unit_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v (4-D) with unit stride along D, as the kernel reads rows: each copied only
+    when its last dim is strided. (``stride()`` and one index: ``stride(-1)`` costs 5× as
+    much on the per-token path.)"""
+    if q.stride()[3] != 1:
+        q = q.contiguous()
+    if k.stride()[3] != 1:
+        k = k.contiguous()
+    if v.stride()[3] != 1:
+        v = v.contiguous()
+    return q, k, v
+
+
 def _forward(ops: object, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              scale: float | None, softcap: float | None, alibi_slopes: torch.Tensor | None,
              alibi_offset: int, rel_table: torch.Tensor | None, rel_max_distance: int | None,
@@ -325,12 +339,7 @@ def _forward(ops: object, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if Nq == 0 or Nk == 0:                                   # no query, or nothing to see
         return (q.new_zeros(B, Hq, Nq, v.shape[3]),
                 torch.full((B, Hq, Nq), -math.inf, dtype=cdt))
-    if q.stride()[3] != 1:          # (stride() and one index: stride(-1) costs 5× as much)
-        q = q.contiguous()
-    if k.stride()[3] != 1:
-        k = k.contiguous()
-    if v.stride()[3] != 1:
-        v = v.contiguous()
+    q, k, v = unit_rows(q, k, v)
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be > 0, got {softcap}")
     rows = block_q or max(1, _ROWS_PER_ITEM // (Hq // Hkv))
@@ -642,6 +651,12 @@ def paged_merge_rows(out: torch.Tensor, lse: torch.Tensor, src_rows: object,
         raise
 
 # ------------------------------------------------------------------ Problem → options
+def _extent(p: Problem) -> int:
+    """The largest position a score_mod of ``p`` reads (batch, heads, queries, keys): what
+    its compiled build must serve (:func:`for_problem`)."""
+    return max(p.batch, p.heads_q, p.n_q, p.n_k)
+
+
 def supports(p: Problem) -> list[str]:
     """Why the native kernel cannot run ``p`` (empty = it can)."""
     if loader.load() is None:
@@ -663,7 +678,7 @@ def supports(p: Problem) -> list[str]:
                        f"take {size / 2**20:.0f} MB (limit {DENSE_MASK_LIMIT / 2**20:.0f} MB)")
     if not out and low.terms.user is not None:
         got = for_problem(low.terms.user, _compute_dtype(p.dtype),  # compiled when it would run
-                          max(p.batch, p.heads_q, p.n_q, p.n_k))
+                          _extent(p))
         if isinstance(got, str):
             out.append(f"the Python score_mod cannot be compiled natively: {got}")
     return out
@@ -701,8 +716,7 @@ def _terms(p: Problem) -> _Terms:
     ali, rel = terms.alibi, terms.relative
     mod = None
     if terms.user is not None:
-        mod = for_problem(terms.user, _compute_dtype(p.dtype),
-                          max(p.batch, p.heads_q, p.n_q, p.n_k))
+        mod = for_problem(terms.user, _compute_dtype(p.dtype), _extent(p))
     return _Terms(None if ali is None else torch.as_tensor(ali.slopes),
                   0 if ali is None else int(ali.offset),
                   None if rel is None else rel.table,
@@ -794,12 +808,7 @@ def backward_problem(p: Problem, out: torch.Tensor, lse: torch.Tensor, dout: tor
     ops = _ops()
     t = _terms(p)
     q, k, v = p.q, p.k, p.v
-    if q.stride()[3] != 1:
-        q = q.contiguous()
-    if k.stride()[3] != 1:
-        k = k.contiguous()
-    if v.stride()[3] != 1:
-        v = v.contiguous()
+    q, k, v = unit_rows(q, k, v)
     B, Hq, Nq, Dk = q.shape
     cdt = _compute_dtype(q.dtype)
     rel = _rel_table(t.rel_table, t.rel_max_distance, Hq)
