@@ -120,6 +120,33 @@ def test_json_rows_are_flat_records_for_tracking(tiny_run):
     assert [r for r in rows if r["case"].startswith("decode")][0]["yardsticks"]["read_bw"] > 0
 
 
+def test_the_low_precision_section_runs_sdpa_in_the_same_dtype(tiny_run, monkeypatch):
+    """bf16 / fp16 cases (issue 21): SDPA gets the case's own dtype, the GEMM yardstick runs
+    in it too (eff is of the matrix units' speed), and the header names both yardsticks."""
+    out, _, data, _ = tiny_run
+    assert re.search(r"^sgemm [\d.]+ GFLOP/s, bf16 GEMM [\d.]+ GFLOP/s, read", out, re.M)
+    assert data["meta"]["yardsticks"]["bf16_gemm_flops"] > 0
+    rows = {(r["case"], r["impl"]): r for r in data["rows"]}
+    half = [c for c in bench._cases("tiny") if c.dtype != "float32"
+            and not c.name.startswith("decode")]
+    assert {c.dtype for c in half} == {"bfloat16", "float16"}
+    for c in half:
+        assert rows[(c.name, "attnkit")]["eff_of"] == f"{c.dtype} GEMM", c.name
+        assert ("sdpa" in c.peers) == ((c.name, "sdpa") in rows), c.name
+        assert f"(yardsticks in this case: {c.dtype} GEMM " in out
+    assert ("bf16 causal fwd+bwd N=64", "sdpa") in rows
+    assert ("bf16 soft-cap fwd N=64", "baseline") in rows
+    assert rows[("decode 1x256 D=16 bf16", "sdpa")]["median_s"] > 0
+    # what SDPA was handed: the case's dtype, not float32
+    seen = []
+    real = bench.F.scaled_dot_product_attention
+    monkeypatch.setattr(bench.F, "scaled_dot_product_attention",
+                        lambda q, *a, **kw: seen.append(q.dtype) or real(q, *a, **kw))
+    case = next(c for c in bench._cases("tiny") if c.name == "fp16 causal fwd N=64")
+    bench.run_case(case, 1e9, (None, "off"), naive_limit_gb=1.0)
+    assert seen and set(seen) == {bench.torch.float16}
+
+
 def test_plot_is_a_png(tiny_run):
     _, err, _, png = tiny_run
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -14,7 +14,8 @@ own row, timed at another moment, would fold the machine's changes into the rati
 
 Columns: median time of the case's runs; ``speedup (>1 = attnkit faster)`` = peer time ÷
 attnkit time; ``eff`` = useful FLOPs ÷ time ÷ the sgemm FLOP/s measured in this same case
-(decode: bytes of K and V read ÷ time ÷ the read bandwidth measured in it, ``bw``);
+(a bf16 / fp16 case: the GEMM in its dtype, the matrix units' speed; decode: bytes of K
+and V read ÷ time ÷ the read bandwidth measured in it, ``bw``);
 ``peak MB`` = peak resident memory during the call beyond what was resident before it (RSS
 sampled every 0.5 ms in one more, untimed run, during which large allocations are returned
 to the OS at once; the timed runs reuse them, as a long-running process does); ``peer``
@@ -24,7 +25,9 @@ targets met or missed, and on request ``--json PATH`` (one flat record per case 
 implementation) and ``--plot OUT.png``.
 
 Shape legend: B batch, H heads (H_kv K/V heads for GQA), N sequence length, D head width;
-every case is float32 unless its name says bf16/fp16 (then q, k, v all are).
+every case is float32 unless its name says bf16/fp16 (then q, k, v all are). The
+low-precision section (the cases named ``bf16 …`` / ``fp16 …``) runs torch SDPA in the same
+dtype; ``native low precision`` in the header says which GEMMs the kernel runs for each.
 
 Caution
 -------
@@ -163,9 +166,10 @@ def measure(fn: Callable[[], object], repeat: int, warmup: int = 1) -> Timing:
     return Timing(statistics.median(runs), _peak_once(fn), repeat)
 
 
-def sgemm_flops(n: int = 2048, repeat: int = 5) -> float:
-    """float32 matmul FLOP/s of this machine, now (median of ``repeat``)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def sgemm_flops(n: int = 2048, repeat: int = 5, dtype: torch.dtype = torch.float32) -> float:
+    """Matmul FLOP/s of this machine in ``dtype`` (float32: sgemm), now (median of
+    ``repeat``)."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     t = measure(lambda: a @ b, repeat).median_s
     return 2 * n**3 / t
 
@@ -400,7 +404,8 @@ def run_case(c: Case, bw: float, flex: tuple[Callable | None, str],
                 skipped["flex"] = f"compile/run failed: {msg}"
     # the yardsticks run interleaved with the implementations, so they see the same machine
     n_g = c.sgemm_n
-    ga, gb = torch.randn(n_g, n_g), torch.randn(n_g, n_g)
+    gdt = dt if dt in (torch.bfloat16, torch.float16) else torch.float32   # the matrix units'
+    ga, gb = torch.randn(n_g, n_g, dtype=gdt), torch.randn(n_g, n_g, dtype=gdt)  # speed
     impls["_sgemm"] = lambda: ga @ gb
     decode = c.name.startswith("decode")
     if decode:
@@ -422,7 +427,8 @@ def run_case(c: Case, bw: float, flex: tuple[Callable | None, str],
                for n in impls}
     flops_s = 2 * n_g**3 / timings.pop("_sgemm").median_s
     base_t = timings.pop("_baseline", None)
-    c.results["sgemm_samples"] = [2 * n_g**3 / t for t in per["_sgemm"]]
+    samples = "sgemm_samples" if gdt == torch.float32 else "lowp_gemm_samples"
+    c.results[samples] = [2 * n_g**3 / t for t in per["_sgemm"]]
     if "_read" in timings:
         bw = xr.numel() * 4 / timings.pop("_read").median_s
         c.results["read_samples"] = [xr.numel() * 4 / t for t in per["_read"]]
@@ -433,7 +439,8 @@ def run_case(c: Case, bw: float, flex: tuple[Callable | None, str],
     for name in ("attnkit", *[p for p in PEERS if p in c.peers]):
         rec: dict[str, object] = {"case": c.name, "impl": name, "peer": PEERS[name],
                                   "runs": c.repeat, "median_s": None, "ratio": None,
-                                  "eff": None, "eff_of": "read bandwidth" if decode else "sgemm",
+                                  "eff": None, "eff_of": "read bandwidth" if decode else
+                                  "sgemm" if gdt == torch.float32 else f"{c.dtype} GEMM",
                                   "peak_mb": None, "skipped": skipped.get(name),
                                   "compile_s": compile_s if name == "flex" else None,
                                   "first_s": (first.get(name) if name == "attnkit"
@@ -459,6 +466,14 @@ def run_case(c: Case, bw: float, flex: tuple[Callable | None, str],
     return _format_rows(c)
 
 
+def _gemm_yardstick(c: Case) -> tuple[str, str]:
+    """(results key of the case's GEMM samples, what it measured): float32's sgemm, or a
+    GEMM in the case's half dtype (the matrix units' speed) for bf16 / fp16 cases."""
+    if "lowp_gemm_samples" in c.results:
+        return "lowp_gemm_samples", f"{c.dtype} GEMM"
+    return "sgemm_samples", "sgemm"
+
+
 def _format_rows(c: Case) -> list[tuple[str, str]]:
     """The printable rows of a case that ran: (label, line)."""
     rows = []
@@ -477,8 +492,9 @@ def _format_rows(c: Case) -> list[tuple[str, str]]:
         rows.append((r["impl"], f"{r['median_s'] * 1e3:10.1f} {speed:>{_SPEED_W}} {eff:>9} "
                                 f"{peak:>8}  {peer}"))
     fl = c.results["flops_s"]
-    rows.append(("", f"(yardsticks in this case: sgemm {fl / 1e9:.1f} GFLOP/s "  # type: ignore
-                     f"±{spread(c.results['sgemm_samples']):.0f}%"  # type: ignore[arg-type]
+    key, what = _gemm_yardstick(c)
+    rows.append(("", f"(yardsticks in this case: {what} {fl / 1e9:.1f} GFLOP/s "  # type: ignore
+                     f"±{spread(c.results[key]):.0f}%"  # type: ignore[arg-type]
                      + (f", read {c.results['bw'] / 1e9:.1f} GB/s)"  # type: ignore[operator]
                         if "read_samples" in c.results else ")")))
     return rows
@@ -555,6 +571,36 @@ def _cases(size: str) -> list[Case]:
              **causal_bwd),
         Case(f"user score_mod fwd+bwd N={n}", n, n, score_mod="user", baseline=base,
              **causal_bwd),
+        *_low_precision_cases(size, kw, rd),
+    ]
+
+
+def _low_precision_cases(size: str, kw: dict, rd: dict) -> list[Case]:
+    """The low-precision section (issue 21): bf16 / fp16 calls against torch SDPA in the
+    same dtype; their GEMM yardstick runs in the case's dtype (the matrix units' speed)."""
+    n, nb, nl, w, nd = {"full": (4096, 2048, 8192, 512, 4096),
+                        "quick": (1024, 1024, 2048, 256, 2048),
+                        "tiny": (64, 64, 128, 16, 256)}[size]
+    bf = {"dtype": "bfloat16", **kw}
+    base_fwd, base_bwd = f"bf16 causal fwd N={n}", f"bf16 causal fwd+bwd N={nb}"
+    fwd_mod = {"mask": "causal", "peers": (), "baseline": base_fwd, **rd, **bf}
+    bwd_mod = {"mask": "causal", "backward": True, "peers": (), "baseline": base_bwd, **rd, **bf}
+    dec_d = kw.get("d", 64)
+    return [
+        Case(f"bf16 dense fwd N={n}", n, n, peers=("sdpa",), **rd, **bf),
+        Case(base_fwd, n, n, mask="causal", peers=("sdpa",), **rd, **bf),
+        Case(f"fp16 causal fwd N={n}", n, n, mask="causal", peers=("sdpa",), **rd,
+             **{**bf, "dtype": "float16"}),
+        Case(f"bf16 sliding {w} fwd N={nl}", nl, nl, mask=f"sliding:{w}", peers=("sdpa",), **bf),
+        Case(f"bf16 soft-cap fwd N={n}", n, n, softcap=30.0, **fwd_mod),
+        Case(f"bf16 alibi fwd N={n}", n, n, score_mod="alibi", **fwd_mod),
+        Case(f"bf16 user score_mod fwd N={n}", n, n, score_mod="user", **fwd_mod),
+        Case(base_bwd, nb, nb, mask="causal", backward=True, peers=("sdpa",), **rd, **bf),
+        Case(f"bf16 soft-cap fwd+bwd N={nb}", nb, nb, softcap=30.0, **bwd_mod),
+        Case(f"bf16 alibi fwd+bwd N={nb}", nb, nb, score_mod="alibi", **bwd_mod),
+        Case(f"bf16 user score_mod fwd+bwd N={nb}", nb, nb, score_mod="user", **bwd_mod),
+        Case(f"decode 1x{nd} D={dec_d} bf16", 1, nd, peers=("sdpa",),
+             **{**bf, "d": dec_d, "repeat": 9 if size == "full" else 3}),
     ]
 
 
@@ -572,7 +618,7 @@ _TARGETS = [
     (r"sliding \d+ fwd\+bwd", "sdpa", 10.0, "≥ 10× SDPA + dense bool mask"),
     (r"decode 1x\d+ D=\d+$", "sdpa", 1.5, "≥ 1.5× torch SDPA"),
     (r"decode 1x\d+ D=\d+$", "eff", 0.7, "≥ 0.7 of read bandwidth"),
-    (r"decode .* (bf16|fp16) cache", "baseline", 1.7, "≥ 1.7× the float32-cache call"),
+    (r"decode .* (bf16|fp16) cache", "baseline", 1.8, "≥ 1.8× the float32-cache call"),
     ("decode GQA", "sdpa", 1.5, "≥ 1.5× torch SDPA (enable_gqa=True)"),
     ("causal fwd N=32768", "mem", 128.0, "peak beyond inputs+output ≤ 128 MB"),
     ("soft-cap fwd N", "baseline", 0.85, "≥ 0.85× speed of the call without"),
@@ -582,6 +628,18 @@ _TARGETS = [
     ("relative-bias", "baseline", 0.7, "≥ 0.7× speed of the call without"),
     ("user score_mod fwd N", "baseline", 0.5, "≥ 0.5× speed of the call without"),
     (r"user score_mod fwd\+bwd", "baseline", 0.4, "≥ 0.4× speed of the call without"),
+    # the low-precision section (issue 21): SDPA in the same dtype; eff = of the bf16 GEMM
+    ("bf16 dense fwd", "sdpa", 1.0, "≥ 1.0× torch SDPA bf16"),
+    ("bf16 causal fwd N", "sdpa", 1.0, "≥ 1.0× torch SDPA bf16"),
+    ("bf16 causal fwd N", "eff", 0.4, "≥ 0.4 of the bf16 GEMM (aim)"),
+    ("fp16 causal fwd", "sdpa", 1.0, "≥ 1.0× torch SDPA fp16"),
+    (r"bf16 sliding \d+ fwd N", "sdpa", 10.0, "≥ 10× SDPA bf16 + dense bool mask"),
+    (r"bf16 (soft-cap|alibi|user score_mod) fwd N", "baseline", 0.85,
+     "≥ 0.85× speed of the bf16 call without"),
+    (r"bf16 causal fwd\+bwd", "sdpa", 1.0, "≥ 1.0× torch SDPA bf16"),
+    (r"bf16 (soft-cap|alibi|user score_mod) fwd\+bwd", "baseline", 0.8,
+     "≥ 0.8× speed of the bf16 call without"),
+    (r"decode 1x\d+ D=\d+ bf16$", "sdpa", 1.0, "≥ 1.0× torch SDPA bf16"),
 ]
 
 
@@ -629,15 +687,17 @@ def noise(cases: list[Case]) -> dict[str, object]:
     measurements can move a ratio. Above ``BUSY_PCT`` the verdict says the machine was busy.
     (Each JSON row also carries its own case's spread, ``yardsticks.case_spread_pct``.)"""
     sg = [x for c in cases for x in c.results.get("sgemm_samples", [])]  # type: ignore
+    hg = [x for c in cases for x in c.results.get("lowp_gemm_samples", [])]  # type: ignore
     rd = [x for c in cases for x in c.results.get("read_samples", [])]  # type: ignore
-    pct = max(spread(sg), spread(rd))
+    pct = max(spread(sg), spread(hg), spread(rd))
     busy = pct > BUSY_PCT
-    if not sg:
+    if not sg and not hg:
         verdict = "no yardstick samples (no case ran)"
     else:
-        how = (f"sgemm yardstick {min(sg) / 1e9:.1f}–{max(sg) / 1e9:.1f} GFLOP/s over "
-               f"{len(sg)} samples" + (f", read {min(rd) / 1e9:.1f}–{max(rd) / 1e9:.1f} GB/s"
-                                       if rd else ""))
+        parts = [f"{what} yardstick {min(xs) / 1e9:.1f}–{max(xs) / 1e9:.1f} GFLOP/s over "
+                 f"{len(xs)} samples" for what, xs in (("sgemm", sg), ("half GEMM", hg)) if xs]
+        how = ", ".join(parts) + (f", read {min(rd) / 1e9:.1f}–{max(rd) / 1e9:.1f} GB/s"
+                                  if rd else "")
         pm = f"±{pct:.0f}%" if pct <= 100 else "more than ±100%: do not read them"
         verdict = (f"machine busy: ratios uncertain by {pm} ({how})" if busy else
                    f"machine steady: ratios good to about ±{max(pct, 1):.0f}% ({how})")
@@ -645,7 +705,8 @@ def noise(cases: list[Case]) -> dict[str, object]:
         load = [round(x, 2) for x in os.getloadavg()]
     except OSError:
         load = []
-    return {"pct": round(pct, 2), "busy": busy, "verdict": verdict, "samples": len(sg),
+    return {"pct": round(pct, 2), "busy": busy, "verdict": verdict,
+            "samples": len(sg) + len(hg),
             "loadavg": load}
 
 
@@ -747,16 +808,18 @@ def run_cli(argv: list[str]) -> int:
     small = {"tiny": (128, 4), "quick": (1024, 128), "full": (2048, 512)}[size]
     flops_s = sgemm_flops(small[0])
     bw = read_bandwidth(small[1])
-    print(f"sgemm {flops_s / 1e9:.1f} GFLOP/s, read bandwidth {bw / 1e9:.1f} GB/s "
-          "(measured now)")
+    bf_s = sgemm_flops(small[0], dtype=torch.bfloat16)
+    print(f"sgemm {flops_s / 1e9:.1f} GFLOP/s, bf16 GEMM {bf_s / 1e9:.1f} GFLOP/s, read "
+          f"bandwidth {bw / 1e9:.1f} GB/s (measured now)")
     if args.no_flex:
         flex: tuple[Callable | None, str] = (None, "disabled with --no-flex")
     elif size != "full":
         flex = (None, "not in --quick (torch.compile takes 5-120 s per mask on a 2-core box)")
     else:
         flex = _flex_fn()
-    print("float32, B=1; sizes in each case's heading. Each row: the median time of the case's "
-          "runs, implementations interleaved run by run.\n"
+    print("float32 unless a case's name says bf16 / fp16 (then torch SDPA in the same dtype, "
+          "and eff is of a GEMM in that dtype), B=1; sizes in each case's heading. Each row: "
+          "the median time of the case's runs, implementations interleaved run by run.\n"
           "speedup = peer time / attnkit time (>1 = attnkit faster); eff = useful FLOP/s / "
           "the sgemm FLOP/s measured in the same case (decode: K/V bytes read per s / the "
           "read bandwidth, 'bw').")
@@ -806,7 +869,8 @@ def run_cli(argv: list[str]) -> int:
             "cpu": cpu,
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "low_precision": lowp,
-            "yardsticks": {"sgemm_flops": flops_s, "read_bw": bw}, "noise": nz,
+            "yardsticks": {"sgemm_flops": flops_s, "bf16_gemm_flops": bf_s, "read_bw": bw},
+            "noise": nz,
             "total_s": total}
     if args.json:
         write_json(args.json, meta, cases)

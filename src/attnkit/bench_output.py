@@ -34,7 +34,8 @@ def write_json(path: str, meta: dict[str, object], cases: list[Any]) -> None:
         yard = {"sgemm_flops": c.results["flops_s"],
                 "read_bw": c.results["bw"] if "read_samples" in c.results else None,
                 "case_spread_pct": round(max(spread(c.results.get(k, []))  # type: ignore
-                                             for k in ("sgemm_samples", "read_samples")), 2)}
+                                             for k in ("sgemm_samples", "lowp_gemm_samples",
+                                                       "read_samples")), 2)}
         for r in c.results["records"]:  # type: ignore[union-attr]
             rows.append({**r, "yardsticks": yard, "date": meta["date"], "torch": meta["torch"],
                          "threads": meta["threads"],
