@@ -411,6 +411,25 @@ std::tuple<Tensor, Tensor> paged_attend(
 
 std::string vector_width() { return std::to_string(W * 32) + "-bit"; }
 
+// x (n,) float32 rounded to bfloat16 as the low-precision forward rounds P (for the tests):
+// by store_rounded (one vcvtneps2bf16 where the build has AVX512-BF16), or with generic by the
+// plain vector code every build has.
+Tensor round_to_bfloat16(const Tensor& x, bool generic) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 1,
+              "attnkit native: round_to_bfloat16 takes a 1-D float32 tensor");
+  const i64 n = x.numel(), np = round_up(n, W);
+  std::vector<float> in(np, 0.f);
+  const Tensor xc = x.contiguous();
+  std::memcpy(in.data(), xc.data_ptr<float>(), n * sizeof(float));
+  Tensor out = at::empty({np}, x.options().dtype(at::kBFloat16));
+  at::BFloat16* o = out.data_ptr<at::BFloat16>();
+  for (i64 i = 0; i < np; i += W) {                        // values [i, i + W)
+    if (generic) store_rounded_generic(o + i, load(in.data() + i));
+    else store_rounded(o + i, load(in.data() + i));
+  }
+  return out.narrow(0, 0, n);
+}
+
 // Which GEMMs a forward call with dtype "bfloat16" / "float16" inputs runs now, and why.
 std::string lowp_gemm_path(const std::string& dtype) {
   if (dtype == "bfloat16") return lowp_path<at::BFloat16>().why;
@@ -447,6 +466,7 @@ TORCH_LIBRARY(attnkit_native, m) {
         &paged_attend);
   m.def("vector_width() -> str", &vector_width);
   m.def("lowp_gemm_path(str dtype) -> str", &lowp_gemm_path);
+  m.def("round_to_bfloat16(Tensor x, bool generic) -> Tensor", &round_to_bfloat16);
 }
 
 }  // namespace attnkit_native

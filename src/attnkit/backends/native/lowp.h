@@ -137,8 +137,8 @@ template <typename T> LowpPath lowp_path() {
 }
 
 // ------------------------------------------------------------------ conversions
-// dst[0 : W] = T(x), rounded to nearest even (NaN stays NaN).
-inline void store_rounded(at::BFloat16* dst, vf x) {
+// dst[0 : W] = bfloat16(x), rounded to nearest even (NaN stays NaN), in plain vector code.
+inline void store_rounded_generic(at::BFloat16* dst, vf x) {
   typedef uint32_t vu __attribute__((vector_size(W * 4)));
   typedef uint16_t vh __attribute__((vector_size(W * 2)));
   vu u;
@@ -147,6 +147,16 @@ inline void store_rounded(at::BFloat16* dst, vf x) {
   r = select(x != x, vu{} + 0x7FC0u, r);
   const vh h = __builtin_convertvector(r, vh);
   std::memcpy(dst, &h, sizeof h);
+}
+// dst[0 : W] = T(x), rounded to nearest even (NaN stays NaN). bfloat16 where the build has
+// AVX512-BF16 (the loader's avx512bf16 level): one vcvtneps2bf16, which also flushes float32
+// denormals (below 1.2e-38) to 0; elsewhere the generic rounding above.
+inline void store_rounded(at::BFloat16* dst, vf x) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh((__m512)x));
+#else
+  store_rounded_generic(dst, x);
+#endif
 }
 inline void store_rounded(at::Half* dst, vf x) {
 #if defined(__F16C__) && defined(__AVX512F__)
@@ -160,12 +170,88 @@ inline void store_rounded(at::Half* dst, vf x) {
 #endif
 }
 
+// ------------------------------------------------------------------ the softmax step
+// 2^t for t <= 0 to ~2e-7 relative (P is rounded to T, 2^-9, right after): t = n + f with n
+// whole and |f| <= 1/2, 2^f by a degree-5 polynomial (fitted for relative error), 2^n put in
+// the exponent bits (n read from t + 1.5 * 2^23's low bits). t <= -127 gives exactly 0 (-inf:
+// a masked key; n = -127 makes the bits 0); NaN stays NaN.
+inline vf exp2_neg(vf t) {
+  const vf magic = splat(12582912.f);
+  t = select(t < -127.f, splat(-127.f), t);               // (NaN < -127 is false: kept)
+  const vf k = t + magic;                                 // round(t) in the low bits
+  const vf f = t - (k - magic);
+  vf y = splat(1.3264692388e-3f);
+  y = y * f + 9.6715148538e-3f;
+  y = y * f + 5.5507339537e-2f;
+  y = y * f + 2.4022242427e-1f;
+  y = y * f + 6.9314700365e-1f;
+  y = y * f + 1.f;
+  return y * (vf)(((vi)k + 127) << 23);
+}
+
+// The largest lane of v by halving (log2 W shuffles: a row's max is taken once per tile, and
+// a lane-by-lane scalar chain cost as much as the row's exponentials); NaN lanes may be
+// skipped (their P is NaN through the exponential all the same).
+inline float hmax_halving(vf v) {
+  typedef float v8f __attribute__((vector_size(32)));
+#if defined(__AVX512F__)
+  const v8f h = vmax(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7),
+                     __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
+  v4f x = vmax(__builtin_shufflevector(h, h, 0, 1, 2, 3), __builtin_shufflevector(h, h, 4, 5, 6, 7));
+#elif defined(__AVX2__) || defined(__AVX__)
+  v4f x = vmax(__builtin_shufflevector(v, v, 0, 1, 2, 3), __builtin_shufflevector(v, v, 4, 5, 6, 7));
+#else
+  v4f x = v;
+#endif
+  x = vmax(x, __builtin_shufflevector(x, x, 2, 3, 0, 1));
+  x = vmax(x, __builtin_shufflevector(x, x, 1, 0, 3, 2));
+  return x[0];
+}
+
+// The low-precision path's online softmax step, in two passes over a tile's rows so that
+// rows overlap in the core (one row's max -> exponentials -> sum is a long serial chain).
+// x (npad,) holds a row's scores s in units of c (c = scale when the max and the exponent
+// take the raw scores, else 1; c > 0); m (scaled units) and l are its running max and sum.
+// The first pass: the row's new max, max(m, c * max s).
+inline float row_max_lowp(const float* x, i64 npad, float c, float m) {
+  vf m0 = splat(NEG_INF), m1 = m0;                        // two chains of maxima
+  i64 j = 0;
+  for (; j + 2 * W <= npad; j += 2 * W) {                 // keys [j, j + 2W)
+    m0 = vmax(m0, load(x + j));
+    m1 = vmax(m1, load(x + j + W));
+  }
+  if (j < npad) m0 = vmax(m0, load(x + j));
+  return std::max(m, hmax_halving(vmax(m0, m1)) * c);
+}
+
+// The second: P = e^(c s - m_new) rounded to T into p (with Keep also as float in x: the
+// exact values path reads it); l and m updated; returns alpha = e^(m - m_new), acc's factor.
+template <bool Keep, typename T>
+inline float row_exp_lowp(float* x, i64 npad, float c, float m_new, float& m, float& l, T* p) {
+  constexpr float LOG2E = 1.44269504088896341f;
+  const float shift = m_new == NEG_INF ? 0.f : m_new;     // a row with no key yet: P = 0
+  const vf vc = splat(c * LOG2E), vs = splat(-shift * LOG2E);
+  vf s0 = splat(0.f), s1 = s0;                            // two chains of sums
+  for (i64 j = 0; j < npad; j += W) {                     // keys [j, j + W): 2^(s c log2e - ..)
+    const vf pj = exp2_neg(load(x + j) * vc + vs);
+    if constexpr (Keep) store(x + j, pj);
+    store_rounded(p + j, pj);
+    if ((j / W) % 2 == 0) s0 += pj;
+    else s1 += pj;
+  }
+  const float alpha = m == NEG_INF ? 0.f : exp2_neg(splat((m - shift) * LOG2E))[0];
+  l = l * alpha + hsum(s0 + s1);
+  m = m_new;
+  return alpha;
+}
+
 // ------------------------------------------------------------------ per-thread buffers
 // The packed Kᵀ and V of one head (NKP / BK tiles, filled as items need them) or of one
 // tile, the item's Q rows and P in T, and a staging block for the packing.
 template <typename T> struct LowpBuffers {
   i64 DKE, DVB, kt_tile, v_tile;                          // sizes of one packed tile
   std::unique_ptr<T[]> q, p, kt, v, stage;
+  std::unique_ptr<float[]> mx;                            // (R,) the rows' new maxima
   std::vector<char> done;                                 // (tiles,) packed yet
   std::vector<i64> v_bad;                                 // (tiles,) first non-finite V row
   i64 cb = -1, ch = -1;                                   // the cached head
@@ -173,6 +259,7 @@ template <typename T> struct LowpBuffers {
   template <typename A> LowpBuffers(const Args<A>& a, i64 R)
       : DKE(round_up(a.Dk, 2)), DVB(round_up(a.Dv, NB)), kt_tile(BK * round_up(a.Dk, 2)),
         v_tile(BK * round_up(a.Dv, NB)), q(new T[R * round_up(a.Dk, 2)]), p(new T[R * BK]),
+        mx(new float[R]),
         stage(new T[std::max<i64>(BK, round_up(a.Dk, 2)) * NB]), cache(a.cache_kt),
         onednn_pack(a.lowp_onednn_pack) {
     const i64 tiles = cache ? a.NKP / BK : 1;
