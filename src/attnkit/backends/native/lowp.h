@@ -3,7 +3,7 @@
 // AVX512-BF16 dot products elsewhere), with B packed in the VNNI layout.
 //
 //   VNNI block of a (K, 64) matrix B:  (K / 2, 64, 2)   element (k, n) at [k / 2][n][k % 2]
-//   Kᵀ tile (DKE, BK)  -> BK / 64 such blocks, one after another     (DKE = D_k rounded to 2)
+//   Kᵀ tile (DKE, BK)  -> one VNNI block BK wide, (DKE / 2, BK, 2)    (DKE = D_k rounded to 2)
 //   V tile  (BK, D_v)  -> DVB / 64 such blocks (BK / 2, 64, 2)        (DVB = D_v rounded to 64)
 //   Q rows  (R, DKE) and P (R, BK) in T; S (R, BK) and acc (R, DVP) stay float.
 //
@@ -32,19 +32,20 @@ template <typename T> constexpr bool is_lowp = std::is_same_v<T, at::BFloat16> |
                                                std::is_same_v<T, at::Half>;
 
 // ------------------------------------------------------------------ packing
-// dst (K / 2, NB, 2) <- src (K, NB) row-major, K even: our own interleave, or oneDNN's pack
-// where it has one for T (AMX). Both give the layout brgemm reads with is_vnni = true; the
-// self-test in probe() checks that on the machine it runs on.
-template <typename T> inline void vnni_pack(i64 K, const T* src, T* dst, bool onednn_pack) {
-  if (onednn_pack) {
+// dst (K / 2, N, 2) <- src (K, N) row-major, K even: our own interleave (any N), or oneDNN's
+// pack where it has one for T (AMX; N = NB only). Both give the layout brgemm reads with
+// is_vnni = true; the self-test in probe() checks that on the machine it runs on.
+template <typename T>
+inline void vnni_pack(i64 K, i64 N, const T* src, T* dst, bool onednn_pack) {
+  if (onednn_pack && N == NB) {
     at::native::cpublas::pack(K, NB, NB, NB, c10::CppTypeToScalarType<T>::value,
                               c10::CppTypeToScalarType<T>::value, src, dst);
     return;
   }
-  for (i64 p = 0; p < K / 2; ++p)                         // pair of rows 2p, 2p + 1 (NB,)
-    for (i64 n = 0; n < NB; ++n) {
-      dst[(p * NB + n) * 2] = src[2 * p * NB + n];
-      dst[(p * NB + n) * 2 + 1] = src[(2 * p + 1) * NB + n];
+  for (i64 p = 0; p < K / 2; ++p)                         // pair of rows 2p, 2p + 1 (N,)
+    for (i64 n = 0; n < N; ++n) {
+      dst[(p * N + n) * 2] = src[2 * p * N + n];
+      dst[(p * N + n) * 2 + 1] = src[(2 * p + 1) * N + n];
     }
 }
 
@@ -57,36 +58,40 @@ struct LowpPath {
 };
 
 // Whether brgemm on an (M, 8) x (8, n) product, B rows [k0, k0 + 8) and columns
-// [off, off + n) of a packed (16, NB) block (as the kernel's sub-blocks address Kᵀ and V),
-// gives the exact product (small integers: exact in T and in float). Throws where brgemm
-// has no T kernel.
-template <typename T> bool probe_product(i64 M, i64 n, i64 k0, i64 off, bool onednn_pack) {
+// [off, off + n) of a packed (16, N) block (as the kernel's sub-blocks address V, N = NB, and
+// Kᵀ, N = BK), gives the exact product (small integers: exact in T and in float). Throws
+// where brgemm has no T kernel.
+template <typename T>
+bool probe_product(i64 M, i64 N, i64 n, i64 k0, i64 off, bool onednn_pack) {
   constexpr i64 K = 8, KB = 16;
-  T a[16 * K], b[KB * NB], bp[KB * NB];
-  float c[16 * NB];
+  T a[16 * K], b[KB * BK], bp[KB * BK];
+  float c[16 * BK];
   for (i64 i = 0; i < M * K; ++i) a[i] = T(float(i % 7 - 3));
-  for (i64 i = 0; i < KB * NB; ++i) b[i] = T(float(i % 5 - 2));
-  vnni_pack(KB, b, bp, onednn_pack);
-  at::native::cpublas::brgemm(M, n, K, K, NB, NB, false, a, bp + k0 * NB + off * 2, c, true);
+  for (i64 i = 0; i < KB * N; ++i) b[i] = T(float(i % 5 - 2));
+  vnni_pack(KB, N, b, bp, onednn_pack);
+  at::native::cpublas::brgemm(M, n, K, K, N, N, false, a, bp + k0 * N + off * 2, c, true);
   at::native::cpublas::brgemm_release(true);
   for (i64 i = 0; i < M; ++i)
     for (i64 j = 0; j < n; ++j) {
       float want = 0.f;
-      for (i64 p = 0; p < K; ++p) want += float(a[i * K + p]) * float(b[(k0 + p) * NB + off + j]);
-      if (c[i * NB + j] != want) return false;
+      for (i64 p = 0; p < K; ++p) want += float(a[i * K + p]) * float(b[(k0 + p) * N + off + j]);
+      if (c[i * N + j] != want) return false;
     }
   return true;
 }
 
-// Whether T GEMMs run here (a whole block; a tail of rows and columns from row 8, column 32).
+// Whether T GEMMs run here: on V's layout (a whole block; a tail of rows and columns from
+// row 8, column 32) and on Kᵀ's (the same, in a block BK wide, the tail from column 96).
 template <typename T> LowpPath probe() {
   const std::string name = std::is_same_v<T, at::BFloat16> ? "bfloat16" : "float16";
   const bool amx = at::cpu::init_amx();                  // tile permission from the OS, if any
   const bool onednn_pack = at::native::cpublas::could_pack(c10::CppTypeToScalarType<T>::value);
   bool ok;
   try {
-    ok = probe_product<T>(16, NB, 0, 0, onednn_pack) &&
-         probe_product<T>(5, 29, 8, 32, onednn_pack);
+    ok = probe_product<T>(16, NB, NB, 0, 0, onednn_pack) &&
+         probe_product<T>(5, NB, 29, 8, 32, onednn_pack) &&
+         probe_product<T>(16, BK, BK, 0, 0, onednn_pack) &&
+         probe_product<T>(5, BK, 29, 8, 96, onednn_pack);
   } catch (const std::exception&) {
     return {false, false, "widening to float32: torch's brgemm has no " + name +
                               " kernel on this CPU (oneDNN needs " +
@@ -98,8 +103,8 @@ template <typename T> LowpPath probe() {
     return {false, false, "widening to float32: the " + name +
                               " brgemm self-test failed (packed layout not as expected)"};
   return {true, onednn_pack,
-          name + " GEMMs (oneDNN brgemm, fp32 accumulation, B packed " +
-              (onednn_pack ? "by oneDNN" : "by attnkit") + " in VNNI layout" +
+          name + " GEMMs (oneDNN brgemm, fp32 accumulation, B in VNNI layout: " +
+              (onednn_pack ? "V packed by oneDNN, Kᵀ by attnkit" : "packed by attnkit") +
               (amx ? ", AMX tiles" : ", no AMX: oneDNN's AVX512 kernels") + ")"};
 }
 
@@ -260,7 +265,7 @@ template <typename T> struct LowpBuffers {
       : DKE(round_up(a.Dk, 2)), DVB(round_up(a.Dv, NB)), kt_tile(BK * round_up(a.Dk, 2)),
         v_tile(BK * round_up(a.Dv, NB)), q(new T[R * round_up(a.Dk, 2)]), p(new T[R * BK]),
         mx(new float[R]),
-        stage(new T[std::max<i64>(BK, round_up(a.Dk, 2)) * NB]), cache(a.cache_kt),
+        stage(new T[std::max<i64>(NB, round_up(a.Dk, 2)) * BK]), cache(a.cache_kt),
         onednn_pack(a.lowp_onednn_pack) {
     const i64 tiles = cache ? a.NKP / BK : 1;
     kt.reset(new T[tiles * kt_tile]);
@@ -282,19 +287,18 @@ void gather_q_lowp(const Args<A>& a, const T* q, const Item& it, LowpBuffers<T>&
     }
 }
 
-// The packed Kᵀ tile (DKE, BK) of keys [k0, k0 + n): BK / NB blocks (DKE / 2, NB, 2); keys
+// The packed Kᵀ tile (DKE, BK) of keys [k0, k0 + n): one block (DKE / 2, BK, 2) by our own
+// interleave (one brgemm then covers the tile's keys; oneDNN packs at most NB columns); keys
 // past n and dims past D_k are 0.
 template <typename A, typename T>
 void pack_kt_tile(const Args<A>& a, const T* kh, i64 k0, i64 n, T* dst, LowpBuffers<T>& lb) {
-  T* st = lb.stage.get();                                 // (DKE, NB) Kᵀ block
-  for (i64 c = 0; c < BK; c += NB) {                      // keys [c, c + NB) of the tile
-    std::fill_n(st, lb.DKE * NB, T(0.f));
-    for (i64 j = c; j < std::min<i64>(n, c + NB); ++j) {  // st[d, j - c] = k[k0 + j, d]
-      const T* kr = kh + (k0 + j) * a.sk[2];
-      for (i64 d = 0; d < a.Dk; ++d) st[d * NB + j - c] = kr[d];
-    }
-    vnni_pack(lb.DKE, st, dst + c * lb.DKE, lb.onednn_pack);
+  T* st = lb.stage.get();                                 // (DKE, BK) Kᵀ
+  std::fill_n(st, lb.DKE * BK, T(0.f));
+  for (i64 j = 0; j < n; ++j) {                           // st[d, j] = k[k0 + j, d]
+    const T* kr = kh + (k0 + j) * a.sk[2];
+    for (i64 d = 0; d < a.Dk; ++d) st[d * BK + j] = kr[d];
   }
+  vnni_pack(lb.DKE, BK, st, dst, false);
 }
 
 // The packed V tile of keys [k0, k0 + n): DVB / NB blocks (BK / 2, NB, 2), rows past n and
@@ -315,7 +319,7 @@ i64 pack_v_tile(const Args<A>& a, const T* vh, i64 k0, i64 n, T* dst, LowpBuffer
       for (i64 d = w; d < NB; ++d) row[d] = 0.f;
       if (j < bad && !all_finite(row, NB)) bad = j;
     }
-    vnni_pack(BK, st, dst + c * BK, lb.onednn_pack);
+    vnni_pack(BK, NB, st, dst + c * BK, lb.onednn_pack);
   }
   return bad;
 }
@@ -370,17 +374,12 @@ inline void lowp_brgemm(bool emulate, i64 M, i64 N, i64 K, i64 lda, i64 ldb, i64
   at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add, A, B, C, true);
 }
 
-// S[r0 : r0 + m, j0 : j0 + nj] (ld BK) <- Q rows . Kᵀ columns, one brgemm per VNNI block the
-// columns touch.
+// S[r0 : r0 + m, j0 : j0 + nj] (ld BK) <- Q rows . Kᵀ columns [j0, j0 + nj), one brgemm.
 template <typename T>
 inline void scores_block_lowp(bool emulate, const T* q, i64 DKE, const T* kt, i64 r0, i64 m,
                               i64 j0, i64 nj, float* s) {
-  for (i64 c = j0; c < j0 + nj;) {                        // columns [c, e) of one block
-    const i64 blk = c / NB, e = std::min(j0 + nj, (blk + 1) * NB);
-    lowp_brgemm(emulate, m, e - c, DKE, DKE, NB, BK, false, q + r0 * DKE,
-                kt + blk * NB * DKE + (c - blk * NB) * 2, s + r0 * BK + c);
-    c = e;
-  }
+  lowp_brgemm(emulate, m, nj, DKE, DKE, BK, BK, false, q + r0 * DKE, kt + j0 * 2,
+              s + r0 * BK + j0);
 }
 
 // acc[r0 : r0 + m, :D_v] (ld DVP) += P[r0 : r0 + m, j0 : j0 + nj] . V rows [j0, j0 + nj),
