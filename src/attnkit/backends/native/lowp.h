@@ -176,22 +176,32 @@ inline void store_rounded(at::Half* dst, vf x) {
 }
 
 // ------------------------------------------------------------------ the softmax step
-// 2^t for t <= 0 to ~2e-7 relative (P is rounded to T, 2^-9, right after): t = n + f with n
-// whole and |f| <= 1/2, 2^f by a degree-5 polynomial (fitted for relative error), 2^n put in
-// the exponent bits (n read from t + 1.5 * 2^23's low bits). t <= -127 gives exactly 0 (-inf:
-// a masked key; n = -127 makes the bits 0); NaN stays NaN.
-inline vf exp2_neg(vf t) {
-  const vf magic = splat(12582912.f);
-  t = select(t < -127.f, splat(-127.f), t);               // (NaN < -127 is false: kept)
-  const vf k = t + magic;                                 // round(t) in the low bits
-  const vf f = t - (k - magic);
+// 2^f for |f| <= 1/2 to ~2e-7 relative: a degree-5 polynomial fitted for relative error.
+inline vf exp2_reduced(vf f) {
   vf y = splat(1.3264692388e-3f);
   y = y * f + 9.6715148538e-3f;
   y = y * f + 5.5507339537e-2f;
   y = y * f + 2.4022242427e-1f;
   y = y * f + 6.9314700365e-1f;
-  y = y * f + 1.f;
-  return y * (vf)(((vi)k + 127) << 23);
+  return y * f + 1.f;
+}
+
+// 2^t for t <= 0 to ~2e-7 relative (P is rounded to T, 2^-9, right after): t = n + f with n
+// whole, |f| <= 1/2. With AVX-512, n by vrndscaleps and 2^n applied by vscalefps (t clamped
+// at -200: 2^-200 underflows to exactly 0); elsewhere n is read from t + 1.5 * 2^23's low bits
+// and put in the exponent bits (t clamped at -127, whose bits are 0). -inf (a masked key)
+// gives exactly 0; NaN stays NaN (NaN < c is false: kept by the clamp).
+inline vf exp2_neg(vf t) {
+#if defined(__AVX512F__)
+  t = select(t < -200.f, splat(-200.f), t);
+  const __m512 n = _mm512_roundscale_ps((__m512)t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  return (vf)_mm512_scalef_ps((__m512)exp2_reduced(t - (vf)n), n);
+#else
+  const vf magic = splat(12582912.f);
+  t = select(t < -127.f, splat(-127.f), t);
+  const vf k = t + magic;                                 // round(t) in the low bits
+  return exp2_reduced(t - (k - magic)) * (vf)(((vi)k + 127) << 23);
+#endif
 }
 
 // The largest lane of v by halving (log2 W shuffles: a row's max is taken once per tile, and
