@@ -80,6 +80,25 @@ bool probe_product(i64 M, i64 N, i64 n, i64 k0, i64 off, bool onednn_pack) {
   return true;
 }
 
+// Whether brgemm reads B row-major (K, NB), unpacked, instead: oneDNN's float16 kernels on
+// AVX512-FP16 without AMX-FP16 do (no VNNI there), which this path does not pack for.
+template <typename T> bool probe_unpacked() {
+  constexpr i64 M = 16, K = 8;
+  T a[M * K], b[K * NB];
+  float c[M * NB];
+  for (i64 i = 0; i < M * K; ++i) a[i] = T(float(i % 7 - 3));
+  for (i64 i = 0; i < K * NB; ++i) b[i] = T(float(i % 5 - 2));
+  at::native::cpublas::brgemm(M, NB, K, K, NB, NB, false, a, b, c, true);
+  at::native::cpublas::brgemm_release(true);
+  for (i64 i = 0; i < M; ++i)
+    for (i64 j = 0; j < NB; ++j) {
+      float want = 0.f;
+      for (i64 p = 0; p < K; ++p) want += float(a[i * K + p]) * float(b[p * NB + j]);
+      if (c[i * NB + j] != want) return false;
+    }
+  return true;
+}
+
 // Whether T GEMMs run here: on V's layout (a whole block; a tail of rows and columns from
 // row 8, column 32) and on Kᵀ's (the same, in a block BK wide, the tail from column 96).
 template <typename T> LowpPath probe() {
@@ -99,6 +118,10 @@ template <typename T> LowpPath probe() {
                                                                : "AVX512-FP16 or AMX-FP16") +
                               ")"};
   }
+  if (!ok && probe_unpacked<T>())
+    return {false, false, "widening to float32: torch's " + name + " brgemm on this CPU reads B "
+                              "row-major, not in the VNNI layout this path packs (oneDNN's "
+                              "AVX512-FP16 kernels, where there is no AMX-FP16)"};
   if (!ok)
     return {false, false, "widening to float32: the " + name +
                               " brgemm self-test failed (packed layout not as expected)"};
