@@ -4,9 +4,12 @@ widening path (``ATTNKIT_NATIVE_LOWP_GEMM=0``) and torch SDPA in the same dtype 
 Every case alternates the three calls ``--reps`` times in one process and prints medians and
 ratios (SDPA time ÷ attnkit time: > 1 means attnkit is faster), with the CPU named (lscpu's
 model name, torch's capability, the path the kernel takes for each dtype) and two yardsticks
-measured in the same run: a 2048³ GEMM in float32 and in bfloat16.
+measured in the same run: a 2048³ GEMM in float32 and in bfloat16. ``--terms`` adds the
+bfloat16 forward with score terms (soft-cap 30, ALiBi, a compiled score_mod; causal, as
+ratios to the plain causal call: 1 = free) and a 512-key sliding window at 2 N against SDPA
+with the window as a dense bool mask.
 
-    .venv/bin/python benchmarks/bench_lowp.py [--n 4096] [--reps 9] [--backward]
+    .venv/bin/python benchmarks/bench_lowp.py [--n 4096] [--reps 9] [--backward] [--terms]
 """
 
 from __future__ import annotations
@@ -74,11 +77,47 @@ def case(name: str, dtype: torch.dtype, causal: bool, n: int, reps: int,
           f" | widening/attnkit {med['widen'] / med['gemm']:5.2f}x", flush=True)
 
 
+def terms(n: int, reps: int) -> None:
+    """bf16 forward: score terms against the plain causal call, sliding window against SDPA."""
+    from attnkit.scores import alibi
+    q, k, v = (torch.randn(1, 8, n, 64).bfloat16() for _ in range(3))
+    calls = {
+        "plain": lambda: ak.attention(q, k, v, is_causal=True),
+        "softcap=30": lambda: ak.attention(q, k, v, is_causal=True, softcap=30.0),
+        "ALiBi": lambda: ak.attention(q, k, v, is_causal=True, score_mod=alibi(8)),
+        "score_mod": lambda: ak.attention(q, k, v, is_causal=True,
+                                          score_mod=lambda s, b, h, i, j: s + 0.01 * (i - j)),
+    }
+    qs, ks, vs = (torch.randn(1, 8, 2 * n, 64).bfloat16() for _ in range(3))
+    window = ak.masks.sliding_window(512)
+    dense = window.to_dense(2 * n, 2 * n)
+    calls["sliding"] = lambda: ak.attention(qs, ks, vs, mask=window)
+    calls["sliding SDPA"] = lambda: torch.nn.functional.scaled_dot_product_attention(
+        qs, ks, vs, attn_mask=dense)
+    with torch.no_grad():
+        for f in calls.values():
+            f()
+        times: dict[str, list[float]] = {name: [] for name in calls}
+        for _ in range(reps):
+            for name, f in calls.items():
+                times[name].append(seconds(f))
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    for name in ("softcap=30", "ALiBi", "score_mod"):
+        print(f"bf16 {name + ' causal fwd':28s} (1,8,{n},64) attnkit {med[name] * 1e3:8.1f} ms | "
+              f"plain causal {med['plain'] * 1e3:8.1f} ms | "
+              f"plain/this {med['plain'] / med[name]:5.2f}x", flush=True)
+    print(f"bf16 sliding 512 fwd (1,8,{2 * n},64)        attnkit {med['sliding'] * 1e3:8.1f} ms | "
+          f"SDPA dense mask {med['sliding SDPA'] * 1e3:8.1f} ms | SDPA/attnkit "
+          f"{med['sliding SDPA'] / med['sliding']:5.2f}x", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=4096, help="sequence length (default 4096)")
     ap.add_argument("--reps", type=int, default=9, help="alternating repetitions (default 9)")
     ap.add_argument("--backward", action="store_true", help="forward + backward")
+    ap.add_argument("--terms", action="store_true",
+                    help="also bf16 soft-cap / ALiBi / score_mod and a sliding window")
     args = ap.parse_args()
     if not native.available():
         raise SystemExit(f"the native kernel is not available: {native.why_unavailable()}")
@@ -93,6 +132,8 @@ def main() -> None:
         for causal in (True, False):
             case(f"{tag} {'causal' if causal else 'dense'} {what} (1,8,{args.n},64)", dt,
                  causal, args.n, args.reps, args.backward)
+    if args.terms:
+        terms(args.n, args.reps)
 
 
 if __name__ == "__main__":

@@ -74,6 +74,10 @@ def test_the_path_is_reported() -> None:
     assert set(info) == {"bfloat16", "float16"} and all(isinstance(s, str) for s in info.values())
     if "avx512_bf16" in _cpu_flags() or "amx_bf16" in _cpu_flags():
         assert info["bfloat16"].startswith("bfloat16 GEMMs"), info
+    if "avx512_fp16" in _cpu_flags() and "amx_fp16" not in _cpu_flags():
+        # oneDNN's float16 brgemm there reads B unpacked: the reason says so
+        assert (info["float16"].startswith("float16 GEMMs")
+                or "float16 brgemm on this CPU reads B row-major" in info["float16"]), info
 
 
 def test_the_switch_forces_widening_or_emulation(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -103,6 +107,33 @@ def test_gemm_path_rounds_p(dtype: torch.dtype, mode: str,
     assert not torch.equal(outs[_SWITCH[mode]], outs["0"])
     assert (outs[_SWITCH[mode]].float() - outs["emulate"].float()).abs().max() <= 4 * (
         torch.finfo(dtype).eps * outs["emulate"].float().abs().max())
+
+
+@pytest.mark.parametrize("generic", [False, True])
+def test_p_rounds_to_nearest_even(generic: bool) -> None:
+    """P's rounding to bfloat16 — the build's (one vcvtneps2bf16 where the kernel is built
+    for avx512bf16, as on a CPU with AVX512-BF16) and the plain vector code every build has
+    (generic) — matches torch's round-to-nearest-even on ties, carries, overflow to inf, inf,
+    NaN and ±0; float32 denormals round as torch does or, by the instruction, flush to ±0."""
+    torch.manual_seed(0)
+    ties = torch.tensor([0x3F808000, 0x3F818000, 0xBF808000, 0x3F80_7FFF, 0x3F80_8001,
+                         0x477F_FFFF, 0x7F7F_FFFF, 0x7F7F_7FFF, 0x7F80_0000, 0xFF80_0000,
+                         0x0000_0000, 0x8000_0000, 0x0080_0000, 0x0080_8000],
+                        dtype=torch.int64).to(torch.int32).view(torch.float32)
+    wide = torch.randn(4099) * torch.exp2(torch.randint(-120, 120, (4099,)).float())
+    x = torch.cat([ties, wide, torch.rand(1000)])            # (P itself lies in [0, 1])
+    got = native._ops().round_to_bfloat16(x, generic)  # noqa: SLF001
+    assert got.dtype == torch.bfloat16 and got.shape == x.shape
+    assert torch.equal(got.view(torch.int16), x.to(torch.bfloat16).view(torch.int16))
+    nan = native._ops().round_to_bfloat16(torch.tensor([math.nan, -math.nan]), generic)  # noqa: SLF001
+    assert nan.isnan().all()
+    tiny = torch.tensor([0x0000_0001, 0x0001_8000, 0x007F_FFFF, 0x8001_8000],
+                        dtype=torch.int64).to(torch.int32).view(torch.float32)
+    got = native._ops().round_to_bfloat16(tiny, generic)  # noqa: SLF001
+    want = tiny.to(torch.bfloat16)
+    same = got.view(torch.int16) == want.view(torch.int16)
+    flushed = (got == 0) & (torch.signbit(got.float()) == torch.signbit(tiny))
+    assert (same if generic else same | flushed).all(), (got, want)
 
 
 # ---------------------------------------------------------------------------- sizes

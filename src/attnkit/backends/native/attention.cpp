@@ -162,14 +162,18 @@ std::tuple<Tensor, Tensor> attend(
   return {out, lse};
 }
 
-// Whether out (n,) in T holds no inf/NaN (A-wide for float and double; half types widened).
+// Whether out (n,) in T holds no inf/NaN (A-wide for float and double; half types widened
+// W at a time in registers, x * 0 summed lane-wise as all_finite does).
 template <typename T> bool output_finite(const T* out, i64 n) {
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
     return all_finite(out, n);
   } else {
-    for (i64 i = 0; i < n; ++i)
-      if (!std::isfinite(float(out[i]))) return false;
-    return true;
+    vf z = splat(0.f);
+    i64 i = 0;
+    for (; i + W <= n; i += W) z += load_vec(out + i) * 0.f;   // values [i, i + W)
+    float t = hsum(z);
+    for (; i < n; ++i) t += float(out[i]) * 0.f;
+    return t == 0.f;
   }
 }
 
@@ -411,6 +415,25 @@ std::tuple<Tensor, Tensor> paged_attend(
 
 std::string vector_width() { return std::to_string(W * 32) + "-bit"; }
 
+// x (n,) float32 rounded to bfloat16 as the low-precision forward rounds P (for the tests):
+// by store_rounded (one vcvtneps2bf16 where the build has AVX512-BF16), or with generic by the
+// plain vector code every build has.
+Tensor round_to_bfloat16(const Tensor& x, bool generic) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 1,
+              "attnkit native: round_to_bfloat16 takes a 1-D float32 tensor");
+  const i64 n = x.numel(), np = round_up(n, W);
+  std::vector<float> in(np, 0.f);
+  const Tensor xc = x.contiguous();
+  std::memcpy(in.data(), xc.data_ptr<float>(), n * sizeof(float));
+  Tensor out = at::empty({np}, x.options().dtype(at::kBFloat16));
+  at::BFloat16* o = out.data_ptr<at::BFloat16>();
+  for (i64 i = 0; i < np; i += W) {                        // values [i, i + W)
+    if (generic) store_rounded_generic(o + i, load(in.data() + i));
+    else store_rounded(o + i, load(in.data() + i));
+  }
+  return out.narrow(0, 0, n);
+}
+
 // Which GEMMs a forward call with dtype "bfloat16" / "float16" inputs runs now, and why.
 std::string lowp_gemm_path(const std::string& dtype) {
   if (dtype == "bfloat16") return lowp_path<at::BFloat16>().why;
@@ -447,6 +470,7 @@ TORCH_LIBRARY(attnkit_native, m) {
         &paged_attend);
   m.def("vector_width() -> str", &vector_width);
   m.def("lowp_gemm_path(str dtype) -> str", &lowp_gemm_path);
+  m.def("round_to_bfloat16(Tensor x, bool generic) -> Tensor", &round_to_bfloat16);
 }
 
 }  // namespace attnkit_native

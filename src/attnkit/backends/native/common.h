@@ -642,11 +642,10 @@ inline void score_terms(const Args<A>& a, A* x, i64 n, i64 npad, i64 b, i64 h, i
 }
 
 // Online softmax step on one row: x (npad,) -> P = e^(x - m_new) in place; updates the
-// running max m and sum l; returns alpha = e^(m_old - m_new), the factor for acc.
-// emit(j, P[j : j + lanes]) sees each vector of P as it is stored (the low-precision path
-// rounds P there, lowp.h).
+// running max m and sum l; returns alpha = e^(m_old - m_new), the factor for acc. (The
+// low-precision path has its own: softmax_step_lowp, lowp.h.)
 // (Scaling and taking the max in one pass measured no faster: the row is in L1.)
-template <typename A, typename F> inline A softmax_step(A* x, i64 npad, A& m, A& l, F&& emit) {
+template <typename A> inline A softmax_step(A* x, i64 npad, A& m, A& l) {
   using V = vec<A>;
   constexpr int L = lanes<A>;
   V vm = splat(A(NEG_INF));
@@ -661,16 +660,12 @@ template <typename A, typename F> inline A softmax_step(A* x, i64 npad, A& m, A&
   for (i64 j = 0; j < npad; j += L) {
     V p = vexp_neg(load(x + j) - vs);
     store(x + j, p);
-    emit(j, p);
     sum += p;
   }
   const A alpha = m == NEG_INF ? A(0) : std::exp(m - shift);
   l = l * alpha + hsum(sum);
   m = m_new;
   return alpha;
-}
-template <typename A> inline A softmax_step(A* x, i64 npad, A& m, A& l) {
-  return softmax_step(x, npad, m, l, [](i64, vec<A>) {});
 }
 
 }  // namespace

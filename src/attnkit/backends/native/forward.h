@@ -265,7 +265,7 @@ void scores_gemm_lowp(const Args<A>& a, const T* kt, const Item& it, const Sub* 
   });
 }
 
-// acc (R, D_v) += P_T (R, n) . V_tile in T (P_T: P rounded to T by rows_pass), by the
+// acc (R, D_v) += P_T (R, n) . V_tile in T (P_T: P rounded to T by rows_pass_lowp), by the
 // tile's sub-blocks; a tile whose V rows read hold inf/NaN takes the exact P == 0-skipping
 // path (values_axpy) instead.
 template <typename A, typename T>
@@ -281,23 +281,51 @@ void values_gemm_lowp(const Args<A>& a, const T* vh, const T* vp, i64 v_bad, con
 
 // ------------------------------------------------------------------ one work item
 // Each row r (head h, query qi) of the tile's scores S (R, BK): the fused score terms, the
-// online softmax step (S -> P in place; with p_lowp, also P rounded to T there, (R, BK)),
-// acc row rescaled by alpha.
-template <typename A, typename T = A>
+// online softmax step (S -> P in place), acc row rescaled by alpha.
+template <typename A>
 void rows_pass(const Args<A>& a, const Item& it, i64 k0, i64 n, i64 npad, TileKind kind,
-               Buffers<A>& buf, T* p_lowp = nullptr) {
+               Buffers<A>& buf) {
   for (i64 r = 0; r < a.G * it.nr; ++r) {                  // row r: head h, query qi
     const i64 h = it.kvh * a.G + r / it.nr, qi = it.q0 + r % it.nr;
     A* x = buf.s.data() + r * BK;
     score_terms(a, x, n, npad, it.b, h, qi, k0, kind == FULL);
-    A alpha;
-    if constexpr (is_lowp<T>) {
-      T* pr = p_lowp + r * BK;
-      alpha = softmax_step(x, npad, buf.m[r], buf.l[r],
-                           [&](i64 j, vec<A> p) { store_rounded(pr + j, p); });
-    } else {
-      alpha = softmax_step(x, npad, buf.m[r], buf.l[r]);
+    const A alpha = softmax_step(x, npad, buf.m[r], buf.l[r]);
+    if (alpha != A(1)) {
+      A* ar = buf.acc.data() + r * a.DVP;
+      for (i64 d = 0; d < a.DVP; ++d) ar[d] *= alpha;
     }
+  }
+}
+
+// Whether the low-precision row pass may take the max and the exponent on raw scores (scale
+// folded into the exponent's one FMA): no score term needs the scaled value first, and scale
+// is positive (the max of scaled scores is scale times the raw max).
+template <typename A> inline bool scale_folds(const Args<A>& a) {
+  return a.scale > A(0) && std::isfinite(a.scale) && !(a.softcap > A(0)) && !a.mod &&
+         !a.alibi && !a.rel && !a.bias;
+}
+
+// rows_pass on the low-precision path, pass by pass over the tile's rows (lowp.h): the score
+// terms (with scale_folds, only the mask: the scale is folded into the exponent), each row's
+// new max into mx (R,), then P rounded to T into p (R, BK) and acc rescaled. The float P stays
+// in S only when keep (the tile's V holds inf/NaN: values_axpy reads it).
+template <typename A, typename T>
+void rows_pass_lowp(const Args<A>& a, const Item& it, i64 k0, i64 n, i64 npad, TileKind kind,
+                    bool keep, Buffers<A>& buf, T* p, A* mx) {
+  const i64 R = a.G * it.nr;
+  const bool fold = scale_folds(a);
+  const A c = fold ? a.scale : A(1);
+  for (i64 r = 0; r < R; ++r) {                            // row r: head h, query qi
+    const i64 h = it.kvh * a.G + r / it.nr, qi = it.q0 + r % it.nr;
+    A* x = buf.s.data() + r * BK;
+    if (fold) position_terms_and_mask(a, x, n, npad, it.b, h, qi, k0, kind == FULL);
+    else score_terms(a, x, n, npad, it.b, h, qi, k0, kind == FULL);
+  }
+  for (i64 r = 0; r < R; ++r) mx[r] = row_max_lowp(buf.s.data() + r * BK, npad, c, buf.m[r]);
+  for (i64 r = 0; r < R; ++r) {
+    A* x = buf.s.data() + r * BK;
+    const A alpha = keep ? row_exp_lowp<true>(x, npad, c, mx[r], buf.m[r], buf.l[r], p + r * BK)
+                         : row_exp_lowp<false>(x, npad, c, mx[r], buf.m[r], buf.l[r], p + r * BK);
     if (alpha != A(1)) {
       A* ar = buf.acc.data() + r * a.DVP;
       for (i64 d = 0; d < a.DVP; ++d) ar[d] *= alpha;
@@ -334,7 +362,8 @@ void attend_item_lowp(const Args<A>& a, const T* q, const T* k, const T* v, cons
     i64 v_bad;
     packed_tile(a, kh, vh, it, k0, n, lb, kt, vp, v_bad);
     scores_gemm_lowp(a, kt, it, subs, count, buf, lb);
-    rows_pass(a, it, k0, n, npad, kind, buf, lb.p.get());
+    rows_pass_lowp(a, it, k0, n, npad, kind, v_bad < round_up(n, 2), buf, lb.p.get(),
+                   lb.mx.get());
     values_gemm_lowp(a, vh, vp, v_bad, it, k0, n, subs, count, buf, lb);
   });
 }

@@ -3,7 +3,7 @@
 // AVX512-BF16 dot products elsewhere), with B packed in the VNNI layout.
 //
 //   VNNI block of a (K, 64) matrix B:  (K / 2, 64, 2)   element (k, n) at [k / 2][n][k % 2]
-//   Kᵀ tile (DKE, BK)  -> BK / 64 such blocks, one after another     (DKE = D_k rounded to 2)
+//   Kᵀ tile (DKE, BK)  -> one VNNI block BK wide, (DKE / 2, BK, 2)    (DKE = D_k rounded to 2)
 //   V tile  (BK, D_v)  -> DVB / 64 such blocks (BK / 2, 64, 2)        (DVB = D_v rounded to 64)
 //   Q rows  (R, DKE) and P (R, BK) in T; S (R, BK) and acc (R, DVP) stay float.
 //
@@ -32,19 +32,20 @@ template <typename T> constexpr bool is_lowp = std::is_same_v<T, at::BFloat16> |
                                                std::is_same_v<T, at::Half>;
 
 // ------------------------------------------------------------------ packing
-// dst (K / 2, NB, 2) <- src (K, NB) row-major, K even: our own interleave, or oneDNN's pack
-// where it has one for T (AMX). Both give the layout brgemm reads with is_vnni = true; the
-// self-test in probe() checks that on the machine it runs on.
-template <typename T> inline void vnni_pack(i64 K, const T* src, T* dst, bool onednn_pack) {
-  if (onednn_pack) {
+// dst (K / 2, N, 2) <- src (K, N) row-major, K even: our own interleave (any N), or oneDNN's
+// pack where it has one for T (AMX; N = NB only). Both give the layout brgemm reads with
+// is_vnni = true; the self-test in probe() checks that on the machine it runs on.
+template <typename T>
+inline void vnni_pack(i64 K, i64 N, const T* src, T* dst, bool onednn_pack) {
+  if (onednn_pack && N == NB) {
     at::native::cpublas::pack(K, NB, NB, NB, c10::CppTypeToScalarType<T>::value,
                               c10::CppTypeToScalarType<T>::value, src, dst);
     return;
   }
-  for (i64 p = 0; p < K / 2; ++p)                         // pair of rows 2p, 2p + 1 (NB,)
-    for (i64 n = 0; n < NB; ++n) {
-      dst[(p * NB + n) * 2] = src[2 * p * NB + n];
-      dst[(p * NB + n) * 2 + 1] = src[(2 * p + 1) * NB + n];
+  for (i64 p = 0; p < K / 2; ++p)                         // pair of rows 2p, 2p + 1 (N,)
+    for (i64 n = 0; n < N; ++n) {
+      dst[(p * N + n) * 2] = src[2 * p * N + n];
+      dst[(p * N + n) * 2 + 1] = src[(2 * p + 1) * N + n];
     }
 }
 
@@ -57,36 +58,59 @@ struct LowpPath {
 };
 
 // Whether brgemm on an (M, 8) x (8, n) product, B rows [k0, k0 + 8) and columns
-// [off, off + n) of a packed (16, NB) block (as the kernel's sub-blocks address Kᵀ and V),
-// gives the exact product (small integers: exact in T and in float). Throws where brgemm
-// has no T kernel.
-template <typename T> bool probe_product(i64 M, i64 n, i64 k0, i64 off, bool onednn_pack) {
+// [off, off + n) of a packed (16, N) block (as the kernel's sub-blocks address V, N = NB, and
+// Kᵀ, N = BK), gives the exact product (small integers: exact in T and in float). Throws
+// where brgemm has no T kernel.
+template <typename T>
+bool probe_product(i64 M, i64 N, i64 n, i64 k0, i64 off, bool onednn_pack) {
   constexpr i64 K = 8, KB = 16;
-  T a[16 * K], b[KB * NB], bp[KB * NB];
-  float c[16 * NB];
+  T a[16 * K], b[KB * BK], bp[KB * BK];
+  float c[16 * BK];
   for (i64 i = 0; i < M * K; ++i) a[i] = T(float(i % 7 - 3));
-  for (i64 i = 0; i < KB * NB; ++i) b[i] = T(float(i % 5 - 2));
-  vnni_pack(KB, b, bp, onednn_pack);
-  at::native::cpublas::brgemm(M, n, K, K, NB, NB, false, a, bp + k0 * NB + off * 2, c, true);
+  for (i64 i = 0; i < KB * N; ++i) b[i] = T(float(i % 5 - 2));
+  vnni_pack(KB, N, b, bp, onednn_pack);
+  at::native::cpublas::brgemm(M, n, K, K, N, N, false, a, bp + k0 * N + off * 2, c, true);
   at::native::cpublas::brgemm_release(true);
   for (i64 i = 0; i < M; ++i)
     for (i64 j = 0; j < n; ++j) {
       float want = 0.f;
-      for (i64 p = 0; p < K; ++p) want += float(a[i * K + p]) * float(b[(k0 + p) * NB + off + j]);
+      for (i64 p = 0; p < K; ++p) want += float(a[i * K + p]) * float(b[(k0 + p) * N + off + j]);
+      if (c[i * N + j] != want) return false;
+    }
+  return true;
+}
+
+// Whether brgemm reads B row-major (K, NB), unpacked, instead: oneDNN's float16 kernels on
+// AVX512-FP16 without AMX-FP16 do (no VNNI there), which this path does not pack for.
+template <typename T> bool probe_unpacked() {
+  constexpr i64 M = 16, K = 8;
+  T a[M * K], b[K * NB];
+  float c[M * NB];
+  for (i64 i = 0; i < M * K; ++i) a[i] = T(float(i % 7 - 3));
+  for (i64 i = 0; i < K * NB; ++i) b[i] = T(float(i % 5 - 2));
+  at::native::cpublas::brgemm(M, NB, K, K, NB, NB, false, a, b, c, true);
+  at::native::cpublas::brgemm_release(true);
+  for (i64 i = 0; i < M; ++i)
+    for (i64 j = 0; j < NB; ++j) {
+      float want = 0.f;
+      for (i64 p = 0; p < K; ++p) want += float(a[i * K + p]) * float(b[p * NB + j]);
       if (c[i * NB + j] != want) return false;
     }
   return true;
 }
 
-// Whether T GEMMs run here (a whole block; a tail of rows and columns from row 8, column 32).
+// Whether T GEMMs run here: on V's layout (a whole block; a tail of rows and columns from
+// row 8, column 32) and on Kᵀ's (the same, in a block BK wide, the tail from column 96).
 template <typename T> LowpPath probe() {
   const std::string name = std::is_same_v<T, at::BFloat16> ? "bfloat16" : "float16";
   const bool amx = at::cpu::init_amx();                  // tile permission from the OS, if any
   const bool onednn_pack = at::native::cpublas::could_pack(c10::CppTypeToScalarType<T>::value);
   bool ok;
   try {
-    ok = probe_product<T>(16, NB, 0, 0, onednn_pack) &&
-         probe_product<T>(5, 29, 8, 32, onednn_pack);
+    ok = probe_product<T>(16, NB, NB, 0, 0, onednn_pack) &&
+         probe_product<T>(5, NB, 29, 8, 32, onednn_pack) &&
+         probe_product<T>(16, BK, BK, 0, 0, onednn_pack) &&
+         probe_product<T>(5, BK, 29, 8, 96, onednn_pack);
   } catch (const std::exception&) {
     return {false, false, "widening to float32: torch's brgemm has no " + name +
                               " kernel on this CPU (oneDNN needs " +
@@ -94,12 +118,16 @@ template <typename T> LowpPath probe() {
                                                                : "AVX512-FP16 or AMX-FP16") +
                               ")"};
   }
+  if (!ok && probe_unpacked<T>())
+    return {false, false, "widening to float32: torch's " + name + " brgemm on this CPU reads B "
+                              "row-major, not in the VNNI layout this path packs (oneDNN's "
+                              "AVX512-FP16 kernels, where there is no AMX-FP16)"};
   if (!ok)
     return {false, false, "widening to float32: the " + name +
                               " brgemm self-test failed (packed layout not as expected)"};
   return {true, onednn_pack,
-          name + " GEMMs (oneDNN brgemm, fp32 accumulation, B packed " +
-              (onednn_pack ? "by oneDNN" : "by attnkit") + " in VNNI layout" +
+          name + " GEMMs (oneDNN brgemm, fp32 accumulation, B in VNNI layout: " +
+              (onednn_pack ? "V packed by oneDNN, Kᵀ by attnkit" : "packed by attnkit") +
               (amx ? ", AMX tiles" : ", no AMX: oneDNN's AVX512 kernels") + ")"};
 }
 
@@ -137,8 +165,8 @@ template <typename T> LowpPath lowp_path() {
 }
 
 // ------------------------------------------------------------------ conversions
-// dst[0 : W] = T(x), rounded to nearest even (NaN stays NaN).
-inline void store_rounded(at::BFloat16* dst, vf x) {
+// dst[0 : W] = bfloat16(x), rounded to nearest even (NaN stays NaN), in plain vector code.
+inline void store_rounded_generic(at::BFloat16* dst, vf x) {
   typedef uint32_t vu __attribute__((vector_size(W * 4)));
   typedef uint16_t vh __attribute__((vector_size(W * 2)));
   vu u;
@@ -147,6 +175,16 @@ inline void store_rounded(at::BFloat16* dst, vf x) {
   r = select(x != x, vu{} + 0x7FC0u, r);
   const vh h = __builtin_convertvector(r, vh);
   std::memcpy(dst, &h, sizeof h);
+}
+// dst[0 : W] = T(x), rounded to nearest even (NaN stays NaN). bfloat16 where the build has
+// AVX512-BF16 (the loader's avx512bf16 level): one vcvtneps2bf16, which also flushes float32
+// denormals (below 1.2e-38) to 0; elsewhere the generic rounding above.
+inline void store_rounded(at::BFloat16* dst, vf x) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh((__m512)x));
+#else
+  store_rounded_generic(dst, x);
+#endif
 }
 inline void store_rounded(at::Half* dst, vf x) {
 #if defined(__F16C__) && defined(__AVX512F__)
@@ -160,12 +198,98 @@ inline void store_rounded(at::Half* dst, vf x) {
 #endif
 }
 
+// ------------------------------------------------------------------ the softmax step
+// 2^f for |f| <= 1/2 to ~2e-7 relative: a degree-5 polynomial fitted for relative error.
+inline vf exp2_reduced(vf f) {
+  vf y = splat(1.3264692388e-3f);
+  y = y * f + 9.6715148538e-3f;
+  y = y * f + 5.5507339537e-2f;
+  y = y * f + 2.4022242427e-1f;
+  y = y * f + 6.9314700365e-1f;
+  return y * f + 1.f;
+}
+
+// 2^t for t <= 0 to ~2e-7 relative (P is rounded to T, 2^-9, right after): t = n + f with n
+// whole, |f| <= 1/2. With AVX-512, n by vrndscaleps and 2^n applied by vscalefps (t clamped
+// at -200: 2^-200 underflows to exactly 0); elsewhere n is read from t + 1.5 * 2^23's low bits
+// and put in the exponent bits (t clamped at -127, whose bits are 0). -inf (a masked key)
+// gives exactly 0; NaN stays NaN (NaN < c is false: kept by the clamp).
+inline vf exp2_neg(vf t) {
+#if defined(__AVX512F__)
+  t = select(t < -200.f, splat(-200.f), t);
+  const __m512 n = _mm512_roundscale_ps((__m512)t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  return (vf)_mm512_scalef_ps((__m512)exp2_reduced(t - (vf)n), n);
+#else
+  const vf magic = splat(12582912.f);
+  t = select(t < -127.f, splat(-127.f), t);
+  const vf k = t + magic;                                 // round(t) in the low bits
+  return exp2_reduced(t - (k - magic)) * (vf)(((vi)k + 127) << 23);
+#endif
+}
+
+// The largest lane of v by halving (log2 W shuffles: a row's max is taken once per tile, and
+// a lane-by-lane scalar chain cost as much as the row's exponentials); NaN lanes may be
+// skipped (their P is NaN through the exponential all the same).
+inline float hmax_halving(vf v) {
+  typedef float v8f __attribute__((vector_size(32)));
+#if defined(__AVX512F__)
+  const v8f h = vmax(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7),
+                     __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
+  v4f x = vmax(__builtin_shufflevector(h, h, 0, 1, 2, 3), __builtin_shufflevector(h, h, 4, 5, 6, 7));
+#elif defined(__AVX2__) || defined(__AVX__)
+  v4f x = vmax(__builtin_shufflevector(v, v, 0, 1, 2, 3), __builtin_shufflevector(v, v, 4, 5, 6, 7));
+#else
+  v4f x = v;
+#endif
+  x = vmax(x, __builtin_shufflevector(x, x, 2, 3, 0, 1));
+  x = vmax(x, __builtin_shufflevector(x, x, 1, 0, 3, 2));
+  return x[0];
+}
+
+// The low-precision path's online softmax step, in two passes over a tile's rows so that
+// rows overlap in the core (one row's max -> exponentials -> sum is a long serial chain).
+// x (npad,) holds a row's scores s in units of c (c = scale when the max and the exponent
+// take the raw scores, else 1; c > 0); m (scaled units) and l are its running max and sum.
+// The first pass: the row's new max, max(m, c * max s).
+inline float row_max_lowp(const float* x, i64 npad, float c, float m) {
+  vf m0 = splat(NEG_INF), m1 = m0;                        // two chains of maxima
+  i64 j = 0;
+  for (; j + 2 * W <= npad; j += 2 * W) {                 // keys [j, j + 2W)
+    m0 = vmax(m0, load(x + j));
+    m1 = vmax(m1, load(x + j + W));
+  }
+  if (j < npad) m0 = vmax(m0, load(x + j));
+  return std::max(m, hmax_halving(vmax(m0, m1)) * c);
+}
+
+// The second: P = e^(c s - m_new) rounded to T into p (with Keep also as float in x: the
+// exact values path reads it); l and m updated; returns alpha = e^(m - m_new), acc's factor.
+template <bool Keep, typename T>
+inline float row_exp_lowp(float* x, i64 npad, float c, float m_new, float& m, float& l, T* p) {
+  constexpr float LOG2E = 1.44269504088896341f;
+  const float shift = m_new == NEG_INF ? 0.f : m_new;     // a row with no key yet: P = 0
+  const vf vc = splat(c * LOG2E), vs = splat(-shift * LOG2E);
+  vf s0 = splat(0.f), s1 = s0;                            // two chains of sums
+  for (i64 j = 0; j < npad; j += W) {                     // keys [j, j + W): 2^(s c log2e - ..)
+    const vf pj = exp2_neg(load(x + j) * vc + vs);
+    if constexpr (Keep) store(x + j, pj);
+    store_rounded(p + j, pj);
+    if ((j / W) % 2 == 0) s0 += pj;
+    else s1 += pj;
+  }
+  const float alpha = m == NEG_INF ? 0.f : exp2_neg(splat((m - shift) * LOG2E))[0];
+  l = l * alpha + hsum(s0 + s1);
+  m = m_new;
+  return alpha;
+}
+
 // ------------------------------------------------------------------ per-thread buffers
 // The packed Kᵀ and V of one head (NKP / BK tiles, filled as items need them) or of one
 // tile, the item's Q rows and P in T, and a staging block for the packing.
 template <typename T> struct LowpBuffers {
   i64 DKE, DVB, kt_tile, v_tile;                          // sizes of one packed tile
   std::unique_ptr<T[]> q, p, kt, v, stage;
+  std::unique_ptr<float[]> mx;                            // (R,) the rows' new maxima
   std::vector<char> done;                                 // (tiles,) packed yet
   std::vector<i64> v_bad;                                 // (tiles,) first non-finite V row
   i64 cb = -1, ch = -1;                                   // the cached head
@@ -173,7 +297,8 @@ template <typename T> struct LowpBuffers {
   template <typename A> LowpBuffers(const Args<A>& a, i64 R)
       : DKE(round_up(a.Dk, 2)), DVB(round_up(a.Dv, NB)), kt_tile(BK * round_up(a.Dk, 2)),
         v_tile(BK * round_up(a.Dv, NB)), q(new T[R * round_up(a.Dk, 2)]), p(new T[R * BK]),
-        stage(new T[std::max<i64>(BK, round_up(a.Dk, 2)) * NB]), cache(a.cache_kt),
+        mx(new float[R]),
+        stage(new T[std::max<i64>(NB, round_up(a.Dk, 2)) * BK]), cache(a.cache_kt),
         onednn_pack(a.lowp_onednn_pack) {
     const i64 tiles = cache ? a.NKP / BK : 1;
     kt.reset(new T[tiles * kt_tile]);
@@ -195,19 +320,18 @@ void gather_q_lowp(const Args<A>& a, const T* q, const Item& it, LowpBuffers<T>&
     }
 }
 
-// The packed Kᵀ tile (DKE, BK) of keys [k0, k0 + n): BK / NB blocks (DKE / 2, NB, 2); keys
+// The packed Kᵀ tile (DKE, BK) of keys [k0, k0 + n): one block (DKE / 2, BK, 2) by our own
+// interleave (one brgemm then covers the tile's keys; oneDNN packs at most NB columns); keys
 // past n and dims past D_k are 0.
 template <typename A, typename T>
 void pack_kt_tile(const Args<A>& a, const T* kh, i64 k0, i64 n, T* dst, LowpBuffers<T>& lb) {
-  T* st = lb.stage.get();                                 // (DKE, NB) Kᵀ block
-  for (i64 c = 0; c < BK; c += NB) {                      // keys [c, c + NB) of the tile
-    std::fill_n(st, lb.DKE * NB, T(0.f));
-    for (i64 j = c; j < std::min<i64>(n, c + NB); ++j) {  // st[d, j - c] = k[k0 + j, d]
-      const T* kr = kh + (k0 + j) * a.sk[2];
-      for (i64 d = 0; d < a.Dk; ++d) st[d * NB + j - c] = kr[d];
-    }
-    vnni_pack(lb.DKE, st, dst + c * lb.DKE, lb.onednn_pack);
+  T* st = lb.stage.get();                                 // (DKE, BK) Kᵀ
+  std::fill_n(st, lb.DKE * BK, T(0.f));
+  for (i64 j = 0; j < n; ++j) {                           // st[d, j] = k[k0 + j, d]
+    const T* kr = kh + (k0 + j) * a.sk[2];
+    for (i64 d = 0; d < a.Dk; ++d) st[d * BK + j] = kr[d];
   }
+  vnni_pack(lb.DKE, BK, st, dst, false);
 }
 
 // The packed V tile of keys [k0, k0 + n): DVB / NB blocks (BK / 2, NB, 2), rows past n and
@@ -228,7 +352,7 @@ i64 pack_v_tile(const Args<A>& a, const T* vh, i64 k0, i64 n, T* dst, LowpBuffer
       for (i64 d = w; d < NB; ++d) row[d] = 0.f;
       if (j < bad && !all_finite(row, NB)) bad = j;
     }
-    vnni_pack(BK, st, dst + c * BK, lb.onednn_pack);
+    vnni_pack(BK, NB, st, dst + c * BK, lb.onednn_pack);
   }
   return bad;
 }
@@ -283,17 +407,12 @@ inline void lowp_brgemm(bool emulate, i64 M, i64 N, i64 K, i64 lda, i64 ldb, i64
   at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add, A, B, C, true);
 }
 
-// S[r0 : r0 + m, j0 : j0 + nj] (ld BK) <- Q rows . Kᵀ columns, one brgemm per VNNI block the
-// columns touch.
+// S[r0 : r0 + m, j0 : j0 + nj] (ld BK) <- Q rows . Kᵀ columns [j0, j0 + nj), one brgemm.
 template <typename T>
 inline void scores_block_lowp(bool emulate, const T* q, i64 DKE, const T* kt, i64 r0, i64 m,
                               i64 j0, i64 nj, float* s) {
-  for (i64 c = j0; c < j0 + nj;) {                        // columns [c, e) of one block
-    const i64 blk = c / NB, e = std::min(j0 + nj, (blk + 1) * NB);
-    lowp_brgemm(emulate, m, e - c, DKE, DKE, NB, BK, false, q + r0 * DKE,
-                kt + blk * NB * DKE + (c - blk * NB) * 2, s + r0 * BK + c);
-    c = e;
-  }
+  lowp_brgemm(emulate, m, nj, DKE, DKE, BK, BK, false, q + r0 * DKE, kt + j0 * 2,
+              s + r0 * BK + j0);
 }
 
 // acc[r0 : r0 + m, :D_v] (ld DVP) += P[r0 : r0 + m, j0 : j0 + nj] . V rows [j0, j0 + nj),
