@@ -473,15 +473,17 @@ print(json.dumps(worst))
 """
 
 
-@pytest.mark.parametrize("level", ["avx2", "portable"])
+@pytest.mark.parametrize("level", ["avx512", "avx2", "portable"])
 def test_narrower_vector_levels_build_and_agree(level: str, tmp_path) -> None:  # noqa: ANN001
-    """The kernel built for AVX2 (8 float lanes, F16C) and with no vector flags (4 lanes,
-    scalar half conversion) — the `#if` branches this CPU's own build never takes — against
-    the float64 formula, every dtype, decode and a band (a fresh process and cache each)."""
+    """The kernel built for AVX-512 without AVX512-BF16 (generic bfloat16 rounding), for AVX2
+    (8 float lanes, F16C) and with no vector flags (4 lanes, scalar half conversion) — the
+    `#if` branches this CPU's own build never takes — against the float64 formula, every
+    dtype, decode and a band (a fresh process and cache each)."""
     if loader._compiler() is None:  # noqa: SLF001
         pytest.skip("no C++ compiler here")
-    if loader.cpu_flags()[0] == "portable" and level == "avx2":
-        pytest.skip("this CPU cannot run an AVX2 build")
+    levels = loader._LEVELS  # noqa: SLF001
+    if levels.index(level) >= levels.index(loader.cpu_flags()[0]):
+        pytest.skip(f"this CPU's own build is {level} or narrower")
     env = {**os.environ, "ATTNKIT_CACHE_DIR": str(tmp_path), "ATTNKIT_NATIVE_ISA": level}
     env.pop("ATTNKIT_NATIVE", None)
     run = subprocess.run([sys.executable, "-c", _OTHER_LEVEL, level], env=env,
@@ -499,10 +501,10 @@ def test_isa_override_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ATTNKIT_NATIVE_ISA", "portable")
     assert loader.cpu_flags() == ("portable", [])
     monkeypatch.setenv("ATTNKIT_NATIVE_ISA", "AVX1024")
-    with pytest.raises(loader._Unavailable, match="not one of portable, avx2, avx512"):  # noqa: SLF001
+    with pytest.raises(loader._Unavailable, match="not one of portable, avx2, avx512, avx512bf16"):  # noqa: SLF001
         loader.cpu_flags()
-    if detected != "avx512":
-        monkeypatch.setenv("ATTNKIT_NATIVE_ISA", "avx512")
+    if detected != "avx512bf16":
+        monkeypatch.setenv("ATTNKIT_NATIVE_ISA", "avx512bf16")
         with pytest.raises(loader._Unavailable, match="above what this CPU runs"):  # noqa: SLF001
             loader.cpu_flags()
     monkeypatch.delenv("ATTNKIT_NATIVE_ISA")
@@ -520,7 +522,7 @@ def test_no_compiler(fresh_loader, monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_build_key_follows_torch_source_and_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     level, flags = loader.cpu_flags()
-    assert level in ("avx512", "avx2", "portable")
+    assert level in ("avx512bf16", "avx512", "avx2", "portable")
     key = loader.build_key(flags, "g++")
     assert loader.build_key(flags + ["-DX"], "g++") != key
     monkeypatch.setattr(torch, "__version__", "0.0.0-test")

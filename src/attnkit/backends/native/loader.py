@@ -9,7 +9,8 @@ system C++ compiler), into the user's cache directory::
 
 so a new torch, an edited source or another CPU gets its own build, and every later process
 loads the cached library in milliseconds. The vector flags come from the CPU
-(``/proc/cpuinfo``): AVX-512 where present, else AVX2 + FMA, else a portable build.
+(``/proc/cpuinfo``): AVX-512 where present (with AVX512-BF16's instructions where the CPU
+has them too), else AVX2 + FMA, else a portable build.
 
 Anything that stops the kernel — ``ATTNKIT_NATIVE=0``, no compiler, no ninja, a failed build,
 an unsupported platform — leaves :func:`load` returning ``None`` and :func:`reason` saying why
@@ -87,14 +88,15 @@ class NativeUnavailableWarning(UserWarning):
     """The native kernel could not be used; attnkit runs its Python path instead."""
 
 
-_LEVELS = ("portable", "avx2", "avx512")                 # narrowest first
-_LEVEL_FLAGS = {"portable": [], "avx2": ["-mavx2", "-mfma", "-mf16c"],
-                "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw",
-                           "-mavx512vl", "-mavx512dq"]}
+_LEVELS = ("portable", "avx2", "avx512", "avx512bf16")   # narrowest first
+_AVX512 = ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
+_LEVEL_FLAGS = {"portable": [], "avx2": ["-mavx2", "-mfma", "-mf16c"], "avx512": _AVX512,
+                "avx512bf16": [*_AVX512, "-mavx512bf16"]}  # (vcvtneps2bf16, vdpbf16ps)
 
 
 def cpu_flags() -> tuple[str, list[str]]:
-    """``(level, compiler flags)`` for this CPU: ``avx512``, ``avx2`` or ``portable``.
+    """``(level, compiler flags)`` for this CPU: ``avx512bf16``, ``avx512``, ``avx2`` or
+    ``portable``.
 
     ``ATTNKIT_NATIVE_ISA=avx2`` (or ``portable``) builds a narrower kernel than the CPU could
     run — to test on one machine the code another CPU takes; a level above the CPU's is
@@ -127,7 +129,7 @@ def _detected_level() -> str:
         return "portable"
     avx2 = {"avx2", "fma", "f16c"}
     if avx2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
-        return "avx512"
+        return "avx512bf16" if "avx512_bf16" in flags else "avx512"
     if avx2 <= flags:
         return "avx2"
     return "portable"
