@@ -15,6 +15,7 @@ namespace {
 // allocated (uninitialised) on first use: the dot-product path never needs it.
 template <typename A> struct Buffers {
   std::vector<A> q, s, acc, v, row, tmp4, m, l;
+  std::vector<at::BFloat16> qh;     // the dot path's q in bf16 (scores_dot_bf16)
   std::unique_ptr<A[]> kt;
   std::vector<char> kt_done;        // (NKP / BK,) tiles of the cached head transposed
   i64 kt_b = -1, kt_h = -1;         // the cached head
@@ -148,13 +149,101 @@ inline void rows4_for(const T* const (&src)[4], i64 n, i64 npad, i64 R, A* tmp, 
   as_rows4(src, n, npad, tmp, f);
 }
 
+#if defined(__AVX512BF16__)
+// ------------------------------------------------------------------ bf16 dot products
+// bfloat16 q against a bfloat16 cache where the CPU has AVX512-BF16 (the build's
+// -mavx512bf16; other CPUs widen as below): K rows read as they are, pairs of dims per float
+// lane, by vdpbf16ps, whose products of two bf16 are exact in float and whose two adds per
+// lane round to nearest (denormal inputs and outputs are flushed to 0: below 1.2e-38, far
+// under the bf16 rounding q and k already carry). q is bf16 already, so nothing is rounded
+// that was not.
+constexpr int KD = 32;                                     // dims per vdpbf16ps
+
+// The dims [d, d + KD) of a row with `left` dims from d on (fewer than KD: the rest 0).
+inline __m512bh load_pairs(const at::BFloat16* p, i64 left) {
+  const __mmask32 m = left >= KD ? ~__mmask32(0) : (__mmask32(1) << left) - 1;
+  return (__m512bh)_mm512_maskz_loadu_epi16(m, p);
+}
+
+// The 16 lane sums of x[0..15] in one vector, x[u]'s in lane u: four halving steps, each
+// adding two vectors' halves (quarters, then pairs, then single lanes) into one vector.
+inline __m512 lane_sums16(const __m512 (&x)[16]) {
+  __m512 b[16], c[4];
+  for (int i : {0, 1, 2, 3, 8, 9, 10, 11})                 // b[i]: x[i] | x[i + 4] (8 lanes each)
+    b[i] = _mm512_shuffle_f32x4(x[i], x[i + 4], 0x44) + _mm512_shuffle_f32x4(x[i], x[i + 4], 0xee);
+  for (int i = 0; i < 4; ++i)                              // c[i]: x[i], x[i+4], x[i+8], x[i+12]
+    c[i] = _mm512_shuffle_f32x4(b[i], b[i + 8], 0x88) + _mm512_shuffle_f32x4(b[i], b[i + 8], 0xdd);
+  const __m512 d0 = _mm512_unpacklo_ps(c[0], c[1]) + _mm512_unpackhi_ps(c[0], c[1]);
+  const __m512 d1 = _mm512_unpacklo_ps(c[2], c[3]) + _mm512_unpackhi_ps(c[2], c[3]);
+  return (__m512)_mm512_unpacklo_pd((__m512d)d0, (__m512d)d1) +
+         (__m512)_mm512_unpackhi_pd((__m512d)d0, (__m512d)d1);
+}
+
+// S[r, u] (rows R, stride BK) <- q_r . k_u for KEYS keys (16: summed across lanes at once;
+// 1: the tail) by vdpbf16ps; qh (R, DKE) holds q in bf16, zero padded to DKE (KD's multiple).
+template <int KEYS>
+inline void dots_bf16(const at::BFloat16* qh, i64 R, i64 Dk, i64 DKE,
+                      const at::BFloat16* const (&kj)[KEYS], float* s) {
+  for (i64 r = 0; r < R; ++r) {
+    const at::BFloat16* qr = qh + r * DKE;
+    __m512 acc[KEYS];
+    for (int u = 0; u < KEYS; ++u) acc[u] = _mm512_setzero_ps();
+    for (i64 d = 0; d < Dk; d += KD) {                     // dims [d, d + KD)
+      const __m512bh qd = (__m512bh)_mm512_loadu_si512(qr + d);
+      for (int u = 0; u < KEYS; ++u) acc[u] = _mm512_dpbf16_ps(acc[u], load_pairs(kj[u] + d, Dk - d), qd);
+    }
+    if constexpr (KEYS == 16) _mm512_storeu_ps(s + r * BK, lane_sums16(acc));
+    else for (int u = 0; u < KEYS; ++u) s[r * BK + u] = _mm512_reduce_add_ps(acc[u]);
+  }
+}
+
+// qh (R, DKE) <- the float rows of Qs (R, DKP) in bf16 (exact: they came from bf16), zeros
+// from D_k to DKE.
+inline void q_to_bf16(const Args<float>& a, i64 R, i64 DKE, const float* q, at::BFloat16* qh) {
+  for (i64 r = 0; r < R; ++r)
+    for (i64 d = 0; d < DKE; d += KD) {                    // dims [d, d + KD): two float vectors
+      const float* qr = q + r * a.DKP;
+      const __m512 lo = d < a.DKP ? _mm512_loadu_ps(qr + d) : _mm512_setzero_ps();
+      const __m512 hi = d + 16 < a.DKP ? _mm512_loadu_ps(qr + d + 16) : _mm512_setzero_ps();
+      _mm512_storeu_si512(qh + r * DKE + d, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+}
+
+// scores_dot for bf16 q and K: 16 keys at a time, K rows AHEAD on prefetched (V rows are
+// prefetched by values_bf16 as it reads them: fetching the tile's V here too measured slower,
+// 0.73 against 0.84 of SDPA's speed on one core, (1, 8, 1, 64) over 4096 keys).
+template <typename Rows>
+void scores_dot_bf16(const Args<float>& a, const Rows& rows, i64 n, i64 R, Buffers<float>& buf) {
+  const i64 DKE = round_up(a.Dk, KD);
+  buf.qh.resize(R * DKE);
+  q_to_bf16(a, R, DKE, buf.q.data(), buf.qh.data());
+  i64 j = 0;
+  for (; j + 16 <= n; j += 16) {                           // keys [j, j + 16)
+    const at::BFloat16* src[16];
+    for (int u = 0; u < 16; ++u) {
+      if (j + u + AHEAD < rows.end) prefetch_row(rows.k(j + u + AHEAD), a.Dk);
+      src[u] = rows.k(j + u);
+    }
+    dots_bf16<16>(buf.qh.data(), R, a.Dk, DKE, src, buf.s.data() + j);
+  }
+  for (; j < n; ++j) {
+    const at::BFloat16* src[1] = {rows.k(j)};
+    dots_bf16<1>(buf.qh.data(), R, a.Dk, DKE, src, buf.s.data() + j);
+  }
+}
+#endif
+
 // S (R, BK) <- one dot product per (row, key) for the tile's n keys, four keys at a time,
 // each K row read once for all R rows; K rows AHEAD on and the tile's V rows prefetched.
+// (bf16 with AVX512-BF16: scores_dot_bf16.)
 template <typename A, typename Rows>
 void scores_dot(const Args<A>& a, const Rows& rows, i64 n, i64 R, Buffers<A>& buf) {
   using V = vec<A>;
   using T = std::remove_cv_t<std::remove_pointer_t<decltype(rows.k(0))>>;
   constexpr int L = lanes<A>;
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, at::BFloat16>) return scores_dot_bf16(a, rows, n, R, buf);
+#endif
   A* tmp = buf.tmp4.data();                                // (4, DKP) converted K rows
   i64 j = 0;
   for (; j + 4 <= n; j += 4) {
@@ -194,11 +283,130 @@ inline void value_one(const Args<A>& a, const Rows& rows, i64 j, i64 R, Buffers<
   }
 }
 
+#if defined(__AVX512BF16__)
+// bf16 V rows on the dot path: 32 dims a load, as 16 pairs per 32-bit lane whose even dims
+// (x << 16) and odd dims (x & 0xffff0000) are 16 floats each, exact, with no widening
+// shuffle; P stays float (fp32 FMAs). acc's dims [d, d + 32) lie as (even, odd) in registers.
+struct PairDims {                                          // one chunk of 32 dims of a row
+  __mmask32 v;                                             // the V row's dims in the chunk
+  bool hi;                                                 // acc holds dims d + 16 .. (DVP)
+};
+
+// acc dims [d, d + 32) -> (even, odd) and back (dims beyond DVP read as 0, not written).
+inline __m512 acc_half(const float* acc, bool hi, int parity) {
+  const __m512 lo = _mm512_loadu_ps(acc), up = hi ? _mm512_loadu_ps(acc + 16) : _mm512_setzero_ps();
+  const __m512i ie = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  return _mm512_permutex2var_ps(lo, _mm512_add_epi32(ie, _mm512_set1_epi32(parity)), up);
+}
+inline void acc_join(float* acc, bool hi, __m512 e, __m512 o) {
+  const __m512i il = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  _mm512_storeu_ps(acc, _mm512_permutex2var_ps(e, il, o));
+  if (hi) _mm512_storeu_ps(acc + 16, _mm512_permutex2var_ps(e, _mm512_add_epi32(il, _mm512_set1_epi32(8)), o));
+}
+
+// acc rows [r0, r0 + RB) x dims [d0, d0 + DC * 32) += P[r, j] v_j for keys [j0, j1), all
+// their P nonzero: RB * DC * 2 accumulators held in registers over the keys.
+template <int RB, int DC, typename Rows>
+inline void values_pairs(const Args<float>& a, const Rows& rows, i64 j0, i64 j1, i64 r0,
+                         i64 d0, const PairDims* ch, Buffers<float>& buf) {
+  constexpr int N = RB * DC;                               // accumulator (r, c) at r * DC + c
+  __m512 e[N], o[N];
+  float* acc = buf.acc.data() + r0 * a.DVP + d0;
+#pragma GCC unroll 8
+  for (int i = 0; i < N; ++i) {
+    e[i] = acc_half(acc + i / DC * a.DVP + i % DC * KD, ch[i % DC].hi, 0);
+    o[i] = acc_half(acc + i / DC * a.DVP + i % DC * KD, ch[i % DC].hi, 1);
+  }
+  __mmask32 m[DC];
+  for (int c = 0; c < DC; ++c) m[c] = ch[c].v;
+  const __m512i odd = _mm512_set1_epi32(int32_t(0xffff0000u));
+  const float* p = buf.s.data() + r0 * BK;
+  for (i64 j = j0; j < j1; ++j) {                          // key j: V row (DC * 32 dims)
+    const at::BFloat16* vr = rows.v(j) + d0;
+    __m512 ve[DC], vo[DC];
+#pragma GCC unroll 4
+    for (int c = 0; c < DC; ++c) {
+      const __m512i x = _mm512_maskz_loadu_epi16(m[c], vr + c * KD);
+      ve[c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+      vo[c] = _mm512_castsi512_ps(_mm512_and_si512(x, odd));
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < N; ++i) {
+      const __m512 pr = _mm512_set1_ps(p[i / DC * BK + j]);
+      e[i] = _mm512_fmadd_ps(pr, ve[i % DC], e[i]);
+      o[i] = _mm512_fmadd_ps(pr, vo[i % DC], o[i]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < N; ++i)
+    acc_join(acc + i / DC * a.DVP + i % DC * KD, ch[i % DC].hi, e[i], o[i]);
+}
+
+// values_pairs over rows [r0, r0 + RB) and every chunk of dims, up to DCMAX chunks a pass.
+template <int RB, typename Rows>
+inline void values_pairs_rows(const Args<float>& a, const Rows& rows, i64 j0, i64 j1, i64 r0,
+                              const PairDims* ch, i64 chunks, Buffers<float>& buf) {
+  constexpr int DCMAX = RB == 1 ? 4 : RB == 2 ? 2 : 1;     // <= 8 accumulators
+  for (i64 c = 0; c < chunks; c += DCMAX) {
+    const i64 d0 = c * KD;
+    switch (std::min<i64>(DCMAX, chunks - c)) {
+      case 4: values_pairs<RB, (DCMAX >= 4 ? 4 : 1)>(a, rows, j0, j1, r0, d0, ch + c, buf); break;
+      case 3: values_pairs<RB, (DCMAX >= 3 ? 3 : 1)>(a, rows, j0, j1, r0, d0, ch + c, buf); break;
+      case 2: values_pairs<RB, (DCMAX >= 2 ? 2 : 1)>(a, rows, j0, j1, r0, d0, ch + c, buf); break;
+      default: values_pairs<RB, 1>(a, rows, j0, j1, r0, d0, ch + c, buf);
+    }
+  }
+}
+
+// values_axpy for bf16 V with fewer than 16 rows: blocks of 16 keys whose P are all nonzero
+// through values_pairs (rows four at a time), the others key by key (value_one: P == 0 rows
+// skipped, so NaN in masked V rows stays out).
+template <typename Rows>
+void values_bf16(const Args<float>& a, const Rows& rows, i64 n, i64 R, Buffers<float>& buf) {
+  constexpr i64 KB = 16;                                   // keys per block
+  const i64 chunks = (a.Dv + KD - 1) / KD;
+  PairDims ch[(4096 + KD - 1) / KD];
+  if (chunks > i64(sizeof ch / sizeof ch[0])) {
+    for (i64 j = 0; j < n; ++j) value_one(a, rows, j, R, buf);
+    return;
+  }
+  for (i64 c = 0; c < chunks; ++c) {
+    const i64 left = a.Dv - c * KD;
+    ch[c] = {left >= KD ? ~__mmask32(0) : (__mmask32(1) << left) - 1, left > 16};
+  }
+  for (i64 j0 = 0; j0 < n; j0 += KB) {
+    const i64 j1 = std::min(n, j0 + KB);
+    const __mmask16 keys = __mmask16((1u << (j1 - j0)) - 1);
+    __mmask16 zero = 0;                                     // keys with P == 0 in some row
+    for (i64 r = 0; r < R; ++r)
+      zero |= _mm512_mask_cmpeq_ps_mask(keys, _mm512_loadu_ps(&buf.s[r * BK + j0]), _mm512_setzero_ps());
+    if (zero) {
+      for (i64 j = j0; j < j1; ++j) value_one(a, rows, j, R, buf);
+      continue;
+    }
+    for (i64 j = j0 + AHEAD; j < std::min(j1 + AHEAD, rows.end); ++j)  // V rows AHEAD on
+      prefetch_row(rows.v(j), a.Dv);
+    i64 r0 = 0;
+    for (; r0 + 4 <= R; r0 += 4) values_pairs_rows<4>(a, rows, j0, j1, r0, ch, chunks, buf);
+    switch (R - r0) {
+      case 3: values_pairs_rows<3>(a, rows, j0, j1, r0, ch, chunks, buf); break;
+      case 2: values_pairs_rows<2>(a, rows, j0, j1, r0, ch, chunks, buf); break;
+      case 1: values_pairs_rows<1>(a, rows, j0, j1, r0, ch, chunks, buf); break;
+      default: break;
+    }
+  }
+}
+#endif
+
 // acc (R, D_v) += P (R, n) . V_tile (n, D_v), four keys per pass over acc where all their
 // P are nonzero, else key by key (value_one); V rows AHEAD on prefetched.
 template <typename A, typename Rows>
 void values_axpy(const Args<A>& a, const Rows& rows, i64 n, i64 R, Buffers<A>& buf) {
   using T = std::remove_cv_t<std::remove_pointer_t<decltype(rows.v(0))>>;
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, at::BFloat16>)
+    if (R < 16) return values_bf16(a, rows, n, R, buf);
+#endif
   A* tmp = buf.tmp4.data();                                // (4, DVP) converted V rows
   i64 j = 0;
   for (; j + 4 <= n; j += 4) {
