@@ -227,6 +227,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> attend_backward(
                              rel_max_distance, bias, band_lo, band_hi, kv_len, q_len, q_doc,
                              k_doc, mask, score_mod, score_mod_caps);
     a.alibi_grad = alibi_grad && a.alibi;
+    const LowpPath path = lowp_path<T>();                  // T GEMMs (backward.h), as forward
+    a.lowp = path.gemm;
+    a.lowp_onednn_pack = path.onednn_pack;
+    a.lowp_emulate = path.emulate;
     TORCH_CHECK(dout.sizes() == at::IntArrayRef({a.B, a.Hq, a.Nq, a.Dv}) &&
                     (dout.stride(3) == 1 || dout.size(3) == 1) && dout.scalar_type() == q.scalar_type(),
                 "attnkit native: dout must be like out (B, H_q, N_q, D_v), last dim "
