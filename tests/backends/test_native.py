@@ -626,6 +626,17 @@ def test_gradients_with_empty_rows_and_nan_in_masked_kv() -> None:
 
 
 @needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_gradients_with_softcap_and_nan_in_masked_keys(dtype: torch.dtype) -> None:
+    """NaN in keys a dense mask blocks everywhere, under a soft-cap: the cap's per-key factor
+    is NaN there, and dS must still be 0 where P is (dQ was NaN)."""
+    q, k, v = qkv(1, 4, 2, 130, 200, 32)
+    blocked = torch.arange(200) % 50 == 7
+    check_grads(q, k, v, dtype, allowed=~blocked, kv_nan=blocked.expand(1, 2, 200),
+                dense_mask=~blocked, oracle_opts={"softcap": 4.0}, softcap=4.0)
+
+
+@needs_native
 def test_gradients_through_a_problem() -> None:
     q, k, v = qkv(1, 4, 2, 97, 97, 32)
     qf, kf, vf = (t.float().requires_grad_() for t in (q, k, v))

@@ -61,8 +61,9 @@ template <typename V> inline V prob(V x, V shift) {
 }
 
 // One row in place, (npad,): x -> P = e^(x - shift), dp -> dS = dX * d(capped)/d(score) with
-// dX = P * (dP - delta) (0 where P is 0), the factor being the scale (FacIsScale) or fac (per
-// key); with db, also db[0:n] = dX (fac is then the scratch).
+// dX = P * (dP - delta), the factor being the scale (FacIsScale) or fac (per key); dX and dS
+// are 0 where P is 0 (a masked key's dP and soft-cap factor may be NaN: NaN in its K / V
+// row); with db, also db[0:n] = dX (fac is then the scratch).
 template <bool FacIsScale, typename A>
 inline void row_grads(A* x, A* dp, A* fac, i64 n, i64 npad, vec<A> scale, vec<A> shift,
                       vec<A> delta, A* db) {
@@ -71,8 +72,9 @@ inline void row_grads(A* x, A* dp, A* fac, i64 n, i64 npad, vec<A> scale, vec<A>
   for (i64 j = 0; j < npad; j += lanes<A>) {               // keys [j, j + L)
     const V p = prob(load(x + j), shift);
     store(x + j, p);
-    const V dx = select(p == A(0), zero, p * (load(dp + j) - delta));
-    store(dp + j, dx * (FacIsScale ? scale : load(fac + j)));
+    const auto none = p == A(0);
+    const V dx = select(none, zero, p * (load(dp + j) - delta));
+    store(dp + j, select(none, zero, dx * (FacIsScale ? scale : load(fac + j))));
     if (db) store(fac + j, dx);
   }
   if (db) std::copy(fac, fac + n, db);
@@ -115,9 +117,10 @@ void tile_grads(const Args<A>& a, const A* lse, const A* delta, const Item& it, 
     for (i64 j = 0; j < npad; j += L) {
       const V p = prob(load(x + j), shift);
       store(x + j, p);
-      const V dx = select(p == A(0), zero, p * (load(dp + j) - dl));  // 0 past n
+      const auto none = p == A(0);
+      const V dx = select(none, zero, p * (load(dp + j) - dl));       // 0 past n
       const V jv = lane + A(j);
-      store(dp + j, dx * (fac_is_scale ? sc : load(f + j)));
+      store(dp + j, select(none, zero, dx * (fac_is_scale ? sc : load(f + j))));
       if (a.rel || db) store(f + j, dx);
       if (a.rel) {
         lo += select(jv < vjl, dx, zero);
