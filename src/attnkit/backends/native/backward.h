@@ -23,12 +23,13 @@ namespace {
 
 constexpr int BQ = 64;  // queries per backward tile
 
+// (rows: the tile's most queries, BQ, or BQL on the low-precision path)
 template <typename A> struct BackBuffers {
   std::vector<A> kt, kb, vt, q, dout, s, dp, fac, pt, dk, dv, row;
-  explicit BackBuffers(const Args<A>& a)
+  BackBuffers(const Args<A>& a, i64 rows)
       : kt(a.Dk * BK), kb(BK * a.DKP), vt(a.Dv * BK), q(BQ * a.DKP), dout(BQ * a.DVP),
-        s(BQ * BK), dp(BQ * BK), fac(BQ * BK), pt(BK * BQ), dk(BK * a.DKP), dv(BK * a.DVP),
-        row(std::max(a.DKP, a.DVP)) {}
+        s(rows * BK), dp(rows * BK), fac(rows * BK), pt(BK * BQ), dk(BK * a.DKP),
+        dv(BK * a.DVP), row(std::max(a.DKP, a.DVP)) {}
 };
 
 // kt (D_k, BK) = Kᵀ, kb (n, DKP) = K (non-finite rows zeroed), vt (D_v, BK) = Vᵀ of the block.
@@ -201,13 +202,16 @@ void backward_tile(const Args<A>& a, const T* q, const T* dout, const i64* sdo, 
 //   kp (BK, DKB): DKB / NB blocks (BK / 2, NB, 2)                K, rows holding inf/NaN 0
 //                                                                (as the fp32 path's): B of dQ
 //   dkt (D_k, BK), dvt (D_v, BK) fp32: dKᵀ, dVᵀ of the block, accumulated over its tiles
-// Per tile of nq <= BQ queries, from tile_grads' fp32 P and dS (nq, BK):
-//   pp, dsp (BQ, BK): BK / NB blocks (BQ / 2, NB, 2)   P, dS by query pairs: B of dVᵀ, dKᵀ
-//   dsr (BQ, BK)                                       dS rows in T: A of dQ
+// Per tile of nq <= BQL queries, from tile_grads' fp32 P and dS (nq, BK):
+//   pp, dsp (BQL, BK): BK / NB blocks (BQL / 2, NB, 2)   P, dS by query pairs: B of dVᵀ, dKᵀ
+//   dsr (BQL, BK)                                       dS rows in T: A of dQ
 // dVᵀ and dKᵀ are computed transposed (dOᵀ P rather than Pᵀ dO) so that P and dS, not the
 // inputs, are the packed operand: packed once per tile as they are rounded.
 // The reduction over a sub-block's query rows [r0, r0 + m) runs over the even rows around
 // it (pairs, as VNNI needs): P = dS = 0 on the rows a sub-block skips, and on the pad row.
+
+constexpr int BQL = 128;  // queries per tile on this path (the K of the dKᵀ, dVᵀ GEMMs: AMX
+                          // runs longer reductions faster; 64 measured ~10% slower, 256 no faster)
 
 // Q and dO of every query head in T (see the legend). NQP: N_q rounded up to 64, plus 32
 // (a transposed row 64 bytes more than a multiple of 128: rows 4 KiB apart would all fall in
@@ -262,9 +266,9 @@ template <typename T> struct BackLowp {
       : DKE(round_up(a.Dk, 2)), DVE(round_up(a.Dv, 2)), DKB(round_up(a.Dk, NB)),
         onednn_pack(a.lowp_onednn_pack), emulate(a.lowp_emulate),
         kt(new T[DKE * BK]), vt(new T[DVE * BK]), kp(new T[BK * DKB]),
-        stage(new T[std::max<i64>(BK, std::max(DKE, DVE)) * NB]), pp(new T[BQ * BK]),
-        dsp(new T[BQ * BK]), dsr(new T[BQ * BK]), qtt(new T[a.Dk * BQ]), dott(new T[a.Dv * BQ]),
-        dkt(a.Dk * BK), dvt(a.Dv * BK) {}
+        stage(new T[std::max<i64>(BK, std::max(DKE, DVE)) * NB]), pp(new T[BQL * BK]),
+        dsp(new T[BQL * BK]), dsr(new T[BQL * BK]), qtt(new T[a.Dk * BQL]),
+        dott(new T[a.Dv * BQL]), dkt(a.Dk * BK), dvt(a.Dv * BK) {}
 };
 
 // The block's kt, vt, kp from K / V rows [k0, k0 + n) of one head; dKᵀ, dVᵀ zeroed.
@@ -303,7 +307,7 @@ void round_tile(const float* p, const float* ds, i64 nq, i64 npad, BackLowp<T>& 
   for (i64 i = 0; i < nq; i += 2) {                        // rows i, i + 1
     const bool two = i + 1 < nq;
     for (i64 j = 0; j < npad; j += W) {                    // keys [j, j + W)
-      const i64 at = (j / NB) * (BQ * NB) + i * NB + (j % NB) * 2;  // pair i / 2, key j
+      const i64 at = (j / NB) * (BQL * NB) + i * NB + (j % NB) * 2;  // pair i / 2, key j
       const vf p0 = load(p + i * BK + j), d0 = load(ds + i * BK + j);
       const vf p1 = two ? load(p + (i + 1) * BK + j) : zero;
       const vf d1 = two ? load(ds + (i + 1) * BK + j) : zero;
@@ -316,24 +320,24 @@ void round_tile(const float* p, const float* ds, i64 nq, i64 npad, BackLowp<T>& 
 }
 
 // The tile's columns [q0, q0 + nq) of a transposed operand xt (D, NQP) of N queries: xt
-// itself (ld NQP), or — when nq is odd and a query (not the pad) follows the tile — a copy (D, BQ) in tile with the pad
-// column 0, so the pair rounded out past the tile never reads that query (NaN there, e.g.
-// a padded query's, would give 0 * NaN).
+// itself (ld NQP), or — when nq is odd and a query (not the pad) follows the tile — a copy
+// (D, BQL) in tile with the pad column 0, so the pair rounded out past the tile never reads
+// that query (NaN there, e.g. a padded query's, would give 0 * NaN).
 template <typename T>
 inline const T* tile_columns(const T* xt, i64 D, i64 N, i64 NQP, i64 q0, i64 nq, T* tile,
                              i64& ld) {
   ld = NQP;
   if (nq % 2 == 0 || (q0 + nq >= N && q0 + nq < NQP)) return xt + q0;
   for (i64 d = 0; d < D; ++d) {                            // row d (nq + 1,)
-    std::memcpy(tile + d * BQ, xt + d * NQP + q0, nq * sizeof(T));
-    tile[d * BQ + nq] = T(0.f);
+    std::memcpy(tile + d * BQL, xt + d * NQP + q0, nq * sizeof(T));
+    tile[d * BQL + nq] = T(0.f);
   }
-  ld = BQ;
+  ld = BQL;
   return tile;
 }
 
 // C (M, BK) [:, j0 : j0 + nj] += A (M rows at ld lda, reduction columns [k0, k0 + kn)) .
-// B rows [k0, k0 + kn), B (BQ, BK) packed by row pairs (pp / dsp); k0, kn even. One brgemm
+// B rows [k0, k0 + kn), B (BQL, BK) packed by row pairs (pp / dsp); k0, kn even. One brgemm
 // per VNNI block the columns touch.
 template <typename T>
 inline void transposed_grad_block(bool emulate, i64 M, const T* at, i64 lda, const T* bp,
@@ -341,7 +345,7 @@ inline void transposed_grad_block(bool emulate, i64 M, const T* at, i64 lda, con
   for (i64 col = j0; col < j0 + nj;) {                     // columns [col, e) of one block
     const i64 blk = col / NB, e = std::min(j0 + nj, (blk + 1) * NB);
     lowp_brgemm(emulate, M, e - col, kn, lda, NB, BK, true, at + k0,
-                bp + blk * (BQ * NB) + k0 * NB + (col - blk * NB) * 2, c + col);
+                bp + blk * (BQL * NB) + k0 * NB + (col - blk * NB) * 2, c + col);
     col = e;
   }
 }
@@ -404,10 +408,11 @@ void run_backward(const Args<A>& a, const T* q, const T* k, const T* v, const T*
     if (dqb.empty()) dqb.assign(a.B * a.Hq * a.Nq * a.DKP, A(0));
     std::vector<double>& dtb = dt_t[tid];
     if (dtb.empty()) dtb.assign(n_tab + n_sl + 1, 0.0);
-    BackBuffers<A> bb(a);
     std::unique_ptr<BackLowp<T>> lb;
     if constexpr (is_lowp<T>)
       if (a.lowp) lb.reset(new BackLowp<T>(a));
+    const i64 bq = lb ? BQL : BQ;                          // queries per tile
+    BackBuffers<A> bb(a, bq);
     for (i64 t = begin; t < end; ++t) {
       const i64 kblk = t % NKB, kvh = (t / NKB) % a.Hkv, b = t / (NKB * a.Hkv);
       const i64 k0 = kblk * BK, kend = std::min(a.Nk, k0 + BK);
@@ -426,8 +431,8 @@ void run_backward(const Args<A>& a, const T* q, const T* k, const T* v, const T*
       const i64 qlo = i64(std::max(0.0, double(k0) + a.band_lo));
       const i64 qhi = i64(std::min(double(nq_valid), double(k0 + n - 1) + a.band_hi + 1.0));
       for (i64 g = 0; g < a.G && n > 0; ++g)
-        for (i64 q0 = qlo; q0 < qhi; q0 += BQ) {
-          Item it{b, kvh, q0, std::min<i64>(BQ, qhi - q0), k0, k0 + n};
+        for (i64 q0 = qlo; q0 < qhi; q0 += bq) {
+          Item it{b, kvh, q0, std::min<i64>(bq, qhi - q0), k0, k0 + n};
           const TileKind kind = classify(a, it, k0, n);
           if (kind == EMPTY) continue;
           const i64 h = kvh * a.G + g;
