@@ -202,6 +202,7 @@ void backward_tile(const Args<A>& a, const T* q, const T* dout, const i64* sdo, 
 //   kp (BK, DKB): DKB / NB blocks (BK / 2, NB, 2)                K, rows holding inf/NaN 0
 //                                                                (as the fp32 path's): B of dQ
 //   dkt (D_k, BK), dvt (D_v, BK) fp32: dKᵀ, dVᵀ of the block, accumulated over its tiles
+//   (rounded to T in dkt_t, dvt_t at the end)
 // Per tile of nq <= BQL queries, from tile_grads' fp32 P and dS (nq, BK):
 //   pp, dsp (BQL, BK): BK / NB blocks (BQL / 2, NB, 2)   P, dS by query pairs: B of dVᵀ, dKᵀ
 //   dsr (BQL, BK)                                       dS rows in T: A of dQ
@@ -260,7 +261,7 @@ LowpQD<T> prepare_qd(const Args<A>& a, const T* q, const T* dout, const i64* sdo
 template <typename T> struct BackLowp {
   i64 DKE, DVE, DKB;
   bool onednn_pack, emulate;
-  std::unique_ptr<T[]> kt, vt, kp, stage, pp, dsp, dsr, qtt, dott;
+  std::unique_ptr<T[]> kt, vt, kp, stage, pp, dsp, dsr, qtt, dott, dkt_t, dvt_t;
   std::vector<float> dkt, dvt;
   template <typename A> explicit BackLowp(const Args<A>& a)
       : DKE(round_up(a.Dk, 2)), DVE(round_up(a.Dv, 2)), DKB(round_up(a.Dk, NB)),
@@ -268,8 +269,15 @@ template <typename T> struct BackLowp {
         kt(new T[DKE * BK]), vt(new T[DVE * BK]), kp(new T[BK * DKB]),
         stage(new T[std::max<i64>(BK, std::max(DKE, DVE)) * NB]), pp(new T[BQL * BK]),
         dsp(new T[BQL * BK]), dsr(new T[BQL * BK]), qtt(new T[a.Dk * BQL]),
-        dott(new T[a.Dv * BQL]), dkt(a.Dk * BK), dvt(a.Dv * BK) {}
+        dott(new T[a.Dv * BQL]), dkt_t(new T[a.Dk * BK]), dvt_t(new T[a.Dv * BK]),
+        dkt(a.Dk * BK), dvt(a.Dv * BK) {}
 };
+
+// dkt_t, dvt_t (D, BK) <- the block's dKᵀ, dVᵀ rounded to T (then written out transposed).
+template <typename A, typename T> void round_block_grads(const Args<A>& a, BackLowp<T>& lb) {
+  for (i64 i = 0; i < a.Dk * BK; i += W) store_rounded(lb.dkt_t.get() + i, load(&lb.dkt[i]));
+  for (i64 i = 0; i < a.Dv * BK; i += W) store_rounded(lb.dvt_t.get() + i, load(&lb.dvt[i]));
+}
 
 // The block's kt, vt, kp from K / V rows [k0, k0 + n) of one head; dKᵀ, dVᵀ zeroed.
 template <typename A, typename T>
@@ -287,16 +295,26 @@ void load_key_block_lowp(const Args<A>& a, const T* kh, const T* vh, i64 k0, i64
 // dst[0 : 2W] <- two rows' W values rounded to T, interleaved (x0[0], x1[0], x0[1], ...): one
 // VNNI pair.
 template <typename T> inline void store_pair(T* dst, vf x0, vf x1) {
-  typedef uint16_t vh __attribute__((vector_size(W * 2)));
   typedef uint32_t vu __attribute__((vector_size(W * 4)));
-  T r0[W], r1[W];
-  store_rounded(r0, x0);
-  store_rounded(r1, x1);
-  vh h0, h1;
-  std::memcpy(&h0, r0, sizeof h0);
-  std::memcpy(&h1, r1, sizeof h1);
-  const vu w = __builtin_convertvector(h0, vu) | (__builtin_convertvector(h1, vu) << 16);
-  std::memcpy(dst, &w, sizeof w);                          // little-endian: x0 first
+  if constexpr (std::is_same_v<T, at::BFloat16>) {         // bfloat16: a float's top half
+    vu u0, u1;                                             // rounded as store_rounded does
+    std::memcpy(&u0, &x0, sizeof u0);
+    std::memcpy(&u1, &x1, sizeof u1);
+    u0 = select(x0 != x0, vu{} + 0x7FC00000u, u0 + 0x7FFFu + ((u0 >> 16) & 1u));
+    u1 = select(x1 != x1, vu{} + 0x7FC00000u, u1 + 0x7FFFu + ((u1 >> 16) & 1u));
+    const vu w = (u0 >> 16) | (u1 & 0xFFFF0000u);
+    std::memcpy(dst, &w, sizeof w);                        // little-endian: x0 first
+  } else {
+    typedef uint16_t vh __attribute__((vector_size(W * 2)));
+    T r0[W], r1[W];
+    store_rounded(r0, x0);
+    store_rounded(r1, x1);
+    vh h0, h1;
+    std::memcpy(&h0, r0, sizeof h0);
+    std::memcpy(&h1, r1, sizeof h1);
+    const vu w = __builtin_convertvector(h0, vu) | (__builtin_convertvector(h1, vu) << 16);
+    std::memcpy(dst, &w, sizeof w);
+  }
 }
 
 // P, dS of the tile (fp32 (nq, BK) in p, ds; keys [0, npad)) rounded to T: pp and dsp by
@@ -446,15 +464,19 @@ void run_backward(const Args<A>& a, const T* q, const T* k, const T* v, const T*
           backward_tile(a, q, dout, sdo, lse, delta, it, h, k0, n, kind == FULL, dqb.data(),
                         dtb.data(), dtb.data() + n_tab, bb);
         }
+      if constexpr (is_lowp<T>)
+        if (lb && n > 0) round_block_grads(a, *lb);
       for (i64 j = 0; j < kend - k0; ++j) {                // write the block (0 past kv_len)
         T* dkr = dk + ((b * a.Hkv + kvh) * a.Nk + k0 + j) * a.Dk;
         T* dvr = dv + ((b * a.Hkv + kvh) * a.Nk + k0 + j) * a.Dv;
         if (j >= n) {
           std::fill_n(dkr, a.Dk, T(A(0)));
           std::fill_n(dvr, a.Dv, T(A(0)));
-        } else if (lb) {                                   // from dKᵀ, dVᵀ (D, BK)
-          for (i64 d = 0; d < a.Dk; ++d) dkr[d] = T(lb->dkt[d * BK + j]);
-          for (i64 d = 0; d < a.Dv; ++d) dvr[d] = T(lb->dvt[d * BK + j]);
+        } else if (lb) {                                   // from dKᵀ, dVᵀ (D, BK) in T
+          if constexpr (is_lowp<T>) {
+            for (i64 d = 0; d < a.Dk; ++d) dkr[d] = lb->dkt_t[d * BK + j];
+            for (i64 d = 0; d < a.Dv; ++d) dvr[d] = lb->dvt_t[d * BK + j];
+          }
         } else {
           for (i64 d = 0; d < a.Dk; ++d) dkr[d] = T(bb.dk[j * a.DKP + d]);
           for (i64 d = 0; d < a.Dv; ++d) dvr[d] = T(bb.dv[j * a.DVP + d]);
