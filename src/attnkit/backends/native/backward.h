@@ -487,13 +487,23 @@ void run_backward(const Args<A>& a, const T* q, const T* k, const T* v, const T*
   });
   const i64 rows = a.B * a.Hq * a.Nq;                      // dq = sum of the thread buffers
   at::parallel_for(0, rows, 64, [&](i64 begin, i64 end) {
-    for (i64 r = begin; r < end; ++r)
-      for (i64 d = 0; d < a.Dk; ++d) {
+    for (i64 r = begin; r < end; ++r) {
+      i64 d = 0;
+      if constexpr (is_lowp<T>) {                          // W at a time, rounded in registers
+        for (; d + W <= a.Dk; d += W) {
+          vf s = splat(0.f);
+          for (const auto& buf : dq_t)
+            if (!buf.empty()) s += load(buf.data() + r * a.DKP + d);
+          store_rounded(dq + r * a.Dk + d, s);
+        }
+      }
+      for (; d < a.Dk; ++d) {
         A s = 0;
         for (const auto& buf : dq_t)
           if (!buf.empty()) s += buf[r * a.DKP + d];
         dq[r * a.Dk + d] = T(s);
       }
+    }
   });
   for (i64 i = 0; i < n_tab + n_sl; ++i) {                 // thread order: deterministic
     double s = 0.0;
