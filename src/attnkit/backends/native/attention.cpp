@@ -10,8 +10,9 @@
 //     S   (R, BK)    scores, then probabilities P in place
 //     acc (R, DVP)   sum_j P v_j                    m, l (R,) running max / sum
 //   all in the compute type A = compute_t<T>: float, or double for float64 inputs. For
-//   bfloat16 / float16 the forward's Q·Kᵀ and P·V may run in T instead (lowp.h: Q, K, V and
-//   P in T, fp32 accumulation; ATTNKIT_NATIVE_LOWP_GEMM=0 widens them to float).
+//   bfloat16 / float16 the forward's Q·Kᵀ and P·V, and the backward's five products, may run
+//   in T instead (lowp.h, backward.h: Q, K, V, dO, P and dS in T, fp32 accumulation;
+//   ATTNKIT_NATIVE_LOWP_GEMM=0 widens them to float).
 //
 // Order of score terms (attnkit/scores.py): S*scale -> softcap -> ALiBi -> + relative bias
 // table[h, clamp(k - q, -M, M) + M] (rel_table (H_q, 2M+1)) -> + bias -> mask.

@@ -13,7 +13,8 @@
 //                                          item that owns its key block, so no races)
 // delta = rowsum(dO * O) - dLSE (B, H_q, N_q). A key with P == 0 gives dS == 0 exactly, and
 // K rows holding inf/NaN are zeroed for dQ, so NaN in masked K/V rows stays out.
-// Everything is in the compute type A (float; double for float64 inputs), lse and delta too.
+// Everything is in the compute type A (float; double for float64 inputs), lse and delta too;
+// for bfloat16 / float16 the five products may run in T instead (the low-precision section).
 #pragma once
 #include "common.h"
 #include "lowp.h"
