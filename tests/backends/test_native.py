@@ -24,9 +24,9 @@ from attnkit.api import prepare
 from attnkit.backends import native
 from attnkit.backends.native import loader
 from attnkit.scores import alibi, alibi_slopes
-from helpers.native_checks import check
+from helpers.native_checks import check, check_grads
 from helpers.oracle import naive_low_precision, oracle
-from helpers.tolerance import assert_low_precision_close, assert_low_precision_grad_close
+from helpers.tolerance import assert_low_precision_close
 
 NATIVE = native.available()
 needs_native = pytest.mark.skipif(not NATIVE, reason=f"native kernel unavailable: "
@@ -531,45 +531,6 @@ def test_build_key_follows_torch_source_and_flags(monkeypatch: pytest.MonkeyPatc
 
 
 # ---------------------------------------------------------------------------- backward
-def _grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fn, dout: torch.Tensor,  # noqa: ANN001
-           dlse: torch.Tensor) -> list[torch.Tensor]:
-    qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    out, lse = fn(qq, kk, vv)
-    fin = torch.isfinite(lse.detach())
-    loss = (out.double() * dout).sum() + (torch.where(fin, lse.double(), 0.0) * dlse).sum()
-    loss.backward()
-    return [t.grad for t in (qq, kk, vv)]
-
-
-def check_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype, *,
-                allowed: torch.Tensor | None = None, oracle_opts: dict | None = None,
-                kv_nan: torch.Tensor | None = None, **native_opts: object) -> None:
-    """Gradients of out and LSE: native in ``dtype`` within 3× the naive ``dtype`` oracle's
-    error against the float64 oracle (DESIGN's rule for gradients)."""
-    oo = oracle_opts or {}
-    dout = torch.randn(*q.shape[:3], v.shape[-1], dtype=torch.float64)
-    dlse = torch.randn(*q.shape[:3], dtype=torch.float64)
-
-    def ref(dt: torch.dtype):  # noqa: ANN202
-        def fn(a, b, c):  # noqa: ANN001, ANN202
-            out, lse, _ = oracle(a, b, c, allowed=allowed, dtype=dt, **oo)
-            return out, lse
-        return fn
-
-    g64 = _grads(q, k, v, ref(torch.float64), dout, dlse)
-    glow = _grads(q.to(dtype), k.to(dtype), v.to(dtype), ref(dtype), dout, dlse)
-    kn, vn = k, v
-    if kv_nan is not None:                                   # NaN where the mask blocks
-        kn = torch.where(kv_nan[..., None], math.nan, k)
-        vn = torch.where(kv_nan[..., None], math.nan, v)
-    gn = _grads(q.to(dtype), kn.to(dtype), vn.to(dtype),
-                lambda a, b, c: native.forward(a, b, c, **native_opts), dout, dlse)
-    for name, got, lo, hi in zip("qkv", gn, glow, g64, strict=True):
-        if kv_nan is not None and name != "q":
-            got = torch.where(kv_nan[..., None], 0.0, got.double())
-        assert_low_precision_grad_close(got, lo, hi, what=f"d{name}")
-
-
 @needs_native
 @pytest.mark.parametrize("B,hq,hkv,nq,nk,d,dv", [
     (1, 2, 2, 97, 113, 59, 59), (2, 4, 2, 113, 97, 64, 32), (1, 3, 1, 1, 300, 16, 16),
@@ -625,6 +586,17 @@ def test_gradients_with_empty_rows_and_nan_in_masked_kv() -> None:
     nan_rows = (torch.arange(120) >= kvl.view(2, 1, 1)) | (torch.arange(120) == 7)
     check_grads(q, k, v, torch.float32, allowed=allowed & dense, kv_nan=nan_rows.expand(2, 2, 120),
                 kv_lengths=kvl, q_lengths=ql, dense_mask=dense)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_gradients_with_softcap_and_nan_in_masked_keys(dtype: torch.dtype) -> None:
+    """NaN in keys a dense mask blocks everywhere, under a soft-cap: the cap's per-key factor
+    is NaN there, and dS must still be 0 where P is (dQ was NaN)."""
+    q, k, v = qkv(1, 4, 2, 130, 200, 32)
+    blocked = torch.arange(200) % 50 == 7
+    check_grads(q, k, v, dtype, allowed=~blocked, kv_nan=blocked.expand(1, 2, 200),
+                dense_mask=~blocked, oracle_opts={"softcap": 4.0}, softcap=4.0)
 
 
 @needs_native

@@ -1,5 +1,6 @@
-"""One forward check of the native kernel against the float64 oracle, shared by
-test_native.py (every dtype) and test_native_lowp.py (the low-precision GEMM path)."""
+"""One forward check and one gradient check of the native kernel against the float64 oracle,
+shared by test_native.py (every dtype), test_native_lowp.py (the low-precision forward) and
+test_native_lowp_backward.py (the low-precision backward)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 
 from attnkit.backends import native
 from helpers.oracle import naive_low_precision, oracle
-from helpers.tolerance import assert_low_precision_close
+from helpers.tolerance import assert_low_precision_close, assert_low_precision_grad_close
 
 
 def check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype = torch.float32,
@@ -35,3 +36,44 @@ def check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype 
     tol = 64 * torch.finfo(dtype).eps * (1 + lse_ref[~empty].abs())
     assert ((lse.double()[~empty] - lse_ref[~empty]).abs() <= tol).all()
     return out, lse
+
+
+def grads_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fn, dout: torch.Tensor,  # noqa: ANN001
+             dlse: torch.Tensor) -> list[torch.Tensor]:
+    """Gradients of q, k, v of (out * dout).sum() + (lse * dlse).sum() (finite LSE only)
+    for (out, lse) = fn(q, k, v)."""
+    qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out, lse = fn(qq, kk, vv)
+    fin = torch.isfinite(lse.detach())
+    loss = (out.double() * dout).sum() + (torch.where(fin, lse.double(), 0.0) * dlse).sum()
+    loss.backward()
+    return [t.grad for t in (qq, kk, vv)]
+
+
+def check_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype, *,
+                allowed: torch.Tensor | None = None, oracle_opts: dict | None = None,
+                kv_nan: torch.Tensor | None = None, **native_opts: object) -> None:
+    """Gradients of out and LSE: native in ``dtype`` within 3× the naive ``dtype`` oracle's
+    error against the float64 oracle (DESIGN's rule for gradients)."""
+    oo = oracle_opts or {}
+    dout = torch.randn(*q.shape[:3], v.shape[-1], dtype=torch.float64)
+    dlse = torch.randn(*q.shape[:3], dtype=torch.float64)
+
+    def ref(dt: torch.dtype):  # noqa: ANN202
+        def fn(a, b, c):  # noqa: ANN001, ANN202
+            out, lse, _ = oracle(a, b, c, allowed=allowed, dtype=dt, **oo)
+            return out, lse
+        return fn
+
+    g64 = grads_of(q, k, v, ref(torch.float64), dout, dlse)
+    glow = grads_of(q.to(dtype), k.to(dtype), v.to(dtype), ref(dtype), dout, dlse)
+    kn, vn = k, v
+    if kv_nan is not None:                                   # NaN where the mask blocks
+        kn = torch.where(kv_nan[..., None], math.nan, k)
+        vn = torch.where(kv_nan[..., None], math.nan, v)
+    gn = grads_of(q.to(dtype), kn.to(dtype), vn.to(dtype),
+                lambda a, b, c: native.forward(a, b, c, **native_opts), dout, dlse)
+    for name, got, lo, hi in zip("qkv", gn, glow, g64, strict=True):
+        if kv_nan is not None and name != "q":
+            got = torch.where(kv_nan[..., None], 0.0, got.double())
+        assert_low_precision_grad_close(got, lo, hi, what=f"d{name}")

@@ -71,11 +71,12 @@ Caution
 - With huge logits (|score| near 1e7·(its spread) in float32, 1e15 in float64) the saved
   LSE rounds at the row maximum's magnitude; the backward caps P = e^(x − lse) at 1, so the
   gradients stay finite, but they are only as accurate as that LSE.
-- bfloat16 / float16: the forward's QKᵀ and P·V run in that dtype where torch's brgemm has a
-  kernel for it (AMX, AVX512-BF16 / -FP16; fp32 accumulation, P rounded to the dtype before
-  P·V), else widened to float32; :func:`low_precision_paths` says which and why, and
+- bfloat16 / float16: the forward's QKᵀ and P·V, and the backward's five products, run in
+  that dtype where torch's brgemm has a kernel for it (AMX, AVX512-BF16 / -FP16; fp32
+  accumulation, P — and in the backward dS — rounded to the dtype before the products that
+  use them), else widened to float32; :func:`low_precision_paths` says which and why, and
   ``ATTNKIT_NATIVE_LOWP_GEMM=0`` forces the widening. Score terms, softmax, LSE and the
-  backward compute in float32.
+  backward's P, delta and dS compute in float32.
 - float32, bfloat16 and float16 on CPU compute in float32; float64 computes in float64 (the
   score terms, the softmax, the LSE and the gradients too) with the C library's exp / tanh
   per lane and plain-loop GEMMs: exact to float64 rounding, but several times slower than
@@ -156,11 +157,11 @@ def why_unavailable() -> str | None:
 
 
 def low_precision_paths() -> dict[str, str]:
-    """Which GEMMs the forward runs for ``bfloat16`` / ``float16`` inputs now, and why:
-    their own dtype through torch's brgemm (oneDNN: AMX tiles, else AVX512-BF16 / -FP16 dot
-    products; fp32 accumulation, P rounded to the input dtype before P·V), or widened to
-    float32 (no such kernel on this CPU, or ``ATTNKIT_NATIVE_LOWP_GEMM=0``, read at every
-    call). The backward widens to float32 either way."""
+    """Which GEMMs the forward and the backward run for ``bfloat16`` / ``float16`` inputs
+    now, and why: their own dtype through torch's brgemm (oneDNN: AMX tiles, else
+    AVX512-BF16 / -FP16 dot products; fp32 accumulation, P — and the backward's dS — rounded
+    to the input dtype first), or widened to float32 (no such kernel on this CPU, or
+    ``ATTNKIT_NATIVE_LOWP_GEMM=0``, read at every call)."""
     ops = loader.load()
     if ops is None:
         return dict.fromkeys(("bfloat16", "float16"), f"native kernel unavailable: "

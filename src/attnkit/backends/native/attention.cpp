@@ -10,8 +10,9 @@
 //     S   (R, BK)    scores, then probabilities P in place
 //     acc (R, DVP)   sum_j P v_j                    m, l (R,) running max / sum
 //   all in the compute type A = compute_t<T>: float, or double for float64 inputs. For
-//   bfloat16 / float16 the forward's Q·Kᵀ and P·V may run in T instead (lowp.h: Q, K, V and
-//   P in T, fp32 accumulation; ATTNKIT_NATIVE_LOWP_GEMM=0 widens them to float).
+//   bfloat16 / float16 the forward's Q·Kᵀ and P·V, and the backward's five products, may run
+//   in T instead (lowp.h, backward.h: Q, K, V, dO, P and dS in T, fp32 accumulation;
+//   ATTNKIT_NATIVE_LOWP_GEMM=0 widens them to float).
 //
 // Order of score terms (attnkit/scores.py): S*scale -> softcap -> ALiBi -> + relative bias
 // table[h, clamp(k - q, -M, M) + M] (rel_table (H_q, 2M+1)) -> + bias -> mask.
@@ -231,6 +232,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> attend_backward(
                              rel_max_distance, bias, band_lo, band_hi, kv_len, q_len, q_doc,
                              k_doc, mask, score_mod, score_mod_caps);
     a.alibi_grad = alibi_grad && a.alibi;
+    const LowpPath path = lowp_path<T>();                  // T GEMMs (backward.h), as forward
+    a.lowp = path.gemm;
+    a.lowp_onednn_pack = path.onednn_pack;
+    a.lowp_emulate = path.emulate;
     TORCH_CHECK(dout.sizes() == at::IntArrayRef({a.B, a.Hq, a.Nq, a.Dv}) &&
                     (dout.stride(3) == 1 || dout.size(3) == 1) && dout.scalar_type() == q.scalar_type(),
                 "attnkit native: dout must be like out (B, H_q, N_q, D_v), last dim "

@@ -426,5 +426,44 @@ inline void values_block_lowp(bool emulate, const T* p, const T* v, i64 Dv, i64 
                 p + r0 * BK + j0, v + c * BK + j0 * NB, acc + r0 * DVP + c);
 }
 
+// ------------------------------------------------------------------ packing any rows
+// (The backward's operands, backward.h: the same layouts as pack_kt_tile / pack_v_tile
+// for rows of any matrix.)
+// dst: rows src + j * ld (j < n, D values each) transposed, (DE, BK), packed as BK / NB
+// blocks (DE / 2, NB, 2); DE even >= D, rows past n and dims past D are 0. stage: (DE, NB).
+template <typename T>
+void pack_transposed_rows(const T* src, i64 ld, i64 n, i64 D, i64 DE, T* dst, T* stage,
+                          bool onednn_pack) {
+  for (i64 c = 0; c < BK; c += NB) {                      // rows [c, c + NB) of src
+    std::fill_n(stage, DE * NB, T(0.f));
+    for (i64 j = c; j < std::min<i64>(n, c + NB); ++j)    // stage[d, j - c] = src[j, d]
+      for (i64 d = 0; d < D; ++d) stage[d * NB + j - c] = src[j * ld + d];
+    vnni_pack(DE, stage, dst + c * DE, onednn_pack);
+  }
+}
+
+// dst: rows src + j * ld (j < n, D values each) as a (K, DB) matrix packed as DB / NB blocks
+// (K / 2, NB, 2); K even >= n, DB = D rounded up to NB, rows past n and columns past D are 0,
+// and with zero_bad so is every row holding inf/NaN. stage: (K, NB).
+template <typename T>
+void pack_rows(const T* src, i64 ld, i64 n, i64 K, i64 D, T* dst, T* stage, bool onednn_pack,
+               bool zero_bad) {
+  std::vector<char> bad(n, 0);                            // (n,) rows left 0
+  float row[NB];
+  for (i64 j = 0; zero_bad && j < n; ++j)
+    for (i64 c = 0; c < D && !bad[j]; c += NB) {          // row j, NB values at a time
+      const i64 w = std::min<i64>(NB, D - c);
+      for (i64 d = 0; d < w; ++d) row[d] = float(src[j * ld + c + d]);
+      bad[j] = !all_finite(row, w);
+    }
+  for (i64 c = 0; c < round_up(D, NB); c += NB) {         // columns [c, c + w) of src
+    const i64 w = std::min<i64>(NB, D - c);
+    std::fill_n(stage, K * NB, T(0.f));
+    for (i64 j = 0; j < n; ++j)
+      if (!bad[j]) std::memcpy(stage + j * NB, src + j * ld + c, w * sizeof(T));
+    vnni_pack(K, stage, dst + c * K, onednn_pack);
+  }
+}
+
 }  // namespace
 }  // namespace attnkit_native
