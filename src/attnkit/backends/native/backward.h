@@ -199,7 +199,7 @@ void backward_tile(const Args<A>& a, const T* q, const T* dout, const i64* sdo, 
 //   qr (NQP, DKE)   dor (NQP, DVE)    A of S = Q Kᵀ and dP = dO Vᵀ (dims past D zero)
 //   qt (D_k, NQP)   dot (D_v, NQP)    A of dKᵀ += Qᵀ dS and dVᵀ += dOᵀ P (queries past N_q 0)
 // Per item (a key block of n keys), in the VNNI layout (lowp.h):
-//   kt (DKE, BK), vt (DVE, BK): BK / NB blocks (DE / 2, NB, 2)   Kᵀ, Vᵀ: B of S, dP
+//   kt (DKE, BK), vt (DVE, BK): one block (DE / 2, BK, 2) each     Kᵀ, Vᵀ: B of S, dP
 //   kp (BK, DKB): DKB / NB blocks (BK / 2, NB, 2)                K, rows holding inf/NaN 0
 //                                                                (as the fp32 path's): B of dQ
 //   dkt (D_k, BK), dvt (D_v, BK) fp32: dKᵀ, dVᵀ of the block, accumulated over its tiles
@@ -268,7 +268,7 @@ template <typename T> struct BackLowp {
       : DKE(round_up(a.Dk, 2)), DVE(round_up(a.Dv, 2)), DKB(round_up(a.Dk, NB)),
         onednn_pack(a.lowp_onednn_pack), emulate(a.lowp_emulate),
         kt(new T[DKE * BK]), vt(new T[DVE * BK]), kp(new T[BK * DKB]),
-        stage(new T[std::max<i64>(BK, std::max(DKE, DVE)) * NB]), pp(new T[BQL * BK]),
+        stage(new T[std::max<i64>(BK, std::max(DKE, DVE)) * BK]), pp(new T[BQL * BK]),
         dsp(new T[BQL * BK]), dsr(new T[BQL * BK]), qtt(new T[a.Dk * BQL]),
         dott(new T[a.Dv * BQL]), dkt_t(new T[a.Dk * BK]), dvt_t(new T[a.Dv * BK]),
         dkt(a.Dk * BK), dvt(a.Dv * BK) {}
@@ -286,8 +286,8 @@ void load_key_block_lowp(const Args<A>& a, const T* kh, const T* vh, i64 k0, i64
                          BackLowp<T>& lb) {
   const T* kr = kh + k0 * a.sk[2];
   const T* vr = vh + k0 * a.sv[2];
-  pack_transposed_rows(kr, a.sk[2], n, a.Dk, lb.DKE, lb.kt.get(), lb.stage.get(), lb.onednn_pack);
-  pack_transposed_rows(vr, a.sv[2], n, a.Dv, lb.DVE, lb.vt.get(), lb.stage.get(), lb.onednn_pack);
+  pack_transposed_rows(kr, a.sk[2], n, a.Dk, lb.DKE, lb.kt.get(), lb.stage.get());
+  pack_transposed_rows(vr, a.sv[2], n, a.Dv, lb.DVE, lb.vt.get(), lb.stage.get());
   pack_rows(kr, a.sk[2], n, BK, a.Dk, lb.kp.get(), lb.stage.get(), lb.onednn_pack, true);
   std::fill(lb.dkt.begin(), lb.dkt.end(), 0.f);
   std::fill(lb.dvt.begin(), lb.dvt.end(), 0.f);

@@ -429,17 +429,15 @@ inline void values_block_lowp(bool emulate, const T* p, const T* v, i64 Dv, i64 
 // ------------------------------------------------------------------ packing any rows
 // (The backward's operands, backward.h: the same layouts as pack_kt_tile / pack_v_tile
 // for rows of any matrix.)
-// dst: rows src + j * ld (j < n, D values each) transposed, (DE, BK), packed as BK / NB
-// blocks (DE / 2, NB, 2); DE even >= D, rows past n and dims past D are 0. stage: (DE, NB).
+// dst: rows src + j * ld (j < n, D values each) transposed, (DE, BK), packed as one block
+// (DE / 2, BK, 2) by our own interleave, as pack_kt_tile (scores_block_lowp reads it); DE
+// even >= D, rows past n and dims past D are 0. stage: (DE, BK).
 template <typename T>
-void pack_transposed_rows(const T* src, i64 ld, i64 n, i64 D, i64 DE, T* dst, T* stage,
-                          bool onednn_pack) {
-  for (i64 c = 0; c < BK; c += NB) {                      // rows [c, c + NB) of src
-    std::fill_n(stage, DE * NB, T(0.f));
-    for (i64 j = c; j < std::min<i64>(n, c + NB); ++j)    // stage[d, j - c] = src[j, d]
-      for (i64 d = 0; d < D; ++d) stage[d * NB + j - c] = src[j * ld + d];
-    vnni_pack(DE, stage, dst + c * DE, onednn_pack);
-  }
+void pack_transposed_rows(const T* src, i64 ld, i64 n, i64 D, i64 DE, T* dst, T* stage) {
+  std::fill_n(stage, DE * BK, T(0.f));
+  for (i64 j = 0; j < n; ++j)                             // stage[d, j] = src[j, d]
+    for (i64 d = 0; d < D; ++d) stage[d * BK + j] = src[j * ld + d];
+  vnni_pack(DE, BK, stage, dst, false);
 }
 
 // dst: rows src + j * ld (j < n, D values each) as a (K, DB) matrix packed as DB / NB blocks
@@ -461,7 +459,7 @@ void pack_rows(const T* src, i64 ld, i64 n, i64 K, i64 D, T* dst, T* stage, bool
     std::fill_n(stage, K * NB, T(0.f));
     for (i64 j = 0; j < n; ++j)
       if (!bad[j]) std::memcpy(stage + j * NB, src + j * ld + c, w * sizeof(T));
-    vnni_pack(K, stage, dst + c * K, onednn_pack);
+    vnni_pack(K, NB, stage, dst + c * K, onednn_pack);
   }
 }
 
