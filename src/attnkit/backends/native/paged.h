@@ -90,8 +90,7 @@ template <typename T> struct ListedRows {
   const T* v(i64 j) const { return vr[j]; }
 };
 
-// Eight floats at p, converted in registers (the 8 x 8 transpose's loads).
-typedef float v8f __attribute__((vector_size(32)));
+// Eight floats at p, converted in registers (the 8 x 8 transpose's loads; v8f: lowp.h).
 inline v8f load8(const float* p) {
   v8f v;
   std::memcpy(&v, p, sizeof v);
@@ -117,28 +116,6 @@ inline v8f load8(const at::Half* p) {
   for (int i = 0; i < 8; ++i) v[i] = float(p[i]);
   return v;
 #endif
-}
-
-// dst + i * ld (8,) <- column i of the 8 x 8 block r (rows r[0..7]), in registers
-// (unpack pairs, then quads, then halves).
-inline void transpose8_store(const v8f (&r)[8], float* dst, i64 ld) {
-  v8f t[8], u[8];
-  for (int i = 0; i < 4; ++i) {
-    t[2 * i] = __builtin_shufflevector(r[2 * i], r[2 * i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
-    t[2 * i + 1] = __builtin_shufflevector(r[2 * i], r[2 * i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
-  }
-  for (int h = 0; h < 2; ++h)                              // rows 0-3 (h = 0), 4-7 (h = 1)
-    for (int i = 0; i < 2; ++i) {
-      const v8f a = t[4 * h + i], b = t[4 * h + 2 + i];
-      u[4 * h + 2 * i] = __builtin_shufflevector(a, b, 0, 1, 8, 9, 4, 5, 12, 13);
-      u[4 * h + 2 * i + 1] = __builtin_shufflevector(a, b, 2, 3, 10, 11, 6, 7, 14, 15);
-    }
-  for (int i = 0; i < 4; ++i) {                            // u[i]: columns i, i + 4 of 0-3
-    const v8f lo = __builtin_shufflevector(u[i], u[4 + i], 0, 1, 2, 3, 8, 9, 10, 11);
-    const v8f hi = __builtin_shufflevector(u[i], u[4 + i], 4, 5, 6, 7, 12, 13, 14, 15);
-    std::memcpy(dst + i * ld, &lo, sizeof lo);
-    std::memcpy(dst + (i + 4) * ld, &hi, sizeof hi);
-  }
 }
 
 // kt (D_k, BK) <- the n rows krow transposed, in A: float by 8 x 8 blocks in registers
