@@ -35,3 +35,10 @@ def check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype 
     tol = 64 * torch.finfo(dtype).eps * (1 + lse_ref[~empty].abs())
     assert ((lse.double()[~empty] - lse_ref[~empty]).abs() <= tol).all()
     return out, lse
+
+
+def hardware_lowp_gemm(dtype: torch.dtype) -> bool:
+    """Whether this CPU runs ``dtype``'s GEMMs through brgemm (native.low_precision_paths,
+    unforced by ``ATTNKIT_NATIVE_LOWP_GEMM``)."""
+    name = str(dtype).split(".")[1]
+    return native.low_precision_paths()[name].startswith(name + " GEMMs (oneDNN")
