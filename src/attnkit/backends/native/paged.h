@@ -19,9 +19,11 @@
 // the sequence's grid) the K/V row addresses come from the block table (rows_of_tile);
 // the dot loops (few rows: decode) read those rows as they lie, in T; the GEMM path (16
 // rows or more: chunks, shared prefixes) transposes K and converts V per tile into the
-// thread's buffers. A long sequence is split into several items (each about 1/8 of a
-// thread's share of the keys), which the threads take one at a time, so one long sequence
-// does not leave a core idle; a sequence's splits are merged by LSE.
+// thread's buffers — or, bfloat16 / float16 where lowp.h's GEMMs run, packs them in T in
+// the VNNI layout from the listed rows and multiplies in T (gemm_tile_pass_lowp). A long
+// sequence is split into several items (each about 1/8 of a thread's share of the keys),
+// which the threads take one at a time, so one long sequence does not leave a core idle; a
+// sequence's splits are merged by LSE.
 // On the dot loops the H_kv items of one (sequence, query block, split) are one task, run
 // tile by tile with every head's rows of a tile read before the next tile: a page holds a
 // token's heads side by side (slot stride H_kv * D), so one head alone reads D of every
