@@ -2,7 +2,8 @@
 against the float64 reference on the gathered contiguous equivalent: awkward block sizes,
 pages in random pool order, sequences of length 0 and 1, chunks whose queries and keys cross
 page boundaries, GQA / MQA, causal / window / softcap / ALiBi, key splits merged by LSE,
-the dot (decode) and GEMM (chunk) loops, fp64 / fp32 / bf16 / fp16; NaN in unused pool
+the dot (decode) and GEMM (chunk) loops, fp64 / fp32 / bf16 / fp16 (the GEMM loop's bf16 /
+fp16 GEMMs on packed tiles: emulated on every CPU, brgemm where it runs); NaN in unused pool
 pages and past a sequence's length stays out; bad block tables are refused with nothing
 written; serving's paged calls take this path (no gathered copy) and fall back without it."""
 
@@ -15,6 +16,7 @@ import torch
 
 import attnkit as ak
 from attnkit.backends import native
+from helpers.native_checks import hardware_lowp_gemm
 from helpers.oracle import oracle
 from helpers.tolerance import assert_low_precision_close
 
@@ -372,3 +374,106 @@ def test_nonfinite_value_outside_the_window_stays_out_on_the_gemm_loop(dtype, ba
     assert torch.isfinite(out).all(), f"{bad} in a masked value row reached the output"
     _assert_rows(out, lse, dtype, f"paged gemm {dtype}",
                  functools.partial(_reference, q, ks[0], vs[0], 280, window=(8, 0)))
+
+
+# ---------------------------------------------------------------------------- T GEMMs
+# The GEMM loop in bfloat16 / float16 (paged.h gemm_tile_pass_lowp): each tile's Kᵀ and V
+# packed in the VNNI layout from the rows the block table lists (lowp.h pack_kt_rows /
+# pack_v_rows), Q and P in T. "emulated" (ATTNKIT_NATIVE_LOWP_GEMM=emulate) runs that path
+# with a plain C++ product on every CPU; "gemm" with brgemm where this CPU has it.
+LOWP = (torch.bfloat16, torch.float16)
+_SWITCH = {"gemm": "1", "emulated": "emulate", "widen": "0"}
+
+
+@pytest.fixture(params=["gemm", "emulated"])
+def lowp_path(request, monkeypatch):
+    dtype = request.node.callspec.params.get("dtype", torch.bfloat16)
+    if request.param == "gemm" and not hardware_lowp_gemm(dtype):
+        pytest.skip(f"no {dtype} GEMMs on this CPU: {native.low_precision_paths()}")
+    monkeypatch.setenv("ATTNKIT_NATIVE_LOWP_GEMM", _SWITCH[request.param])
+    return request.param
+
+
+# keys 0 and 1 (a chunk over none, over one), 37, a 45-query chunk over 300 keys (three
+# tiles, pages of 5 crossed mid-chunk), decode rows beside them on the dot loops
+LOWP_LENGTHS, LOWP_N_Q = [0, 1, 37, 300, 150], [20, 20, 20, 45, 3]
+
+
+@pytest.mark.parametrize("dtype", LOWP)
+@pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: ",".join(o) or "plain")
+@pytest.mark.parametrize("block_size", [5, 16])
+@pytest.mark.parametrize("block_q", [4, 32])          # cached packed tiles, packed per use
+def test_lowp_gemm_loop_matches_reference(dtype, lowp_path, opts, block_size, block_q):
+    _check(dtype, block_size, opts, split_len=None if block_q == 4 else 128, block_q=block_q,
+           d=24, d_v=40, n_q=LOWP_N_Q, lengths=LOWP_LENGTHS)
+
+
+@pytest.mark.parametrize("dtype", LOWP)
+@pytest.mark.parametrize("h_q,h_kv,d,d_v", [(4, 4, 8, 8), (8, 1, 65, 17), (16, 2, 128, 128),
+                                            (6, 2, 3, 70)])
+def test_lowp_gemm_loop_heads_and_dims(dtype, lowp_path, h_q, h_kv, d, d_v):
+    # MHA, MQA, GQA; odd D_k (the packing's last word half zero), D_v past one VNNI block
+    _check(dtype, 16, {"window": (-1, 0), "softcap": 3.0}, split_len=None, block_q=None,
+           h_q=h_q, h_kv=h_kv, d=d, d_v=d_v, n_q=[33, 1, 16], lengths=[260, 1, 16])
+
+
+@pytest.mark.parametrize("dtype", LOWP)
+def test_lowp_gemm_loop_rounds_p_and_agrees_with_emulation(dtype, monkeypatch):
+    """The T GEMM loop runs (its P is rounded to T: the output differs from the widening
+    path's); brgemm, where it runs, and the emulated product agree to float32 rounding."""
+    lengths, n_q = [300, 129], [40, 64]
+    k_pages, v_pages, table, _, _ = _pool(lengths, 16, 2, 64, 64, dtype, poison=False)
+    cu = torch.tensor([0, *torch.tensor(n_q).cumsum(0).tolist()])
+    q = torch.randn(int(cu[-1]), 8, 64).to(dtype)
+    outs = {}
+    modes = ["emulated", "widen"] + (["gemm"] if hardware_lowp_gemm(dtype) else [])
+    for mode in modes:
+        monkeypatch.setenv("ATTNKIT_NATIVE_LOWP_GEMM", _SWITCH[mode])
+        outs[mode] = native.paged_attention(q, k_pages, v_pages, table, cu, lengths,
+                                            window=(-1, 0))[0].float()
+    assert not torch.equal(outs["emulated"], outs["widen"])
+    if "gemm" in outs:
+        assert not torch.equal(outs["gemm"], outs["widen"])
+        assert (outs["gemm"] - outs["emulated"]).abs().max() <= 4 * (
+            torch.finfo(dtype).eps * outs["emulated"].abs().max())
+
+
+@pytest.mark.parametrize("dtype", LOWP)
+@pytest.mark.parametrize("bad", ["nan", "inf"])
+@pytest.mark.parametrize("dim", [3, 19, 33])          # a vector lane, the row's scalar tail
+def test_lowp_nonfinite_value_outside_the_window_stays_out(dtype, lowp_path, bad, dim):
+    # the packing finds a tile's first inf / NaN V row (pack_v_rows: 16 columns at a time,
+    # then the tail of D_v = 36); such a tile takes the P == 0-skipping path for P . V
+    lengths = [300]                                    # 20 queries at 280 .. 299, 8 heads
+    k_pages, v_pages, table, ks, vs = _pool(lengths, 7, 2, 16, 36, dtype)
+    for key in (150, 271):                             # in read tiles, outside the window
+        page, slot = table[0, key // 7], key % 7
+        v_pages[page, slot, :, dim] = float(bad)
+        vs[0][key, :, dim] = float(bad)
+    q = torch.randn(20, 8, 16).to(dtype)
+    for block_q in (4, 32):                            # cached packed tiles, packed per use
+        out, lse = native.paged_attention(q, k_pages, v_pages, table, [0, 20], lengths,
+                                          window=(8, 0), split_len=128, block_q=block_q)
+        assert torch.isfinite(out).all(), f"{bad} in a masked value row reached the output"
+        _assert_rows(out, lse, dtype, f"paged lowp {dtype}",
+                     functools.partial(_reference, q, ks[0], vs[0], 280, window=(8, 0)))
+
+
+@pytest.mark.parametrize("dtype", LOWP)
+@pytest.mark.parametrize("bad", ["nan", "inf"])
+def test_lowp_nonfinite_value_just_past_an_items_keys_stays_out(dtype, lowp_path, bad):
+    # 19 causal queries at 270 .. 288 over 300 keys: the last query block (3 queries) reads
+    # keys up to 288 of the tile [256, 384), an odd 33 keys, while the cached packed tile
+    # holds all 44; V row 289 (seen by no query) is the one the GEMM's pair of rows would
+    # multiply by P = 0
+    lengths = [300]
+    k_pages, v_pages, table, ks, vs = _pool(lengths, 16, 2, 16, 16, dtype)
+    page, slot = table[0, 289 // 16], 289 % 16
+    v_pages[page, slot, :, 5] = float(bad)
+    vs[0][289, :, 5] = float(bad)
+    q = torch.randn(19, 16, 16).to(dtype)
+    out, lse = native.paged_attention(q, k_pages, v_pages, table, [0, 19], lengths,
+                                      q_positions=[270], window=(-1, 0), block_q=4)
+    assert torch.isfinite(out).all(), f"{bad} in a value row no query sees reached the output"
+    _assert_rows(out, lse, dtype, f"paged lowp {dtype}",
+                 functools.partial(_reference, q, ks[0], vs[0], 270, window=(-1, 0)))

@@ -429,6 +429,34 @@ def test_shared_prefix_in_low_precision(dtype):
         assert_low_precision_close(out[b], naive, want64, what=f"cascade {dtype} row {b}")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mode", ["gemm", "emulate"])
+def test_shared_prefix_on_the_gemm_loop_in_low_precision(dtype, mode, monkeypatch):
+    # 9 forks x 2 query heads per K/V head = 18 prefix rows: the prefix part runs on the
+    # paged GEMM loop, in T GEMMs on packed tiles (brgemm where this CPU has it, or emulated)
+    from helpers.native_checks import hardware_lowp_gemm
+
+    if mode == "gemm" and not hardware_lowp_gemm(dtype):
+        pytest.skip(f"no {dtype} GEMMs on this CPU")
+    monkeypatch.setenv("ATTNKIT_NATIVE_LOWP_GEMM", "1" if mode == "gemm" else "emulate")
+    cache, seqs = _forked_batch(dtype, block_size=16, prefix=200,
+                                own=(1, 30, 2, 0, 5, 17, 3, 9, 40))
+    batch = len(seqs)
+    q = torch.randn(batch, 1, 4, 8).to(dtype)
+    kn, vn = torch.randn(batch, 1, 2, 8).to(dtype), torch.randn(batch, 1, 2, 8).to(dtype)
+    out = ak.attention_with_kvcache(q, cache.k_pages, cache.v_pages, kn, vn,
+                                    cache_seqlens=cache.seqlens(seqs),
+                                    block_table=cache.block_table(seqs), causal=True,
+                                    softcap=3.0)
+    cache.commit(seqs, 1)
+    for b, s in enumerate(seqs):
+        kk, vv = cache.gather(s)
+        want64, _ = _reference(q[b].double(), kk.double(), vv.double(), causal=True,
+                               softcap=3.0)
+        naive, _ = _reference(q[b], kk, vv, causal=True, softcap=3.0, dtype=dtype)
+        assert_low_precision_close(out[b], naive, want64, what=f"cascade {dtype} row {b}")
+
+
 def test_shared_prefix_of_many_queries_returns_its_own_tensors():
     """Forks sending 70 queries each (280 prefix rows, more than a decode step's): the
     result equals the reference and holds no storage beyond itself (the prefix parts are

@@ -77,3 +77,10 @@ def check_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.
         if kv_nan is not None and name != "q":
             got = torch.where(kv_nan[..., None], 0.0, got.double())
         assert_low_precision_grad_close(got, lo, hi, what=f"d{name}")
+
+
+def hardware_lowp_gemm(dtype: torch.dtype) -> bool:
+    """Whether this CPU runs ``dtype``'s GEMMs through brgemm (native.low_precision_paths,
+    unforced by ``ATTNKIT_NATIVE_LOWP_GEMM``)."""
+    name = str(dtype).split(".")[1]
+    return native.low_precision_paths()[name].startswith(name + " GEMMs (oneDNN")

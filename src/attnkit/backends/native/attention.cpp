@@ -395,15 +395,23 @@ std::tuple<Tensor, Tensor> paged_attend(
     std::vector<PagedItem> items;
     const i64 parts = plan_paged(a, seqs, items, split_len, block_q);
     // the GEMM loop's converted tiles cached per thread when all copies fit in 64 MB and
-    // some sequence has several query blocks to reuse them (paged.h: TileCache)
+    // some sequence has several query blocks to reuse them (paged.h: TileCache; packed in
+    // T on the T GEMMs, lowp.h)
     i64 tiles = 0;
-    bool reuse = false;
+    bool reuse = false, gemm_loop = false;
     for (const auto& s : seqs)
       if (a.G * std::min(s.rows, s.nq) >= 16) {
         tiles = std::max(tiles, (s.nk + BK - 1) / BK);
         reuse = reuse || s.nqb > 1;
+        gemm_loop = true;
       }
-    const i64 bytes = tiles * BK * (a.Dk + a.DVP) * i64(sizeof(A));
+    if constexpr (is_lowp<T>) {
+      const LowpPath path = rows_lowp_path<T>();             // packed from the listed rows
+      a.lowp = gemm_loop && path.gemm;
+      a.lowp_emulate = path.emulate;
+    }
+    const i64 bytes = tiles * BK * (a.lowp ? (round_up(a.Dk, 2) + round_up(a.Dv, NB)) * 2
+                                           : (a.Dk + a.DVP) * i64(sizeof(A)));
     a.cache_kt = reuse && bytes * std::max(1, at::get_num_threads()) <= (64 << 20);
     Pages<T> pg{k_pool.data_ptr<T>(), v_pool.data_ptr<T>(), k_pool.size(1), k_pool.size(0),
                 {k_pool.stride(0), k_pool.stride(1), k_pool.stride(2)},

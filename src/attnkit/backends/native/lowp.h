@@ -18,6 +18,7 @@
 #include <ATen/Context.h>
 #include <ATen/cpu/Utils.h>
 
+#include <array>
 #include <cstdlib>
 #include <string>
 
@@ -461,6 +462,166 @@ void pack_rows(const T* src, i64 ld, i64 n, i64 K, i64 D, T* dst, T* stage, bool
       if (!bad[j]) std::memcpy(stage + j * NB, src + j * ld + c, w * sizeof(T));
     vnni_pack(K, NB, stage, dst + c * K, onednn_pack);
   }
+}
+
+// ------------------------------------------------------------------ packing from row pointers
+// A paged cache's tile (paged.h) has its K / V rows in pages of a pool, found one by one
+// through a block table: these pack from a list of row addresses, in attnkit's own
+// interleave (vnni_pack's without oneDNN). A pair of T is one 32-bit word: in a Kᵀ block,
+// word (p, j) is key j's dims 2p, 2p + 1 (a transpose of words); in a V block, word (p, n)
+// is column n of rows 2p, 2p + 1 (two rows interleaved).
+
+// Whether brgemm reads attnkit's own interleave right on this CPU (probe_product on it;
+// probe() tested oneDNN's where oneDNN packs). Once per process and dtype.
+template <typename T> bool own_pack_ok() {
+  static const bool ok = [] {
+    try {
+      return probe_product<T>(16, NB, NB, 0, 0, false) &&
+             probe_product<T>(5, NB, 29, 8, 32, false) &&
+             probe_product<T>(16, BK, BK, 0, 0, false) &&
+             probe_product<T>(5, BK, 29, 8, 96, false);
+    } catch (const std::exception&) {
+      return false;
+    }
+  }();
+  return ok;
+}
+
+// The path of a GEMM loop that packs by pack_kt_rows / pack_v_rows: lowp_path's, widening
+// where brgemm does not read our own interleave.
+template <typename T> LowpPath rows_lowp_path() {
+  LowpPath p = lowp_path<T>();
+  if (p.gemm && !p.emulate && p.onednn_pack) {
+    if (!own_pack_ok<T>())
+      return {false, false, "widening to float32: the brgemm self-test on attnkit's packing "
+                            "failed"};
+    p.onednn_pack = false;
+  }
+  return p;
+}
+
+// Eight 32-bit lanes (floats, or any 4-byte words: the shuffles move bits as they are).
+typedef float v8f __attribute__((vector_size(32)));
+
+// dst + i * ld (8,) <- column i of the 8 x 8 block r (rows r[0..7]), in registers
+// (unpack pairs, then quads, then halves).
+inline void transpose8_store(const v8f (&r)[8], float* dst, i64 ld) {
+  v8f t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = __builtin_shufflevector(r[2 * i], r[2 * i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+    t[2 * i + 1] = __builtin_shufflevector(r[2 * i], r[2 * i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+  }
+  for (int h = 0; h < 2; ++h)                              // rows 0-3 (h = 0), 4-7 (h = 1)
+    for (int i = 0; i < 2; ++i) {
+      const v8f a = t[4 * h + i], b = t[4 * h + 2 + i];
+      u[4 * h + 2 * i] = __builtin_shufflevector(a, b, 0, 1, 8, 9, 4, 5, 12, 13);
+      u[4 * h + 2 * i + 1] = __builtin_shufflevector(a, b, 2, 3, 10, 11, 6, 7, 14, 15);
+    }
+  for (int i = 0; i < 4; ++i) {                            // u[i]: columns i, i + 4 of 0-3
+    const v8f lo = __builtin_shufflevector(u[i], u[4 + i], 0, 1, 2, 3, 8, 9, 10, 11);
+    const v8f hi = __builtin_shufflevector(u[i], u[4 + i], 4, 5, 6, 7, 12, 13, 14, 15);
+    std::memcpy(dst + i * ld, &lo, sizeof lo);
+    std::memcpy(dst + (i + 4) * ld, &hi, sizeof hi);
+  }
+}
+
+// dst (DKE, BK) <- the packed Kᵀ tile of the n rows krow[j] (D_k,), as pack_kt_tile: one
+// block (DKE / 2, BK, 2); keys past n and dims past D_k are 0. Eight keys by eight words
+// are transposed in registers (transpose8_store); the words past the last 8 (D_k not a
+// multiple of 16) and the keys of a last group of fewer than 8 one by one.
+template <typename T> void pack_kt_rows(i64 Dk, const T* const* krow, i64 n, T* dst) {
+  const i64 P = (Dk + 1) / 2, full = Dk / 2;             // words per key; of two dims
+  const i64 P8 = full / 8 * 8;                            // words transposed 8 x 8
+  float* bw = reinterpret_cast<float*>(dst);              // as words (P, BK)
+  for (i64 j0 = 0; j0 < BK; j0 += 8) {                    // keys j0 .. j0 + 7
+    i64 p0 = 0;
+    if (j0 + 8 <= n)
+      for (; p0 < P8; p0 += 8) {                          // words p0 .. p0 + 7 of 8 keys
+        v8f r[8];
+        for (int u = 0; u < 8; ++u) std::memcpy(&r[u], krow[j0 + u] + 2 * p0, sizeof r[u]);
+        transpose8_store(r, bw + p0 * BK + j0, BK);
+      }
+    for (i64 j = j0; j < j0 + 8; ++j) {                   // key j -> column j, words p0..
+      T* col = dst + 2 * j;
+      if (j >= n) {
+        for (i64 p = p0; p < P; ++p) col[p * 2 * BK] = col[p * 2 * BK + 1] = T(0.f);
+        continue;
+      }
+      const T* kr = krow[j];
+      for (i64 p = p0; p < full; ++p) std::memcpy(col + p * 2 * BK, kr + 2 * p, 2 * sizeof(T));
+      if (P > full) {                                     // odd D_k: the last dim, then 0
+        col[full * 2 * BK] = kr[Dk - 1];
+        col[full * 2 * BK + 1] = T(0.f);
+      }
+    }
+  }
+}
+
+// Whether x is inf or NaN (every exponent bit set).
+inline bool nonfinite_bits(at::BFloat16 x) { return (x.x & 0x7F80) == 0x7F80; }
+inline bool nonfinite_bits(at::Half x) { return (x.x & 0x7C00) == 0x7C00; }
+template <typename T> constexpr uint16_t EXP_BITS = std::is_same_v<T, at::BFloat16> ? 0x7F80
+                                                                                   : 0x7C00;
+
+// out[0 : 32] <- a[0 : 16], b[0 : 16] interleaved (a[i], b[i] as one 32-bit word i), as
+// bits; bad |= lanes where a or b holds an inf/NaN.
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef uint32_t v16w __attribute__((vector_size(64)));
+template <typename T> inline void interleave16(const T* a, const T* b, T* out, v16h& bad) {
+  v16h x, y;
+  std::memcpy(&x, a, sizeof x);
+  std::memcpy(&y, b, sizeof y);
+  const v16w w = __builtin_convertvector(x, v16w) | (__builtin_convertvector(y, v16w) << 16);
+  std::memcpy(out, &w, sizeof w);
+  bad |= (v16h)((x & EXP_BITS<T>) == EXP_BITS<T>) | (v16h)((y & EXP_BITS<T>) == EXP_BITS<T>);
+}
+
+// Whether any lane of m is set.
+inline bool any_lane(const v16h& m) {
+  uint64_t w[4];
+  static_assert(sizeof w == sizeof m);
+  std::memcpy(w, &m, sizeof w);
+  return (w[0] | w[1] | w[2] | w[3]) != 0;
+}
+
+// dst (DVB / NB blocks (BK / 2, NB, 2)) <- the packed V tile of the n rows vrow[j] (D_v,),
+// as pack_v_tile: rows past n and columns past D_v 0; returns the first row holding inf/NaN
+// (BK if none). Block by block (its words written in order), rows 2p, 2p + 1 interleaved 16
+// columns at a time (interleave16), a row past n read as zeros, the columns past the last
+// 16 one by one.
+template <typename T> i64 pack_v_rows(i64 Dv, const T* const* vrow, i64 n, T* dst) {
+  const i64 DVB = round_up(Dv, NB), D16 = Dv / 16 * 16;
+  static const T zeros[NB] = {};                          // (NB,) columns of a row past n
+  std::array<bool, BK / 2> nf{};                          // per pair: an inf/NaN in a row
+  for (i64 c = 0; c < DVB; c += NB) {                     // columns [c, c + NB): one block
+    const i64 w = std::min<i64>(NB, Dv - c), w16 = std::clamp<i64>(D16 - c, 0, NB);
+    for (i64 p = 0; p < BK / 2; ++p) {                    // rows 2p, 2p + 1 -> word row p
+      T* o = dst + c * BK + p * 2 * NB;                   // (NB, 2)
+      if (2 * p >= n) {                                   // both past n: zero words
+        std::fill_n(o, 2 * NB, T(0.f));
+        continue;
+      }
+      const T* r0 = vrow[2 * p] + c;
+      const T* r1 = 2 * p + 1 < n ? vrow[2 * p + 1] + c : nullptr;
+      v16h bad{};
+      for (i64 d = 0; d < w16; d += 16) interleave16(r0 + d, r1 ? r1 + d : zeros + d, o + 2 * d, bad);
+      bool tail = false;
+      for (i64 d = w16; d < w; ++d) {
+        o[2 * d] = r0[d];
+        o[2 * d + 1] = r1 ? r1[d] : T(0.f);
+        tail |= nonfinite_bits(o[2 * d]) || nonfinite_bits(o[2 * d + 1]);
+      }
+      for (i64 d = w; d < NB; ++d) o[2 * d] = o[2 * d + 1] = T(0.f);
+      nf[p] = nf[p] || tail || any_lane(bad);
+    }
+  }
+  for (i64 p = 0; p < BK / 2; ++p)                        // the first pair, then which row
+    if (nf[p]) {
+      bool first = false;
+      for (i64 d = 0; d < Dv; ++d) first |= nonfinite_bits(vrow[2 * p][d]);
+      return first ? 2 * p : 2 * p + 1;
+    }
+  return BK;
 }
 
 }  // namespace

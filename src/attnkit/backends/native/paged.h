@@ -19,9 +19,11 @@
 // the sequence's grid) the K/V row addresses come from the block table (rows_of_tile);
 // the dot loops (few rows: decode) read those rows as they lie, in T; the GEMM path (16
 // rows or more: chunks, shared prefixes) transposes K and converts V per tile into the
-// thread's buffers. A long sequence is split into several items (each about 1/8 of a
-// thread's share of the keys), which the threads take one at a time, so one long sequence
-// does not leave a core idle; a sequence's splits are merged by LSE.
+// thread's buffers — or, bfloat16 / float16 where lowp.h's GEMMs run, packs them in T in
+// the VNNI layout from the listed rows and multiplies in T (gemm_tile_pass_lowp). A long
+// sequence is split into several items (each about 1/8 of a thread's share of the keys),
+// which the threads take one at a time, so one long sequence does not leave a core idle; a
+// sequence's splits are merged by LSE.
 // On the dot loops the H_kv items of one (sequence, query block, split) are one task, run
 // tile by tile with every head's rows of a tile read before the next tile: a page holds a
 // token's heads side by side (slot stride H_kv * D), so one head alone reads D of every
@@ -90,8 +92,7 @@ template <typename T> struct ListedRows {
   const T* v(i64 j) const { return vr[j]; }
 };
 
-// Eight floats at p, converted in registers (the 8 x 8 transpose's loads).
-typedef float v8f __attribute__((vector_size(32)));
+// Eight floats at p, converted in registers (the 8 x 8 transpose's loads; v8f: lowp.h).
 inline v8f load8(const float* p) {
   v8f v;
   std::memcpy(&v, p, sizeof v);
@@ -117,28 +118,6 @@ inline v8f load8(const at::Half* p) {
   for (int i = 0; i < 8; ++i) v[i] = float(p[i]);
   return v;
 #endif
-}
-
-// dst + i * ld (8,) <- column i of the 8 x 8 block r (rows r[0..7]), in registers
-// (unpack pairs, then quads, then halves).
-inline void transpose8_store(const v8f (&r)[8], float* dst, i64 ld) {
-  v8f t[8], u[8];
-  for (int i = 0; i < 4; ++i) {
-    t[2 * i] = __builtin_shufflevector(r[2 * i], r[2 * i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
-    t[2 * i + 1] = __builtin_shufflevector(r[2 * i], r[2 * i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
-  }
-  for (int h = 0; h < 2; ++h)                              // rows 0-3 (h = 0), 4-7 (h = 1)
-    for (int i = 0; i < 2; ++i) {
-      const v8f a = t[4 * h + i], b = t[4 * h + 2 + i];
-      u[4 * h + 2 * i] = __builtin_shufflevector(a, b, 0, 1, 8, 9, 4, 5, 12, 13);
-      u[4 * h + 2 * i + 1] = __builtin_shufflevector(a, b, 2, 3, 10, 11, 6, 7, 14, 15);
-    }
-  for (int i = 0; i < 4; ++i) {                            // u[i]: columns i, i + 4 of 0-3
-    const v8f lo = __builtin_shufflevector(u[i], u[4 + i], 0, 1, 2, 3, 8, 9, 10, 11);
-    const v8f hi = __builtin_shufflevector(u[i], u[4 + i], 4, 5, 6, 7, 12, 13, 14, 15);
-    std::memcpy(dst + i * ld, &lo, sizeof lo);
-    std::memcpy(dst + (i + 4) * ld, &hi, sizeof hi);
-  }
 }
 
 // kt (D_k, BK) <- the n rows krow transposed, in A: float by 8 x 8 blocks in registers
@@ -319,14 +298,93 @@ template <typename A> inline void clear_rows(const Args<A>& a, i64 R, Buffers<A>
   std::fill(buf.l.begin(), buf.l.begin() + R, A(0));
 }
 
-// One item over its keys on the GEMM loop: acc, m, l in buf (R = G * nr rows).
+// ---- the GEMM loop in T (bfloat16 / float16 GEMMs, lowp.h; Args::lowp): Q rows and P in
+// T, each tile's Kᵀ and V packed in the VNNI layout from the rows the block table lists
+// (lowp.h pack_kt_rows / pack_v_rows), S, the score terms and the softmax in float.
+
+// Q (R, DKE) in T <- the item's query rows (token q_first + qb * rows + i, head kvh * G + g),
+// zero padded.
+template <typename A, typename T>
+void gather_q_lowp(const Args<A>& a, const T* q, const i64 (&sq)[2], const PagedSeq& seq,
+                   const PagedItem& pi, LowpBuffers<T>& lb) {
+  for (i64 g = 0; g < a.G; ++g)
+    for (i64 i = 0; i < pi.it.nr; ++i) {                   // row g * nr + i (DKE,)
+      const i64 tok = seq.q_first + pi.qb * seq.rows + i;
+      T* dst = lb.q.get() + (g * pi.it.nr + i) * lb.DKE;
+      std::memcpy(dst, q + tok * sq[0] + (pi.kvh * a.G + g) * sq[1], a.Dk * sizeof(T));
+      for (i64 d = a.Dk; d < lb.DKE; ++d) dst[d] = T(0.f);
+    }
+}
+
+// The tile [k0, k0 + n) of the item packed (from the thread's cache of this (sequence, K/V
+// head) when on, packed there on first use with all the tile's keys), and V's first row
+// holding inf/NaN; krow / vrow hold the rows of keys [k0, k0 + n).
+template <typename A, typename T>
+void packed_paged_tile(const Pages<T>& pg, const Args<A>& a, const PagedSeq& seq,
+                       const PagedItem& pi, i64 k0, i64 n, PagedBuffers<A, T>& pb,
+                       LowpBuffers<T>& lb, const T*& kt, const T*& vt, i64& v_bad) {
+  i64 t = 0, len = n;
+  if (lb.cache) {                                          // k0 is a multiple of BK here
+    if (lb.cb != pi.s || lb.ch != pi.kvh) {
+      std::fill(lb.done.begin(), lb.done.end(), 0);
+      lb.cb = pi.s;
+      lb.ch = pi.kvh;
+    }
+    t = k0 / BK;
+    len = std::min<i64>(BK, seq.nk - k0);                  // the whole tile, for every item
+  }
+  rows_of_tile(pg, pi.s, pi.kvh, k0, std::max(n, len), pb.krow.data(), pb.vrow.data());
+  T* ktt = lb.kt.get() + t * lb.kt_tile;
+  T* vtt = lb.v.get() + t * lb.v_tile;
+  if (!lb.cache || !lb.done[t]) {
+    pack_kt_rows(a.Dk, pb.krow.data(), len, ktt);
+    lb.v_bad[t] = pack_v_rows(a.Dv, pb.vrow.data(), len, vtt);
+    lb.done[t] = 1;
+  }
+  kt = ktt;
+  vt = vtt;
+  v_bad = lb.v_bad[t];
+}
+
+// The tile on the GEMM loop in T: S <- Q . Kᵀ, the row pass (P also rounded to T), acc +=
+// P . V (by the tile's sub-blocks); a tile whose V rows read hold inf/NaN takes the P ==
+// 0-skipping path for P . V (in float, on the listed rows).
+template <typename A, typename T>
+void gemm_tile_pass_lowp(const Args<A>& a, const Pages<T>& pg, const PagedSeq& seq,
+                         const PagedItem& pi, i64 k0, i64 n, i64 npad, TileKind kind,
+                         const Sub* subs, int count, Buffers<A>& buf, PagedBuffers<A, T>& pb,
+                         LowpBuffers<T>& lb) {
+  const Item& it = pi.it;
+  const T *kt, *vt;
+  i64 v_bad;
+  packed_paged_tile(pg, a, seq, pi, k0, n, pb, lb, kt, vt, v_bad);
+  scores_gemm_lowp(a, kt, it, subs, count, buf, lb);
+  rows_pass(a, it, k0, n, npad, kind, buf, lb.p.get());
+  if (v_bad < round_up(n, 2)) return values_axpy(a, pb.rows(0, n), n, a.G * it.nr, buf);
+  for_each_block(subs, count, a.G, it.nr, [&](i64 r0, i64 m, i64 j0, i64 nj) {
+    values_block_lowp(a.lowp_emulate, lb.p.get(), vt, a.Dv, a.DVP, r0, m, j0, nj,
+                      buf.acc.data());
+  });
+}
+
+// One item over its keys on the GEMM loop: acc, m, l in buf (R = G * nr rows); lb (T GEMMs)
+// is null on the widening path.
 template <typename A, typename T>
 void attend_paged_item(const Args<A>& a, const Pages<T>& pg, const T* q, const i64 (&sq)[2],
                        const PagedSeq& seq, const PagedItem& pi, Buffers<A>& buf,
-                       PagedBuffers<A, T>& pb) {
+                       PagedBuffers<A, T>& pb, LowpBuffers<T>* lb) {
   const Item& it = pi.it;
   clear_rows(a, a.G * it.nr, buf);
   if (it.ke <= it.kb || it.nr <= 0) return;
+  if constexpr (is_lowp<T>) {
+    if (lb) {
+      gather_q_lowp(a, q, sq, seq, pi, *lb);
+      return for_each_tile(a, it, true, [&](i64 k0, i64 n, i64 npad, TileKind kind,
+                                             const Sub* subs, int count) {
+        gemm_tile_pass_lowp(a, pg, seq, pi, k0, n, npad, kind, subs, count, buf, pb, *lb);
+      });
+    }
+  }
   gather_q_packed(a, q, sq, seq, pi, buf);
   for_each_tile(a, it, true, [&](i64 k0, i64 n, i64 npad, TileKind kind, const Sub* subs,
                                   int count) {
@@ -662,9 +720,12 @@ void run_paged(const Args<A>& a, const Pages<T>& pg, const T* q, const i64 (&sq)
     max_rows = std::max(max_rows, s.rows);
     if (a.G * std::min(s.rows, s.nq) >= 16) max_tiles = std::max(max_tiles, (s.nk + BK - 1) / BK);
   }
+  Args<A> la = a;                                          // lowp.h's buffers: a tile or
+  la.NKP = (a.cache_kt ? max_tiles : 1) * BK;              // the cached head's tiles
   at::parallel_for(0, T_, 1, [&](i64, i64) {
     Buffers<A> buf(a, a.G * max_rows);
     PagedBuffers<A, T> pb(a, max_tiles);
+    std::unique_ptr<LowpBuffers<T>> lb;                    // T GEMMs: packed K/V, Q, P in T
     std::vector<const PagedItem*> its(a.Hkv);
     Args<A> as = a;                                        // this sequence's ALiBi slopes
     for (i64 t = next++; t < n_tasks; t = next++) {
@@ -672,7 +733,9 @@ void run_paged(const Args<A>& a, const Pages<T>& pg, const T* q, const i64 (&sq)
       const PagedSeq& seq = seqs[items[task.first].s];
       as.alibi = alibi ? alibi + items[task.first].s * a.Hq : nullptr;
       if (!task.dot) {
-        attend_paged_item(as, pg, q, sq, seq, items[task.first], buf, pb);
+        if constexpr (is_lowp<T>)
+          if (a.lowp && !lb) lb.reset(new LowpBuffers<T>(la, a.G * max_rows));
+        attend_paged_item(as, pg, q, sq, seq, items[task.first], buf, pb, lb.get());
         finish_item(a, seq, items[task.first], buf, out, lse, po.data(), pl.data());
         continue;
       }
@@ -682,6 +745,7 @@ void run_paged(const Args<A>& a, const Pages<T>& pg, const T* q, const i64 (&sq)
       for (i64 h = 0; h < a.Hkv; ++h)
         finish_item(a, seq, *its[h], pb.heads[h], out, lse, po.data(), pl.data());
     }
+    if (lb && !a.lowp_emulate) at::native::cpublas::brgemm_release(true);  // AMX tile state
   });
   if (n_part_rows == 0) return;
   std::vector<std::array<i64, 3>> groups;                  // (sequence, kv head, query block)
