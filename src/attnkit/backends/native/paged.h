@@ -359,8 +359,9 @@ void gemm_tile_pass_lowp(const Args<A>& a, const Pages<T>& pg, const PagedSeq& s
   i64 v_bad;
   packed_paged_tile(pg, a, seq, pi, k0, n, pb, lb, kt, vt, v_bad);
   scores_gemm_lowp(a, kt, it, subs, count, buf, lb);
-  rows_pass(a, it, k0, n, npad, kind, buf, lb.p.get());
-  if (v_bad < round_up(n, 2)) return values_axpy(a, pb.rows(0, n), n, a.G * it.nr, buf);
+  const bool bad_v = v_bad < round_up(n, 2);               // (then the float P is kept)
+  rows_pass_lowp(a, it, k0, n, npad, kind, bad_v, buf, lb.p.get(), lb.mx.get());
+  if (bad_v) return values_axpy(a, pb.rows(0, n), n, a.G * it.nr, buf);
   for_each_block(subs, count, a.G, it.nr, [&](i64 r0, i64 m, i64 j0, i64 nj) {
     values_block_lowp(a.lowp_emulate, lb.p.get(), vt, a.Dv, a.DVP, r0, m, j0, nj,
                       buf.acc.data());
