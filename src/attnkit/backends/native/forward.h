@@ -213,19 +213,29 @@ inline void q_to_bf16(const Args<float>& a, i64 R, i64 DKE, const float* q, at::
     }
 }
 
-// scores_dot for bf16 q and K: 16 keys at a time, K rows AHEAD_BF16 on prefetched (V rows are
-// prefetched by values_bf16 as it reads them: fetching the tile's V here too measured slower,
-// 0.73 against 0.84 of SDPA's speed on one core, (1, 8, 1, 64) over 4096 keys).
+// Whether the K pass also prefetches the tile's V rows (values_bf16 prefetches them as it
+// reads them anyway): only on a call whose K/V outgrow the caches. One core, alternating runs:
+// 1x32768 D=128 (128 MB, DRAM) 7.3-7.6 ms with against 8.5-11 without; (1, 8, 1, 64) over
+// 4096 keys (8 MB) 0.79 against 0.88 of SDPA's speed, GQA 32/8 D=128 over 8192 (32 MB) 38
+// against 36 ns per key and K/V head.
+inline bool v_with_k(const Args<float>& a) {
+  return a.B * a.Hkv * a.Nk * (a.Dk + a.Dv) * i64(sizeof(at::BFloat16)) > (i64(64) << 20);
+}
+
+// scores_dot for bf16 q and K: 16 keys at a time, K rows AHEAD_BF16 on prefetched (and the
+// tile's V rows where v_with_k).
 template <typename Rows>
 void scores_dot_bf16(const Args<float>& a, const Rows& rows, i64 n, i64 R, Buffers<float>& buf) {
   const i64 DKE = round_up(a.Dk, KD);
   buf.qh.resize(R * DKE);
   q_to_bf16(a, R, DKE, buf.q.data(), buf.qh.data());
+  const bool v_too = v_with_k(a);
   i64 j = 0;
   for (; j + 16 <= n; j += 16) {                           // keys [j, j + 16)
     const at::BFloat16* src[16];
     for (int u = 0; u < 16; ++u) {
       if (j + u + AHEAD_BF16 < rows.end) prefetch_row(rows.k(j + u + AHEAD_BF16), a.Dk);
+      if (v_too) prefetch_row(rows.v(j + u), a.Dv);
       src[u] = rows.k(j + u);
     }
     dots_bf16<16>(buf.qh.data(), R, a.Dk, DKE, src, buf.s.data() + j);
