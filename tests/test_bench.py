@@ -79,6 +79,19 @@ def test_noise_verdict_busy_and_steady():
     assert nz["busy"] and "machine busy: ratios uncertain by ±40%" in nz["verdict"]
 
 
+def test_noise_takes_each_half_gemm_yardstick_apart():
+    """A bf16 GEMM (AMX) and an fp16 one (no AMX-FP16) differ 7× on a steady machine: their
+    samples are spread per dtype, not pooled into one 'busy' verdict."""
+    bf, fp = bench.Case("a", 1, 1, dtype="bfloat16"), bench.Case("b", 1, 1, dtype="float16")
+    bf.results["lowp_gemm_samples"] = [2600e9, 2650e9, 2700e9]
+    fp.results["lowp_gemm_samples"] = [370e9, 372e9, 375e9]
+    nz = bench.noise([bf, fp])
+    assert not nz["busy"] and nz["samples"] == 6, nz
+    assert "bfloat16 GEMM yardstick" in nz["verdict"] and "float16 GEMM" in nz["verdict"]
+    fp.results["lowp_gemm_samples"] = [370e9, 200e9, 375e9]
+    assert bench.noise([bf, fp])["busy"]
+
+
 def test_the_run_names_the_cpu_and_the_kernels_isa_level(tiny_run):
     """BENCHMARKS.md keeps one table per CPU: the run says which CPU (model name and family /
     model from /proc/cpuinfo where there is one) and which ISA level the kernel was built for."""

@@ -76,10 +76,17 @@ _SPEED_W = 29
 
 # ---------------------------------------------------------------------------- measuring
 def _low_precision_paths() -> dict[str, str]:
-    """Which GEMMs the native kernel's forward runs for bfloat16 / float16, and why."""
+    """Which GEMMs the native kernel runs for bfloat16 / float16 (forward, backward, the paged
+    GEMM loop), and why; and how its decode loops multiply bfloat16."""
     from .backends import native
+    from .backends.native import loader
 
-    return native.low_precision_paths()
+    paths = dict(native.low_precision_paths())
+    paths["bfloat16 decode"] = (
+        "native kernel unavailable" if not native.available() else
+        "vdpbf16ps dot products on the bf16 rows (avx512bf16 build)"
+        if loader.cpu_flags()[0] == "avx512bf16" else "rows widened to float32 in registers")
+    return paths
 
 
 def _malloc_for(peak: bool) -> None:
@@ -687,15 +694,21 @@ def noise(cases: list[Case]) -> dict[str, object]:
     measurements can move a ratio. Above ``BUSY_PCT`` the verdict says the machine was busy.
     (Each JSON row also carries its own case's spread, ``yardsticks.case_spread_pct``.)"""
     sg = [x for c in cases for x in c.results.get("sgemm_samples", [])]  # type: ignore
-    hg = [x for c in cases for x in c.results.get("lowp_gemm_samples", [])]  # type: ignore
+    half: dict[str, list[float]] = {}          # the half-precision GEMMs, one list per dtype
+    for c in cases:
+        half.setdefault(c.dtype, []).extend(c.results.get("lowp_gemm_samples", []))  # type: ignore
+    half = {dt: xs for dt, xs in half.items() if xs}
+    hg = [x for xs in half.values() for x in xs]
     rd = [x for c in cases for x in c.results.get("read_samples", [])]  # type: ignore
-    pct = max(spread(sg), spread(hg), spread(rd))
+    pct = max(spread(sg), *(spread(xs) for xs in half.values()), spread(rd))
     busy = pct > BUSY_PCT
     if not sg and not hg:
         verdict = "no yardstick samples (no case ran)"
     else:
         parts = [f"{what} yardstick {min(xs) / 1e9:.1f}–{max(xs) / 1e9:.1f} GFLOP/s over "
-                 f"{len(xs)} samples" for what, xs in (("sgemm", sg), ("half GEMM", hg)) if xs]
+                 f"{len(xs)} samples" for what, xs in (("sgemm", sg),
+                                                       *((f"{dt} GEMM", xs)
+                                                         for dt, xs in half.items())) if xs]
         how = ", ".join(parts) + (f", read {min(rd) / 1e9:.1f}–{max(rd) / 1e9:.1f} GB/s"
                                   if rd else "")
         pm = f"±{pct:.0f}%" if pct <= 100 else "more than ±100%: do not read them"
@@ -804,7 +817,7 @@ def run_cli(argv: list[str]) -> int:
           f"cpu capability {torch.backends.cpu.get_cpu_capability()}, python "
           f"{sys.version.split()[0]}")
     lowp = _low_precision_paths()
-    print("native low precision (forward): " + "; ".join(f"{k}: {v}" for k, v in lowp.items()))
+    print("native low precision: " + "; ".join(f"{k}: {v}" for k, v in lowp.items()))
     small = {"tiny": (128, 4), "quick": (1024, 128), "full": (2048, 512)}[size]
     flops_s = sgemm_flops(small[0])
     bw = read_bandwidth(small[1])
