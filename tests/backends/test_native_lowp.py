@@ -19,7 +19,8 @@ import torch
 
 from attnkit.backends import native
 from attnkit.scores import alibi, alibi_slopes
-from helpers.native_checks import check
+from helpers.native_checks import LOWP_SWITCH, check, hardware_lowp_gemm, use_lowp_path
+from helpers.native_checks import qkv64 as qkv
 from helpers.oracle import oracle
 from helpers.tolerance import assert_low_precision_grad_close, max_err, rounding_floor
 
@@ -40,32 +41,13 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-_SWITCH = {"gemm": "1", "emulated": "emulate", "widen": "0"}
-
-
-def _hardware_gemm(dtype: torch.dtype) -> bool:
-    """Whether this CPU runs ``dtype``'s GEMMs through brgemm (unforced by the switch)."""
-    name = str(dtype).split(".")[1]
-    return native.low_precision_paths()[name].startswith(name + " GEMMs (oneDNN")
 
 
 @pytest.fixture(params=["gemm", "emulated", "widen"])
 def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Each test runs on the low-precision GEMM path (brgemm, where this CPU has it; else
     skipped), on the same path with emulated GEMMs (any CPU), and on the widening path."""
-    params = getattr(request.node, "callspec", None)
-    dtype = params.params.get("dtype", torch.bfloat16) if params else torch.bfloat16
-    if request.param == "gemm" and not _hardware_gemm(dtype):
-        pytest.skip("no low-precision GEMMs on this CPU: " + str(native.low_precision_paths()))
-    monkeypatch.setenv("ATTNKIT_NATIVE_LOWP_GEMM", _SWITCH[request.param])
-    return request.param
-
-
-def qkv(B: int, hq: int, hkv: int, nq: int, nk: int, d: int, dv: int | None = None,
-        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return (torch.randn(B, hq, nq, d, dtype=torch.float64),
-            torch.randn(B, hkv, nk, d, dtype=torch.float64),
-            torch.randn(B, hkv, nk, dv or d, dtype=torch.float64))
+    return use_lowp_path(request, monkeypatch)
 
 
 # ---------------------------------------------------------------------------- the path
@@ -97,15 +79,15 @@ def test_gemm_path_rounds_p(dtype: torch.dtype, mode: str,
     """Where the GEMM path runs, its output differs from the widening path's (P is rounded to
     the input dtype) while both stay within DESIGN's budget; brgemm and the emulated product
     agree to float32 rounding of their sums."""
-    if mode == "gemm" and not _hardware_gemm(dtype):
+    if mode == "gemm" and not hardware_lowp_gemm(dtype):
         pytest.skip("no low-precision GEMMs on this CPU: " + str(native.low_precision_paths()))
     q, k, v = (t.to(dtype) for t in qkv(1, 4, 2, 256, 256, 64))
     outs = {}
-    for flag in (_SWITCH[mode], "0", "emulate"):
+    for flag in (LOWP_SWITCH[mode], "0", "emulate"):
         monkeypatch.setenv("ATTNKIT_NATIVE_LOWP_GEMM", flag)
         outs[flag] = native.forward(q, k, v)[0]
-    assert not torch.equal(outs[_SWITCH[mode]], outs["0"])
-    assert (outs[_SWITCH[mode]].float() - outs["emulate"].float()).abs().max() <= 4 * (
+    assert not torch.equal(outs[LOWP_SWITCH[mode]], outs["0"])
+    assert (outs[LOWP_SWITCH[mode]].float() - outs["emulate"].float()).abs().max() <= 4 * (
         torch.finfo(dtype).eps * outs["emulate"].float().abs().max())
 
 

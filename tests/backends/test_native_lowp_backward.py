@@ -19,7 +19,14 @@ import torch
 
 from attnkit.backends import native
 from attnkit.scores import alibi, alibi_slopes
-from helpers.native_checks import check_grads, grads_of
+from helpers.native_checks import (
+    LOWP_SWITCH,
+    check_grads,
+    grads_of,
+    hardware_lowp_gemm,
+    use_lowp_path,
+)
+from helpers.native_checks import qkv64 as qkv
 from helpers.oracle import oracle
 from helpers.tolerance import max_err, rounding_floor
 
@@ -27,32 +34,13 @@ NATIVE = native.available()
 pytestmark = pytest.mark.skipif(not NATIVE, reason=f"native kernel unavailable: "
                                                    f"{native.why_unavailable()}")
 LOWP = (torch.bfloat16, torch.float16)
-_SWITCH = {"gemm": "1", "emulated": "emulate", "widen": "0"}
-
-
-def _hardware_gemm(dtype: torch.dtype) -> bool:
-    """Whether this CPU runs ``dtype``'s GEMMs through brgemm (unforced by the switch)."""
-    name = str(dtype).split(".")[1]
-    return native.low_precision_paths()[name].startswith(name + " GEMMs (oneDNN")
 
 
 @pytest.fixture(params=["gemm", "emulated", "widen"])
 def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Each test runs on the GEMM path (brgemm, where this CPU has it; else skipped), on the
     same path with emulated GEMMs (any CPU), and on the widening path."""
-    params = getattr(request.node, "callspec", None)
-    dtype = params.params.get("dtype", torch.bfloat16) if params else torch.bfloat16
-    if request.param == "gemm" and not _hardware_gemm(dtype):
-        pytest.skip("no low-precision GEMMs on this CPU: " + str(native.low_precision_paths()))
-    monkeypatch.setenv("ATTNKIT_NATIVE_LOWP_GEMM", _SWITCH[request.param])
-    return request.param
-
-
-def qkv(B: int, hq: int, hkv: int, nq: int, nk: int, d: int, dv: int | None = None,
-        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return (torch.randn(B, hq, nq, d, dtype=torch.float64),
-            torch.randn(B, hkv, nk, d, dtype=torch.float64),
-            torch.randn(B, hkv, nk, dv or d, dtype=torch.float64))
+    return use_lowp_path(request, monkeypatch)
 
 
 def causal(nq: int, nk: int) -> dict:
@@ -141,7 +129,7 @@ def test_gemm_path_rounds_p_and_ds(dtype: torch.dtype, mode: str,
     """The GEMM path's gradients differ from the widening path's (P and dS are rounded to the
     input dtype) on the same forward; brgemm and the emulated product agree to float32
     rounding of their sums."""
-    if mode == "gemm" and not _hardware_gemm(dtype):
+    if mode == "gemm" and not hardware_lowp_gemm(dtype):
         pytest.skip("no low-precision GEMMs on this CPU: " + str(native.low_precision_paths()))
     q, k, v = (t.to(dtype) for t in qkv(1, 4, 2, 256, 256, 64))
     dout = torch.randn(1, 4, 256, 64, dtype=torch.float64)
@@ -150,11 +138,11 @@ def test_gemm_path_rounds_p_and_ds(dtype: torch.dtype, mode: str,
     qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
     out, lse = native.forward(qq, kk, vv, band=(0, math.inf))
     got = {}
-    for flag in (_SWITCH[mode], "0", "emulate"):
+    for flag in (LOWP_SWITCH[mode], "0", "emulate"):
         monkeypatch.setenv("ATTNKIT_NATIVE_LOWP_GEMM", flag)
         got[flag] = torch.autograd.grad((out.double() * dout).sum() + (lse * dlse).sum(),
                                         (qq, kk, vv), retain_graph=True)
-    for name, a, w, e in zip("qkv", got[_SWITCH[mode]], got["0"], got["emulate"], strict=True):
+    for name, a, w, e in zip("qkv", got[LOWP_SWITCH[mode]], got["0"], got["emulate"], strict=True):
         assert not torch.equal(a, w), f"d{name}: the GEMM path gave the widening path's result"
         scale = e.float().abs().max()
         assert (a.float() - e.float()).abs().max() <= 4 * torch.finfo(dtype).eps * scale, name

@@ -84,3 +84,29 @@ def hardware_lowp_gemm(dtype: torch.dtype) -> bool:
     unforced by ``ATTNKIT_NATIVE_LOWP_GEMM``)."""
     name = str(dtype).split(".")[1]
     return native.low_precision_paths()[name].startswith(name + " GEMMs (oneDNN")
+
+
+#: ATTNKIT_NATIVE_LOWP_GEMM per low-precision path: brgemm (the CPU's), emulated, widening
+LOWP_SWITCH = {"gemm": "1", "emulated": "emulate", "widen": "0"}
+
+
+def use_lowp_path(request, monkeypatch) -> str:  # noqa: ANN001
+    """The body of a ``path`` fixture (params gemm / emulated / widen): switch the native
+    kernel to that low-precision path for the test, skipping gemm on a CPU without brgemm
+    for the test's ``dtype`` parameter (bfloat16 when it has none)."""
+    import pytest
+
+    params = getattr(request.node, "callspec", None)
+    dtype = params.params.get("dtype", torch.bfloat16) if params else torch.bfloat16
+    if request.param == "gemm" and not hardware_lowp_gemm(dtype):
+        pytest.skip("no low-precision GEMMs on this CPU: " + str(native.low_precision_paths()))
+    monkeypatch.setenv("ATTNKIT_NATIVE_LOWP_GEMM", LOWP_SWITCH[request.param])
+    return request.param
+
+
+def qkv64(B: int, hq: int, hkv: int, nq: int, nk: int, d: int, dv: int | None = None,
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random float64 q (B, hq, nq, d), k (B, hkv, nk, d), v (B, hkv, nk, dv or d)."""
+    return (torch.randn(B, hq, nq, d, dtype=torch.float64),
+            torch.randn(B, hkv, nk, d, dtype=torch.float64),
+            torch.randn(B, hkv, nk, dv or d, dtype=torch.float64))

@@ -144,6 +144,19 @@ void tile_grads(const Args<A>& a, const A* lse, const A* delta, const Item& it, 
 }
 
 // One tile of nq queries [q0, q0 + nq) of head h against the loaded key block.
+// The tile's sub-blocks of the band (tile_subs), with S and dP zeroed on the rows a
+// sub-block skips; returns their count.
+template <typename A>
+inline int band_subs(const Args<A>& a, const Item& it, i64 k0, i64 n, bool full, i64 nq,
+                     BackBuffers<A>& bb, Sub (&subs)[BK / SUB]) {
+  const int count = tile_subs(a, it, k0, n, full ? FULL : PARTIAL, subs);
+  if (count > 1) {
+    zero_skipped(subs, count, 1, nq, bb.s.data());
+    zero_skipped(subs, count, 1, nq, bb.dp.data());
+  }
+  return count;
+}
+
 template <typename A, typename T>
 void backward_tile(const Args<A>& a, const T* q, const T* dout, const i64* sdo, const A* lse,
                    const A* delta, const Item& it, i64 h, i64 k0, i64 n, bool full,
@@ -160,11 +173,7 @@ void backward_tile(const Args<A>& a, const T* q, const T* dout, const i64* sdo, 
   }
   // S, dP by the band's sub-blocks (rows a sub-block skips: S = dP = 0, masked below)
   Sub subs[BK / SUB];
-  const int count = tile_subs(a, it, k0, n, full ? FULL : PARTIAL, subs);
-  if (count > 1) {
-    zero_skipped(subs, count, 1, nq, bb.s.data());
-    zero_skipped(subs, count, 1, nq, bb.dp.data());
-  }
+  const int count = band_subs(a, it, k0, n, full, nq, bb, subs);
   for_each_block(subs, count, 1, nq, [&](i64 r0, i64 m, i64 j0, i64 nj) {
     gemm(m, nj, a.Dk, a.DKP, BK, BK, false, bb.q.data() + r0 * a.DKP, bb.kt.data() + j0,
          bb.s.data() + r0 * BK + j0);
@@ -385,11 +394,7 @@ void backward_tile_lowp(const Args<A>& a, const LowpQD<T>& qd, const A* lse, con
                               lb.dott.get(), ldo);
   // S, dP by the band's sub-blocks (rows a sub-block skips: S = dP = 0, masked below)
   Sub subs[BK / SUB];
-  const int count = tile_subs(a, it, k0, n, full ? FULL : PARTIAL, subs);
-  if (count > 1) {
-    zero_skipped(subs, count, 1, nq, bb.s.data());
-    zero_skipped(subs, count, 1, nq, bb.dp.data());
-  }
+  const int count = band_subs(a, it, k0, n, full, nq, bb, subs);
   for_each_block(subs, count, 1, nq, [&](i64 r0, i64 m, i64 j0, i64 nj) {
     scores_block_lowp(emu, qr, qd.DKE, lb.kt.get(), r0, m, j0, nj, bb.s.data());
     scores_block_lowp(emu, dor, qd.DVE, lb.vt.get(), r0, m, j0, nj, bb.dp.data());

@@ -310,6 +310,16 @@ template <typename T> struct LowpBuffers {
     done.assign(tiles, 0);
     v_bad.assign(tiles, 0);
   }
+  // The cache slot of the tile at k0 (a multiple of BK) of head h of batch / sequence b; the
+  // slots are cleared when the head changes (the cache holds one head at a time).
+  i64 slot(i64 b, i64 h, i64 k0) {
+    if (cb != b || ch != h) {
+      std::fill(done.begin(), done.end(), 0);
+      cb = b;
+      ch = h;
+    }
+    return k0 / BK;
+  }
 };
 
 // Q (R, DKE) <- the item's query rows in T, G heads stacked, zero padded.
@@ -368,12 +378,7 @@ void packed_tile(const Args<A>& a, const T* kh, const T* vh, const Item& it, i64
                  LowpBuffers<T>& lb, const T*& kt, const T*& v, i64& v_bad) {
   i64 t = 0, len = n;
   if (lb.cache) {                                         // k0 is a multiple of BK here
-    if (lb.cb != it.b || lb.ch != it.kvh) {
-      std::fill(lb.done.begin(), lb.done.end(), 0);
-      lb.cb = it.b;
-      lb.ch = it.kvh;
-    }
-    t = k0 / BK;
+    t = lb.slot(it.b, it.kvh, k0);
     len = std::min<i64>(BK, a.Nk - k0);                   // the whole tile, for every item
   }
   T* ktt = lb.kt.get() + t * lb.kt_tile;

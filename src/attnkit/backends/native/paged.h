@@ -325,12 +325,7 @@ void packed_paged_tile(const Pages<T>& pg, const Args<A>& a, const PagedSeq& seq
                        LowpBuffers<T>& lb, const T*& kt, const T*& vt, i64& v_bad) {
   i64 t = 0, len = n;
   if (lb.cache) {                                          // k0 is a multiple of BK here
-    if (lb.cb != pi.s || lb.ch != pi.kvh) {
-      std::fill(lb.done.begin(), lb.done.end(), 0);
-      lb.cb = pi.s;
-      lb.ch = pi.kvh;
-    }
-    t = k0 / BK;
+    t = lb.slot(pi.s, pi.kvh, k0);
     len = std::min<i64>(BK, seq.nk - k0);                  // the whole tile, for every item
   }
   rows_of_tile(pg, pi.s, pi.kvh, k0, std::max(n, len), pb.krow.data(), pb.vrow.data());
