@@ -11,6 +11,9 @@ nothing imports this module).
   ``decode`` are what users get: native where it can run, the Python engine otherwise.
 - ``fresh_compile``: a hermetic ``torch.compile`` (modules that compile use it);
   ``docs_site``: the documentation site, built strict once per run.
+- ``lowp_path`` (params gemm / emulated / widen): the native kernel's low-precision path
+  for the test (``ATTNKIT_NATIVE_LOWP_GEMM``; gemm skipped on a CPU without brgemm for the
+  test's ``dtype``), for the forward's and the backward's lowp tests.
 - autouse: ``_seed`` (``torch.manual_seed(0)``) and ``_engine_mode`` (the modes above).
 """
 
@@ -122,3 +125,12 @@ def docs_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
                        timeout=300, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     assert r.returncode == 0, r.stdout + r.stderr
     return out
+
+
+@pytest.fixture(params=["gemm", "emulated", "widen"])
+def lowp_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each test runs on the low-precision GEMM path (brgemm, where this CPU has it; else
+    skipped), on the same path with emulated GEMMs (any CPU), and on the widening path."""
+    from helpers.native_checks import use_lowp_path
+
+    return use_lowp_path(request, monkeypatch)

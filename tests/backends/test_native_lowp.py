@@ -19,7 +19,7 @@ import torch
 
 from attnkit.backends import native
 from attnkit.scores import alibi, alibi_slopes
-from helpers.native_checks import LOWP_SWITCH, check, hardware_lowp_gemm, use_lowp_path
+from helpers.native_checks import LOWP_SWITCH, check, hardware_lowp_gemm
 from helpers.native_checks import qkv64 as qkv
 from helpers.oracle import oracle
 from helpers.tolerance import assert_low_precision_grad_close, max_err, rounding_floor
@@ -41,13 +41,6 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-
-
-@pytest.fixture(params=["gemm", "emulated", "widen"])
-def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Each test runs on the low-precision GEMM path (brgemm, where this CPU has it; else
-    skipped), on the same path with emulated GEMMs (any CPU), and on the widening path."""
-    return use_lowp_path(request, monkeypatch)
 
 
 # ---------------------------------------------------------------------------- the path
@@ -128,14 +121,14 @@ def test_p_rounds_to_nearest_even(generic: bool) -> None:
     (1, 4, 2, 113, 1025, 128, 64),        # GQA, D_v != D_k
     (1, 1, 1, 70, 140, 256, 256),
 ])
-def test_sizes_match_reference(dtype: torch.dtype, path: str, B: int, hq: int, hkv: int,
+def test_sizes_match_reference(dtype: torch.dtype, lowp_path: str, B: int, hq: int, hkv: int,
                                nq: int, nk: int, d: int, dv: int) -> None:
     check(*qkv(B, hq, hkv, nq, nk, d, dv), dtype)
 
 
 # ---------------------------------------------------------------------------- masks
 @pytest.mark.parametrize("dtype", LOWP)
-def test_masks(dtype: torch.dtype, path: str) -> None:
+def test_masks(dtype: torch.dtype, lowp_path: str) -> None:
     q, k, v = qkv(2, 2, 1, 200, 233, 64)
     i, j = torch.arange(200)[:, None], torch.arange(233)
     check(q, k, v, dtype, allowed=j <= i + 33, band=(-33, math.inf))       # causal, bottom-right
@@ -151,7 +144,7 @@ def test_masks(dtype: torch.dtype, path: str) -> None:
 
 
 @pytest.mark.parametrize("dtype", LOWP)
-def test_nan_in_masked_kv_rows_stays_out(dtype: torch.dtype, path: str) -> None:
+def test_nan_in_masked_kv_rows_stays_out(dtype: torch.dtype, lowp_path: str) -> None:
     """NaN / inf in masked K/V rows — padded rows, a masked key, and the row just past an
     odd-length last tile that the GEMM's even key count would touch — never reach the out."""
     q, k, v = qkv(2, 2, 1, 97, 301, 32)
@@ -169,7 +162,7 @@ def test_nan_in_masked_kv_rows_stays_out(dtype: torch.dtype, path: str) -> None:
 
 # ---------------------------------------------------------------------------- score terms
 @pytest.mark.parametrize("dtype", LOWP)
-def test_softcap_and_alibi(dtype: torch.dtype, path: str) -> None:
+def test_softcap_and_alibi(dtype: torch.dtype, lowp_path: str) -> None:
     q, k, v = qkv(1, 4, 2, 64, 700, 64)
     causal = torch.arange(700) <= torch.arange(64)[:, None] + 636
     check(q, k, v, dtype, oracle_opts={"softcap": 5.0}, softcap=5.0)
@@ -180,7 +173,7 @@ def test_softcap_and_alibi(dtype: torch.dtype, path: str) -> None:
 # ---------------------------------------------------------------------------- vs torch SDPA
 @pytest.mark.parametrize("dtype", LOWP)
 @pytest.mark.parametrize("causal", [False, True])
-def test_within_twice_torch_sdpa_error(dtype: torch.dtype, path: str, causal: bool) -> None:
+def test_within_twice_torch_sdpa_error(dtype: torch.dtype, lowp_path: str, causal: bool) -> None:
     q, k, v = qkv(1, 4, 4, 384, 384, 64)
     allowed = torch.ones(384, 384, dtype=torch.bool).tril() if causal else None
     ref, _, _ = oracle(q, k, v, allowed=allowed)
@@ -193,7 +186,7 @@ def test_within_twice_torch_sdpa_error(dtype: torch.dtype, path: str, causal: bo
 
 
 # ---------------------------------------------------------------------------- backward
-def test_backward_after_the_lowp_forward(path: str) -> None:
+def test_backward_after_the_lowp_forward(lowp_path: str) -> None:
     """The backward (widening) reuses the forward's saved out and LSE: its gradients stay
     within 3× the naive bfloat16 formula's."""
     q, k, v = qkv(1, 4, 2, 130, 150, 32)

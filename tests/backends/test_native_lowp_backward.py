@@ -24,7 +24,6 @@ from helpers.native_checks import (
     check_grads,
     grads_of,
     hardware_lowp_gemm,
-    use_lowp_path,
 )
 from helpers.native_checks import qkv64 as qkv
 from helpers.oracle import oracle
@@ -34,13 +33,6 @@ NATIVE = native.available()
 pytestmark = pytest.mark.skipif(not NATIVE, reason=f"native kernel unavailable: "
                                                    f"{native.why_unavailable()}")
 LOWP = (torch.bfloat16, torch.float16)
-
-
-@pytest.fixture(params=["gemm", "emulated", "widen"])
-def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Each test runs on the GEMM path (brgemm, where this CPU has it; else skipped), on the
-    same path with emulated GEMMs (any CPU), and on the widening path."""
-    return use_lowp_path(request, monkeypatch)
 
 
 def causal(nq: int, nk: int) -> dict:
@@ -60,7 +52,7 @@ def causal(nq: int, nk: int) -> dict:
     (1, 2, 2, 1, 130, 16, 16),            # one query
     (1, 1, 1, 300, 1, 8, 8),              # one key
 ])
-def test_sizes_match_reference(dtype: torch.dtype, path: str, mask: str, B: int, hq: int,
+def test_sizes_match_reference(dtype: torch.dtype, lowp_path: str, mask: str, B: int, hq: int,
                                hkv: int, nq: int, nk: int, d: int, dv: int) -> None:
     opts = causal(nq, nk) if mask == "causal" else {}
     check_grads(*qkv(B, hq, hkv, nq, nk, d, dv), dtype, **opts)
@@ -69,7 +61,7 @@ def test_sizes_match_reference(dtype: torch.dtype, path: str, mask: str, B: int,
 # ---------------------------------------------------------------------------- masks
 @pytest.mark.parametrize("dtype", LOWP)
 @pytest.mark.parametrize("band", [(0, 49), (-45, 45), (3, 200), (-33, math.inf)])
-def test_band_sub_blocks(dtype: torch.dtype, path: str, band: tuple[float, float]) -> None:
+def test_band_sub_blocks(dtype: torch.dtype, lowp_path: str, band: tuple[float, float]) -> None:
     """A band's edge tiles run as 32-key sub-blocks over the rows that see them, their rows
     rounded out to pairs (odd first and last rows here)."""
     q, k, v = qkv(1, 4, 2, 300, 350, 64)
@@ -78,7 +70,7 @@ def test_band_sub_blocks(dtype: torch.dtype, path: str, band: tuple[float, float
 
 
 @pytest.mark.parametrize("dtype", LOWP)
-def test_empty_rows_and_nan_in_masked_kv(dtype: torch.dtype, path: str) -> None:
+def test_empty_rows_and_nan_in_masked_kv(dtype: torch.dtype, lowp_path: str) -> None:
     """Rows with no key (gradients 0), padded queries and keys, a key masked everywhere: NaN in
     the masked K/V rows never reaches a gradient (dK, dV of those rows are not compared)."""
     q, k, v = qkv(2, 2, 2, 97, 250, 24)
@@ -94,7 +86,7 @@ def test_empty_rows_and_nan_in_masked_kv(dtype: torch.dtype, path: str) -> None:
 
 
 @pytest.mark.parametrize("dtype", LOWP)
-def test_nan_in_masked_kv_with_softcap_and_band(dtype: torch.dtype, path: str) -> None:
+def test_nan_in_masked_kv_with_softcap_and_band(dtype: torch.dtype, lowp_path: str) -> None:
     """NaN in keys a dense mask blocks everywhere (inside the keys the kernel reads, unlike
     padding) and past the padding, under a band with a soft-cap: the cap's per-key factor is
     NaN at those keys, and dS must still be 0 where P is."""
@@ -110,7 +102,7 @@ def test_nan_in_masked_kv_with_softcap_and_band(dtype: torch.dtype, path: str) -
 
 # ---------------------------------------------------------------------------- score terms
 @pytest.mark.parametrize("dtype", LOWP)
-def test_softcap_alibi_and_bias(dtype: torch.dtype, path: str) -> None:
+def test_softcap_alibi_and_bias(dtype: torch.dtype, lowp_path: str) -> None:
     q, k, v = qkv(2, 4, 2, 130, 150, 32)
     tril = torch.ones(130, 150, dtype=torch.bool).tril(20)
     check_grads(q, k, v, dtype, allowed=tril, oracle_opts={"softcap": 3.0}, softcap=3.0,
@@ -151,7 +143,7 @@ def test_gemm_path_rounds_p_and_ds(dtype: torch.dtype, mode: str,
 # ---------------------------------------------------------------------------- vs torch SDPA
 @pytest.mark.parametrize("dtype", LOWP)
 @pytest.mark.parametrize("is_causal", [False, True])
-def test_within_twice_torch_sdpa_backward_error(dtype: torch.dtype, path: str,
+def test_within_twice_torch_sdpa_backward_error(dtype: torch.dtype, lowp_path: str,
                                                 is_causal: bool) -> None:
     q, k, v = qkv(1, 4, 4, 384, 384, 64)
     dout = torch.randn(1, 4, 384, 64, dtype=torch.float64)
