@@ -71,16 +71,18 @@ Caution
 - With huge logits (|score| near 1e7·(its spread) in float32, 1e15 in float64) the saved
   LSE rounds at the row maximum's magnitude; the backward caps P = e^(x − lse) at 1, so the
   gradients stay finite, but they are only as accurate as that LSE.
-- bfloat16 / float16: the forward's QKᵀ and P·V, and the backward's five products, run in
-  that dtype where torch's brgemm has a kernel for it (AMX, AVX512-BF16 / -FP16; fp32
-  accumulation, P — and in the backward dS — rounded to the dtype before the products that
-  use them), else widened to float32; :func:`low_precision_paths` says which and why, and
-  ``ATTNKIT_NATIVE_LOWP_GEMM=0`` forces the widening. Score terms, softmax, LSE and the
-  backward's P, delta and dS compute in float32.
-- float32, bfloat16 and float16 on CPU compute in float32; float64 computes in float64 (the
-  score terms, the softmax, the LSE and the gradients too) with the C library's exp / tanh
-  per lane and plain-loop GEMMs: exact to float64 rounding, but several times slower than
-  float32 (it is there for gradcheck and float64 reference work).
+- bfloat16 / float16: the forward's QKᵀ and P·V (the paged cache's GEMM loop too), and the
+  backward's five products, run in that dtype where torch's brgemm has a kernel for it
+  (AMX, AVX512-BF16 / -FP16; fp32 accumulation, P — and in the backward dS — rounded to the
+  dtype before the products that use them), else widened to float32;
+  :func:`low_precision_paths` says which and why, and ``ATTNKIT_NATIVE_LOWP_GEMM=0`` forces
+  the widening. Score terms, softmax, LSE and the backward's P, delta and dS compute in
+  float32.
+- float32 on CPU computes in float32 (bfloat16 / float16 too where they are widened);
+  float64 computes in float64 (the score terms, the softmax, the LSE and the gradients too)
+  with the C library's exp / tanh per lane and plain-loop GEMMs: exact to float64 rounding,
+  but several times slower than float32 (it is there for gradcheck and float64 reference
+  work).
 - The first call in a fresh environment compiles the kernel (~15 s of one core on a quiet
   machine, up to ~40 s on a loaded one; see ``loader``); later processes load the cached
   build. ``ATTNKIT_NATIVE=0`` turns the kernel off.

@@ -163,28 +163,13 @@ std::tuple<Tensor, Tensor> attend(
   return {out, lse};
 }
 
-// Whether out (n,) in T holds no inf/NaN (A-wide for float and double; half types widened
-// W at a time in registers, x * 0 summed lane-wise as all_finite does).
-template <typename T> bool output_finite(const T* out, i64 n) {
-  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
-    return all_finite(out, n);
-  } else {
-    vf z = splat(0.f);
-    i64 i = 0;
-    for (; i + W <= n; i += W) z += load_vec(out + i) * 0.f;   // values [i, i + W)
-    float t = hsum(z);
-    for (; i < n; ++i) t += float(out[i]) * 0.f;
-    return t == 0.f;
-  }
-}
-
 // Whether every row of q (B, H, N, D), last dim contiguous, is finite.
 template <typename T> bool input_finite(const Tensor& q) {
   const T* p = q.data_ptr<T>();
   for (i64 b = 0; b < q.size(0); ++b)
     for (i64 h = 0; h < q.size(1); ++h)
       for (i64 i = 0; i < q.size(2); ++i)
-        if (!output_finite(p + b * q.stride(0) + h * q.stride(1) + i * q.stride(2), q.size(3)))
+        if (!all_finite(p + b * q.stride(0) + h * q.stride(1) + i * q.stride(2), q.size(3)))
           return false;
   return true;
 }
@@ -205,7 +190,7 @@ std::tuple<Tensor, Tensor, bool> attend_lean(const Tensor& q, const Tensor& k, c
                            none, none, none, none, mask, 0, 0, splits, block_q);
   bool finite = true;
   ATTNKIT_DISPATCH(q.scalar_type(), {
-    finite = output_finite(out.data_ptr<T>(), out.numel()) && (!check_q || input_finite<T>(q));
+    finite = all_finite(out.data_ptr<T>(), out.numel()) && (!check_q || input_finite<T>(q));
   });
   return {out, lse, finite};
 }

@@ -143,7 +143,6 @@ void tile_grads(const Args<A>& a, const A* lse, const A* delta, const Item& it, 
   }
 }
 
-// One tile of nq queries [q0, q0 + nq) of head h against the loaded key block.
 // The tile's sub-blocks of the band (tile_subs), with S and dP zeroed on the rows a
 // sub-block skips; returns their count.
 template <typename A>
@@ -157,6 +156,7 @@ inline int band_subs(const Args<A>& a, const Item& it, i64 k0, i64 n, bool full,
   return count;
 }
 
+// One tile of nq queries [q0, q0 + nq) of head h against the loaded key block.
 template <typename A, typename T>
 void backward_tile(const Args<A>& a, const T* q, const T* dout, const i64* sdo, const A* lse,
                    const A* delta, const Item& it, i64 h, i64 k0, i64 n, bool full,

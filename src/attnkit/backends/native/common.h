@@ -271,14 +271,16 @@ template <typename T> inline void prefetch_row(const T* row, i64 n) {
 }
 
 // Whether x (n,) holds no inf/NaN: x * 0 is NaN exactly there; summed lane-wise (a scalar
-// sum is one serial chain of adds, as slow as a GEMM on the tile).
-template <typename A> inline bool all_finite(const A* x, i64 n) {
+// sum is one serial chain of adds, as slow as a GEMM on the tile). Half-precision values are
+// widened in registers (load_vec), lanes<A> at a time.
+template <typename T> inline bool all_finite(const T* x, i64 n) {
+  using A = compute_t<T>;
   using V = vec<A>;
   V z = splat(A(0));
   i64 i = 0;
-  for (; i + lanes<A> <= n; i += lanes<A>) z += load(x + i) * A(0);
+  for (; i + lanes<A> <= n; i += lanes<A>) z += load_vec(x + i) * A(0);
   A t = hsum(z);
-  for (; i < n; ++i) t += x[i] * A(0);
+  for (; i < n; ++i) t += A(x[i]) * A(0);
   return t == A(0);
 }
 
@@ -643,7 +645,8 @@ inline void score_terms(const Args<A>& a, A* x, i64 n, i64 npad, i64 b, i64 h, i
 
 // Online softmax step on one row: x (npad,) -> P = e^(x - m_new) in place; updates the
 // running max m and sum l; returns alpha = e^(m_old - m_new), the factor for acc. (The
-// low-precision path has its own: softmax_step_lowp, lowp.h.)
+// low-precision path has its own: rows_pass_lowp, forward.h, with row_max_lowp /
+// row_exp_lowp, lowp.h.)
 // (Scaling and taking the max in one pass measured no faster: the row is in L1.)
 template <typename A> inline A softmax_step(A* x, i64 npad, A& m, A& l) {
   using V = vec<A>;

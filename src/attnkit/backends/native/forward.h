@@ -502,6 +502,14 @@ void values_gemm_lowp(const Args<A>& a, const T* vh, const T* vp, i64 v_bad, con
 }
 
 // ------------------------------------------------------------------ one work item
+// acc row r (DVP,) *= alpha, the online softmax's correction for a new running max.
+template <typename A>
+inline void rescale_acc_row(const Args<A>& a, Buffers<A>& buf, i64 r, A alpha) {
+  if (alpha == A(1)) return;
+  A* ar = buf.acc.data() + r * a.DVP;
+  for (i64 d = 0; d < a.DVP; ++d) ar[d] *= alpha;
+}
+
 // Each row r (head h, query qi) of the tile's scores S (R, BK): the fused score terms, the
 // online softmax step (S -> P in place), acc row rescaled by alpha.
 template <typename A>
@@ -512,10 +520,7 @@ void rows_pass(const Args<A>& a, const Item& it, i64 k0, i64 n, i64 npad, TileKi
     A* x = buf.s.data() + r * BK;
     score_terms(a, x, n, npad, it.b, h, qi, k0, kind == FULL);
     const A alpha = softmax_step(x, npad, buf.m[r], buf.l[r]);
-    if (alpha != A(1)) {
-      A* ar = buf.acc.data() + r * a.DVP;
-      for (i64 d = 0; d < a.DVP; ++d) ar[d] *= alpha;
-    }
+    rescale_acc_row(a, buf, r, alpha);
   }
 }
 
@@ -548,10 +553,7 @@ void rows_pass_lowp(const Args<A>& a, const Item& it, i64 k0, i64 n, i64 npad, T
     A* x = buf.s.data() + r * BK;
     const A alpha = keep ? row_exp_lowp<true>(x, npad, c, mx[r], buf.m[r], buf.l[r], p + r * BK)
                          : row_exp_lowp<false>(x, npad, c, mx[r], buf.m[r], buf.l[r], p + r * BK);
-    if (alpha != A(1)) {
-      A* ar = buf.acc.data() + r * a.DVP;
-      for (i64 d = 0; d < a.DVP; ++d) ar[d] *= alpha;
-    }
+    rescale_acc_row(a, buf, r, alpha);
   }
 }
 

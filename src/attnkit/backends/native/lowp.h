@@ -81,6 +81,16 @@ bool probe_product(i64 M, i64 N, i64 n, i64 k0, i64 off, bool onednn_pack) {
   return true;
 }
 
+// Whether brgemm gives exact products on both packed layouts: V's (a whole block; a tail of
+// rows and columns from row 8, column 32) and Kᵀ's (the same in a block BK wide, the tail
+// from column 96); with onednn_pack, V's packed by oneDNN.
+template <typename T> bool probe_layouts(bool onednn_pack) {
+  return probe_product<T>(16, NB, NB, 0, 0, onednn_pack) &&
+         probe_product<T>(5, NB, 29, 8, 32, onednn_pack) &&
+         probe_product<T>(16, BK, BK, 0, 0, onednn_pack) &&
+         probe_product<T>(5, BK, 29, 8, 96, onednn_pack);
+}
+
 // Whether brgemm reads B row-major (K, NB), unpacked, instead: oneDNN's float16 kernels on
 // AVX512-FP16 without AMX-FP16 do (no VNNI there), which this path does not pack for.
 template <typename T> bool probe_unpacked() {
@@ -100,18 +110,14 @@ template <typename T> bool probe_unpacked() {
   return true;
 }
 
-// Whether T GEMMs run here: on V's layout (a whole block; a tail of rows and columns from
-// row 8, column 32) and on Kᵀ's (the same, in a block BK wide, the tail from column 96).
+// Whether T GEMMs run here (probe_layouts), and why not.
 template <typename T> LowpPath probe() {
   const std::string name = std::is_same_v<T, at::BFloat16> ? "bfloat16" : "float16";
   const bool amx = at::cpu::init_amx();                  // tile permission from the OS, if any
   const bool onednn_pack = at::native::cpublas::could_pack(c10::CppTypeToScalarType<T>::value);
   bool ok;
   try {
-    ok = probe_product<T>(16, NB, NB, 0, 0, onednn_pack) &&
-         probe_product<T>(5, NB, 29, 8, 32, onednn_pack) &&
-         probe_product<T>(16, BK, BK, 0, 0, onednn_pack) &&
-         probe_product<T>(5, BK, 29, 8, 96, onednn_pack);
+    ok = probe_layouts<T>(onednn_pack);
   } catch (const std::exception&) {
     return {false, false, "widening to float32: torch's brgemm has no " + name +
                               " kernel on this CPU (oneDNN needs " +
@@ -322,16 +328,31 @@ template <typename T> struct LowpBuffers {
   }
 };
 
+// dst (DKE,) <- a query row src (D_k,) in T, zero padded.
+template <typename T> inline void q_row_lowp(const T* src, i64 Dk, i64 DKE, T* dst) {
+  std::memcpy(dst, src, Dk * sizeof(T));
+  std::fill(dst + Dk, dst + DKE, T(0.f));
+}
+
 // Q (R, DKE) <- the item's query rows in T, G heads stacked, zero padded.
 template <typename A, typename T>
 void gather_q_lowp(const Args<A>& a, const T* q, const Item& it, LowpBuffers<T>& lb) {
   for (i64 g = 0; g < a.G; ++g)
     for (i64 i = 0; i < it.nr; ++i) {                     // row g * nr + i (DKE,)
       const T* src = q + it.b * a.sq[0] + (it.kvh * a.G + g) * a.sq[1] + (it.q0 + i) * a.sq[2];
-      T* dst = lb.q.get() + (g * it.nr + i) * lb.DKE;
-      std::memcpy(dst, src, a.Dk * sizeof(T));
-      for (i64 d = a.Dk; d < lb.DKE; ++d) dst[d] = T(0.f);
+      q_row_lowp(src, a.Dk, lb.DKE, lb.q.get() + (g * it.nr + i) * lb.DKE);
     }
+}
+
+// dst: rows src + j * ld (j < n, D values each) transposed, (DE, BK), packed as one block
+// (DE / 2, BK, 2) by our own interleave, the layout scores_block_lowp reads; DE
+// even >= D, rows past n and dims past D are 0. stage: (DE, BK).
+template <typename T>
+void pack_transposed_rows(const T* src, i64 ld, i64 n, i64 D, i64 DE, T* dst, T* stage) {
+  std::fill_n(stage, DE * BK, T(0.f));
+  for (i64 j = 0; j < n; ++j)                             // stage[d, j] = src[j, d]
+    for (i64 d = 0; d < D; ++d) stage[d * BK + j] = src[j * ld + d];
+  vnni_pack(DE, BK, stage, dst, false);
 }
 
 // The packed Kᵀ tile (DKE, BK) of keys [k0, k0 + n): one block (DKE / 2, BK, 2) by our own
@@ -339,36 +360,36 @@ void gather_q_lowp(const Args<A>& a, const T* q, const Item& it, LowpBuffers<T>&
 // past n and dims past D_k are 0.
 template <typename A, typename T>
 void pack_kt_tile(const Args<A>& a, const T* kh, i64 k0, i64 n, T* dst, LowpBuffers<T>& lb) {
-  T* st = lb.stage.get();                                 // (DKE, BK) Kᵀ
-  std::fill_n(st, lb.DKE * BK, T(0.f));
-  for (i64 j = 0; j < n; ++j) {                           // st[d, j] = k[k0 + j, d]
-    const T* kr = kh + (k0 + j) * a.sk[2];
-    for (i64 d = 0; d < a.Dk; ++d) st[d * BK + j] = kr[d];
-  }
-  vnni_pack(lb.DKE, BK, st, dst, false);
+  pack_transposed_rows(kh + k0 * a.sk[2], a.sk[2], n, a.Dk, lb.DKE, dst, lb.stage.get());
 }
 
-// The packed V tile of keys [k0, k0 + n): DVB / NB blocks (BK / 2, NB, 2), rows past n and
-// columns past D_v 0; returns the first row holding inf/NaN (BK if none: the zero rows past
-// n are finite).
+// dst: rows src + j * ld (j < n, D values each) as a (K, DB) matrix packed as DB / NB blocks
+// (K / 2, NB, 2); K even >= n, DB = D rounded up to NB, rows past n and columns past D are 0,
+// and with zero_bad so is every row holding inf/NaN. stage: (K, NB).
+template <typename T>
+void pack_rows(const T* src, i64 ld, i64 n, i64 K, i64 D, T* dst, T* stage, bool onednn_pack,
+               bool zero_bad) {
+  std::vector<char> bad(zero_bad ? n : 0, 0);             // (n,) rows left 0, with zero_bad
+  for (i64 j = 0; zero_bad && j < n; ++j) bad[j] = !all_finite(src + j * ld, D);
+  for (i64 c = 0; c < round_up(D, NB); c += NB) {         // columns [c, c + w) of src
+    const i64 w = std::min<i64>(NB, D - c);
+    std::fill_n(stage, K * NB, T(0.f));
+    for (i64 j = 0; j < n; ++j)
+      if (!zero_bad || !bad[j]) std::memcpy(stage + j * NB, src + j * ld + c, w * sizeof(T));
+    vnni_pack(K, NB, stage, dst + c * K, onednn_pack);
+  }
+}
+
+// The packed V tile of keys [k0, k0 + n): DVB / NB blocks (BK / 2, NB, 2) (pack_rows), rows
+// past n and columns past D_v 0; returns the first row holding inf/NaN (BK if none: the zero
+// rows past n are finite).
 template <typename A, typename T>
 i64 pack_v_tile(const Args<A>& a, const T* vh, i64 k0, i64 n, T* dst, LowpBuffers<T>& lb) {
-  T* st = lb.stage.get();                                 // (BK, NB) V block
-  i64 bad = BK;
-  float row[NB];
-  for (i64 c = 0; c < lb.DVB; c += NB) {                  // columns [c, c + NB) of V
-    const i64 w = std::min<i64>(NB, a.Dv - c);
-    std::fill_n(st, BK * NB, T(0.f));
-    for (i64 j = 0; j < n; ++j) {                         // st[j, :w] = v[k0 + j, c : c + w]
-      const T* vr = vh + (k0 + j) * a.sv[2] + c;
-      std::memcpy(st + j * NB, vr, w * sizeof(T));
-      for (i64 d = 0; d < w; ++d) row[d] = float(vr[d]);
-      for (i64 d = w; d < NB; ++d) row[d] = 0.f;
-      if (j < bad && !all_finite(row, NB)) bad = j;
-    }
-    vnni_pack(BK, NB, st, dst + c * BK, lb.onednn_pack);
-  }
-  return bad;
+  const T* v0 = vh + k0 * a.sv[2];
+  pack_rows(v0, a.sv[2], n, BK, a.Dv, dst, lb.stage.get(), lb.onednn_pack, false);
+  for (i64 j = 0; j < n; ++j)
+    if (!all_finite(v0 + j * a.sv[2], a.Dv)) return j;
+  return BK;
 }
 
 // The tile's packed Kᵀ and V (from the head's cache, packed on first use), and V's first
@@ -435,42 +456,6 @@ inline void values_block_lowp(bool emulate, const T* p, const T* v, i64 Dv, i64 
                 p + r0 * BK + j0, v + c * BK + j0 * NB, acc + r0 * DVP + c);
 }
 
-// ------------------------------------------------------------------ packing any rows
-// (The backward's operands, backward.h: the same layouts as pack_kt_tile / pack_v_tile
-// for rows of any matrix.)
-// dst: rows src + j * ld (j < n, D values each) transposed, (DE, BK), packed as one block
-// (DE / 2, BK, 2) by our own interleave, as pack_kt_tile (scores_block_lowp reads it); DE
-// even >= D, rows past n and dims past D are 0. stage: (DE, BK).
-template <typename T>
-void pack_transposed_rows(const T* src, i64 ld, i64 n, i64 D, i64 DE, T* dst, T* stage) {
-  std::fill_n(stage, DE * BK, T(0.f));
-  for (i64 j = 0; j < n; ++j)                             // stage[d, j] = src[j, d]
-    for (i64 d = 0; d < D; ++d) stage[d * BK + j] = src[j * ld + d];
-  vnni_pack(DE, BK, stage, dst, false);
-}
-
-// dst: rows src + j * ld (j < n, D values each) as a (K, DB) matrix packed as DB / NB blocks
-// (K / 2, NB, 2); K even >= n, DB = D rounded up to NB, rows past n and columns past D are 0,
-// and with zero_bad so is every row holding inf/NaN. stage: (K, NB).
-template <typename T>
-void pack_rows(const T* src, i64 ld, i64 n, i64 K, i64 D, T* dst, T* stage, bool onednn_pack,
-               bool zero_bad) {
-  std::vector<char> bad(n, 0);                            // (n,) rows left 0
-  float row[NB];
-  for (i64 j = 0; zero_bad && j < n; ++j)
-    for (i64 c = 0; c < D && !bad[j]; c += NB) {          // row j, NB values at a time
-      const i64 w = std::min<i64>(NB, D - c);
-      for (i64 d = 0; d < w; ++d) row[d] = float(src[j * ld + c + d]);
-      bad[j] = !all_finite(row, w);
-    }
-  for (i64 c = 0; c < round_up(D, NB); c += NB) {         // columns [c, c + w) of src
-    const i64 w = std::min<i64>(NB, D - c);
-    std::fill_n(stage, K * NB, T(0.f));
-    for (i64 j = 0; j < n; ++j)
-      if (!bad[j]) std::memcpy(stage + j * NB, src + j * ld + c, w * sizeof(T));
-    vnni_pack(K, NB, stage, dst + c * K, onednn_pack);
-  }
-}
 
 // ------------------------------------------------------------------ packing from row pointers
 // A paged cache's tile (paged.h) has its K / V rows in pages of a pool, found one by one
@@ -484,10 +469,7 @@ void pack_rows(const T* src, i64 ld, i64 n, i64 K, i64 D, T* dst, T* stage, bool
 template <typename T> bool own_pack_ok() {
   static const bool ok = [] {
     try {
-      return probe_product<T>(16, NB, NB, 0, 0, false) &&
-             probe_product<T>(5, NB, 29, 8, 32, false) &&
-             probe_product<T>(16, BK, BK, 0, 0, false) &&
-             probe_product<T>(5, BK, 29, 8, 96, false);
+      return probe_layouts<T>(false);
     } catch (const std::exception&) {
       return false;
     }

@@ -310,9 +310,8 @@ void gather_q_lowp(const Args<A>& a, const T* q, const i64 (&sq)[2], const Paged
   for (i64 g = 0; g < a.G; ++g)
     for (i64 i = 0; i < pi.it.nr; ++i) {                   // row g * nr + i (DKE,)
       const i64 tok = seq.q_first + pi.qb * seq.rows + i;
-      T* dst = lb.q.get() + (g * pi.it.nr + i) * lb.DKE;
-      std::memcpy(dst, q + tok * sq[0] + (pi.kvh * a.G + g) * sq[1], a.Dk * sizeof(T));
-      for (i64 d = a.Dk; d < lb.DKE; ++d) dst[d] = T(0.f);
+      q_row_lowp(q + tok * sq[0] + (pi.kvh * a.G + g) * sq[1], a.Dk, lb.DKE,
+                 lb.q.get() + (g * pi.it.nr + i) * lb.DKE);
     }
 }
 
