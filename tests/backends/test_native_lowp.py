@@ -126,6 +126,26 @@ def test_sizes_match_reference(dtype: torch.dtype, lowp_path: str, B: int, hq: i
     check(*qkv(B, hq, hkv, nq, nk, d, dv), dtype)
 
 
+@pytest.mark.parametrize("dtype", LOWP)
+@pytest.mark.parametrize("head_cache", ["1", "0"])
+def test_spans_of_tiles(dtype: torch.dtype, lowp_path: str, head_cache: str,
+                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GEMM loop takes key tiles two at a time (one row pass, one P·V over both): with
+    the head cache and without it (each tile of a span packed into its own slot), V over two
+    planes of 64 columns, an odd last tile, causal and sliding-window cuts inside a span, and
+    a non-finite K / V row (masked) in the second tile of a span, which then goes alone."""
+    monkeypatch.setenv("ATTNKIT_NATIVE_HEAD_CACHE", head_cache)
+    q, k, v = qkv(1, 4, 2, 300, 777, 64, 128)
+    check(q, k, v, dtype)
+    i, j = torch.arange(300)[:, None], torch.arange(777)
+    check(q, k, v, dtype, allowed=j <= i + 477, band=(-477, math.inf))
+    check(q, k, v, dtype, allowed=(i - j >= -477) & (i - j <= -277), band=(-477, -277))
+    allowed = (j != 140).expand(300, 777)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, 140], v2[:, :, 140] = math.inf, math.nan
+    check(q, k, v, dtype, allowed=allowed, kv=(k2, v2), dense_mask=allowed.expand(1, 4, 300, 777))
+
+
 # ---------------------------------------------------------------------------- masks
 @pytest.mark.parametrize("dtype", LOWP)
 def test_masks(dtype: torch.dtype, lowp_path: str) -> None:

@@ -122,6 +122,13 @@ Args<A> make_args(const Tensor& q, const Tensor& k, const Tensor& v, double scal
 
 // The launch of a forward call: rows per item, key splits on the tile grid, and whether a
 // whole head's Kᵀ is cached per thread (all threads' copies within 64 MB).
+// ATTNKIT_NATIVE_HEAD_CACHE=0 turns the per-thread cache of a head's packed K / V off (a
+// test switch: the code for heads too large to cache then runs at any size).
+inline bool head_cache_allowed() {
+  const char* e = std::getenv("ATTNKIT_NATIVE_HEAD_CACHE");
+  return !(e && std::string(e) == "0");
+}
+
 template <typename A> void plan_forward(Args<A>& a, int64_t splits, int64_t block_q) {
   a.rows = std::max<int64_t>(1, std::min(block_q, a.Nq));
   a.n_qblocks = (a.Nq + a.rows - 1) / a.rows;
@@ -131,7 +138,7 @@ template <typename A> void plan_forward(Args<A>& a, int64_t splits, int64_t bloc
   a.lowp = a.lowp && a.G * a.rows >= 16;                  // fewer rows: dot products (decode)
   const i64 head_bytes = a.lowp ? (round_up(a.Dk, 2) + round_up(a.Dv, NB)) * a.NKP * 2  // lowp.h
                                 : a.Dk * a.NKP * i64(sizeof(A));
-  a.cache_kt = head_bytes * std::max(1, at::get_num_threads()) <= (64 << 20);
+  a.cache_kt = head_cache_allowed() && head_bytes * std::max(1, at::get_num_threads()) <= (64 << 20);
 }
 
 // Forward: (out (B, H_q, N_q, D_v) in q's dtype, lse (B, H_q, N_q) in A: float32, or float64
@@ -397,7 +404,8 @@ std::tuple<Tensor, Tensor> paged_attend(
     }
     const i64 bytes = tiles * BK * (a.lowp ? (round_up(a.Dk, 2) + round_up(a.Dv, NB)) * 2
                                            : (a.Dk + a.DVP) * i64(sizeof(A)));
-    a.cache_kt = reuse && bytes * std::max(1, at::get_num_threads()) <= (64 << 20);
+    a.cache_kt = reuse && head_cache_allowed() &&
+                 bytes * std::max(1, at::get_num_threads()) <= (64 << 20);
     Pages<T> pg{k_pool.data_ptr<T>(), v_pool.data_ptr<T>(), k_pool.size(1), k_pool.size(0),
                 {k_pool.stride(0), k_pool.stride(1), k_pool.stride(2)},
                 {v_pool.stride(0), v_pool.stride(1), v_pool.stride(2)},

@@ -464,14 +464,15 @@ inline void for_each_block(const Sub* subs, int count, i64 G, i64 nr, F f) {
                                      subs[s].n);
 }
 
-// The zero scores of the rows a sub-block skips (they are out of the band, masked later).
+// The zero scores of the rows a sub-block skips (they are out of the band, masked later);
+// scores (G * nr, ld).
 template <typename A>
-inline void zero_skipped(const Sub* subs, int count, i64 G, i64 nr, A* scores) {
+inline void zero_skipped(const Sub* subs, int count, i64 G, i64 nr, A* scores, i64 ld = BK) {
   for (int s = 0; s < count; ++s)
     for (i64 g = 0; g < G; ++g)
       for (i64 i = 0; i < nr; ++i)
         if (i < subs[s].r0 || i >= subs[s].r1)
-          std::fill_n(scores + (g * nr + i) * BK + subs[s].j0, subs[s].n, A(0));
+          std::fill_n(scores + (g * nr + i) * ld + subs[s].j0, subs[s].n, A(0));
 }
 
 // ------------------------------------------------------------------ the fused row pass

@@ -477,28 +477,49 @@ void values_gemm(const Args<A>& a, const T* vh, const Item& it, i64 k0, i64 n,
 }
 
 // ------------------------------------------------------------------ low-precision GEMMs
-// S (R, BK) <- Q . K_tileᵀ in T (lowp.h), by the tile's sub-blocks.
+// A key tile of a span (lowp.h SPAN): its keys [k0, k0 + n) (npad rounded to W), kind and
+// sub-blocks (count of them).
+struct TilePart {
+  i64 k0, n, npad;
+  TileKind kind;
+  int count;
+  Sub subs[BK / SUB];
+};
+
+// S[:, :BK] (R, ld) <- Q . K_tileᵀ in T (lowp.h), by the tile's sub-blocks.
+template <typename A, typename T>
+void scores_gemm_lowp(const Args<A>& a, const T* kt, const Item& it, const Sub* subs,
+                      int count, A* s, i64 ld, LowpBuffers<T>& lb) {
+  if (count > 1) zero_skipped(subs, count, a.G, it.nr, s, ld);
+  for_each_block(subs, count, a.G, it.nr, [&](i64 r0, i64 m, i64 j0, i64 nj) {
+    scores_block_lowp(a.lowp_emulate, lb.q.get(), lb.DKE, kt, r0, m, j0, nj, s, ld);
+  });
+}
+// The same into buf.s (R, BK): one tile on its own.
 template <typename A, typename T>
 void scores_gemm_lowp(const Args<A>& a, const T* kt, const Item& it, const Sub* subs,
                       int count, Buffers<A>& buf, LowpBuffers<T>& lb) {
-  if (count > 1) zero_skipped(subs, count, a.G, it.nr, buf.s.data());
-  for_each_block(subs, count, a.G, it.nr, [&](i64 r0, i64 m, i64 j0, i64 nj) {
-    scores_block_lowp(a.lowp_emulate, lb.q.get(), lb.DKE, kt, r0, m, j0, nj, buf.s.data());
-  });
+  scores_gemm_lowp(a, kt, it, subs, count, buf.s.data(), BK, lb);
 }
 
-// acc (R, D_v) += P_T (R, n) . V_tile in T (P_T: P rounded to T by rows_pass_lowp), by the
-// tile's sub-blocks; a tile whose V rows read hold inf/NaN takes the exact P == 0-skipping
-// path (values_axpy) instead.
+// acc (R, D_v) += P_T (R, span's keys) . the span's V in T (P_T: P rounded to T by
+// rows_pass_lowp, (R, ld)): one product over all the span's keys when no tile is cut into
+// sub-blocks and the tiles' V rows follow one another in lb's planes, else tile by tile by
+// sub-blocks. vp[t]: tile t's packed V (lb.v_at).
 template <typename A, typename T>
-void values_gemm_lowp(const Args<A>& a, const T* vh, const T* vp, i64 v_bad, const Item& it,
-                      i64 k0, i64 n, const Sub* subs, int count, Buffers<A>& buf,
-                      LowpBuffers<T>& lb) {
-  const i64 R = a.G * it.nr;
-  if (v_bad < round_up(n, 2)) return values_axpy(a, vh, k0, n, R, buf);
-  for_each_block(subs, count, a.G, it.nr, [&](i64 r0, i64 m, i64 j0, i64 nj) {
-    values_block_lowp(a.lowp_emulate, lb.p.get(), vp, a.Dv, a.DVP, r0, m, j0, nj, buf.acc.data());
-  });
+void values_span_lowp(const Args<A>& a, const Item& it, const TilePart* parts, int np,
+                      const T* const* vp, i64 ld, Buffers<A>& buf, LowpBuffers<T>& lb) {
+  bool whole = true;
+  for (int t = 0; t < np; ++t)
+    whole = whole && parts[t].count == 1 && vp[t] == vp[0] + t * BK * NB;
+  if (whole)
+    return values_block_lowp(a.lowp_emulate, lb.p.get(), vp[0], a.Dv, a.DVP, 0, a.G * it.nr, 0,
+                             (np - 1) * BK + parts[np - 1].n, buf.acc.data(), ld, lb.vps);
+  for (int t = 0; t < np; ++t)
+    for_each_block(parts[t].subs, parts[t].count, a.G, it.nr, [&](i64 r0, i64 m, i64 j0, i64 nj) {
+      values_block_lowp(a.lowp_emulate, lb.p.get() + t * BK, vp[t], a.Dv, a.DVP, r0, m, j0, nj,
+                        buf.acc.data(), ld, lb.vps);
+    });
 }
 
 // ------------------------------------------------------------------ one work item
@@ -532,29 +553,44 @@ template <typename A> inline bool scale_folds(const Args<A>& a) {
          !a.alibi && !a.rel && !a.bias;
 }
 
-// rows_pass on the low-precision path, pass by pass over the tile's rows (lowp.h): the score
-// terms (with scale_folds, only the mask: the scale is folded into the exponent), each row's
-// new max into mx (R,), then P rounded to T into p (R, BK) and acc rescaled. The float P stays
-// in S only when keep (the tile's V holds inf/NaN: values_axpy reads it).
+// rows_pass on the low-precision path, pass by pass over the rows of a span's tiles parts[0
+// : np) (consecutive; all but the last BK keys wide), whose scores S (R, ld) holds side by
+// side: the score terms (with scale_folds, only the mask: the scale is folded into the
+// exponent), each row's new max into mx (R,), then P rounded to T into p (R, ld) and acc
+// rescaled. The float P stays in S only when keep (the tile's V holds inf/NaN: values_axpy
+// reads it).
+template <typename A, typename T>
+void rows_pass_lowp(const Args<A>& a, const Item& it, const TilePart* parts, int np, A* s,
+                    i64 ld, bool keep, Buffers<A>& buf, T* p, A* mx) {
+  const i64 R = a.G * it.nr, width = (np - 1) * BK + parts[np - 1].npad;
+  const bool fold = scale_folds(a);
+  const A c = fold ? a.scale : A(1);
+  for (i64 g = 0; g < a.G; ++g)
+    for (i64 i = 0; i < it.nr; ++i) {                      // row g * nr + i: head h, query qi
+      const i64 h = it.kvh * a.G + g, qi = it.q0 + i;
+      A* x = s + (g * it.nr + i) * ld;
+      for (int t = 0; t < np; ++t) {                       // tile t's keys, from x + t * BK
+        const TilePart& tp = parts[t];
+        if (fold && tp.kind == FULL && tp.n == tp.npad) continue;  // nothing to add or mask
+        if (fold) position_terms_and_mask(a, x + t * BK, tp.n, tp.npad, it.b, h, qi, tp.k0,
+                                          tp.kind == FULL);
+        else score_terms(a, x + t * BK, tp.n, tp.npad, it.b, h, qi, tp.k0, tp.kind == FULL);
+      }
+    }
+  for (i64 r = 0; r < R; ++r) mx[r] = row_max_lowp(s + r * ld, width, c, buf.m[r]);
+  for (i64 r = 0; r < R; ++r) {
+    A* x = s + r * ld;
+    const A alpha = keep ? row_exp_lowp<true>(x, width, c, mx[r], buf.m[r], buf.l[r], p + r * ld)
+                         : row_exp_lowp<false>(x, width, c, mx[r], buf.m[r], buf.l[r], p + r * ld);
+    rescale_acc_row(a, buf, r, alpha);
+  }
+}
+// The same for one tile [k0, k0 + n) whose scores are in buf.s (R, BK).
 template <typename A, typename T>
 void rows_pass_lowp(const Args<A>& a, const Item& it, i64 k0, i64 n, i64 npad, TileKind kind,
                     bool keep, Buffers<A>& buf, T* p, A* mx) {
-  const i64 R = a.G * it.nr;
-  const bool fold = scale_folds(a);
-  const A c = fold ? a.scale : A(1);
-  for (i64 r = 0; r < R; ++r) {                            // row r: head h, query qi
-    const i64 h = it.kvh * a.G + r / it.nr, qi = it.q0 + r % it.nr;
-    A* x = buf.s.data() + r * BK;
-    if (fold) position_terms_and_mask(a, x, n, npad, it.b, h, qi, k0, kind == FULL);
-    else score_terms(a, x, n, npad, it.b, h, qi, k0, kind == FULL);
-  }
-  for (i64 r = 0; r < R; ++r) mx[r] = row_max_lowp(buf.s.data() + r * BK, npad, c, buf.m[r]);
-  for (i64 r = 0; r < R; ++r) {
-    A* x = buf.s.data() + r * BK;
-    const A alpha = keep ? row_exp_lowp<true>(x, npad, c, mx[r], buf.m[r], buf.l[r], p + r * BK)
-                         : row_exp_lowp<false>(x, npad, c, mx[r], buf.m[r], buf.l[r], p + r * BK);
-    rescale_acc_row(a, buf, r, alpha);
-  }
+  const TilePart tp{k0, n, npad, kind, 1, {}};
+  rows_pass_lowp(a, it, &tp, 1, buf.s.data(), BK, keep, buf, p, mx);
 }
 
 // body(k0, n, npad, kind, subs, count) for each key tile [k0, k0 + n) of the item that is not
@@ -573,23 +609,43 @@ inline void for_each_tile(const Args<A>& a, const Item& it, bool by_gemm, F&& bo
 }
 
 // The item on the low-precision path: Q, K, V in T through T GEMMs (the tiles' packed Kᵀ
-// and V from the thread's cache), the score terms and the softmax in float.
+// and V from the thread's cache), the score terms and the softmax in float, by spans of up
+// to SPAN consecutive tiles (S and P in lb, (R, SPAN * BK)); a tile whose V holds inf/NaN
+// goes on its own through buf.s and the exact values path.
 template <typename A, typename T>
 void attend_item_lowp(const Args<A>& a, const T* q, const T* k, const T* v, const Item& it,
                       Buffers<A>& buf, LowpBuffers<T>& lb) {
   gather_q_lowp(a, q, it, lb);
   const T* kh = k + it.b * a.sk[0] + it.kvh * a.sk[1];
   const T* vh = v + it.b * a.sv[0] + it.kvh * a.sv[1];
+  constexpr i64 LD = SPAN * BK;
+  TilePart parts[SPAN];
+  const T* vp[SPAN];
+  int np = 0;                                              // tiles in the span so far
+  auto flush = [&] {
+    if (np == 0) return;
+    rows_pass_lowp(a, it, parts, np, lb.s.get(), LD, false, buf, lb.p.get(), lb.mx.get());
+    values_span_lowp(a, it, parts, np, vp, LD, buf, lb);
+    np = 0;
+  };
   for_each_tile(a, it, true, [&](i64 k0, i64 n, i64 npad, TileKind kind, const Sub* subs,
                                   int count) {
-    const T *kt, *vp;
+    if (np > 0 && (np == SPAN || parts[np - 1].k0 + BK != k0 || parts[np - 1].n != BK)) flush();
+    const T* kt;
     i64 v_bad;
-    packed_tile(a, kh, vh, it, k0, n, lb, kt, vp, v_bad);
-    scores_gemm_lowp(a, kt, it, subs, count, buf, lb);
-    rows_pass_lowp(a, it, k0, n, npad, kind, v_bad < round_up(n, 2), buf, lb.p.get(),
-                   lb.mx.get());
-    values_gemm_lowp(a, vh, vp, v_bad, it, k0, n, subs, count, buf, lb);
+    packed_tile(a, kh, vh, it, k0, n, np, lb, kt, vp[np], v_bad);
+    if (v_bad < round_up(n, 2)) {                          // inf/NaN in V: exact, on its own
+      flush();
+      scores_gemm_lowp(a, kt, it, subs, count, buf, lb);
+      rows_pass_lowp(a, it, k0, n, npad, kind, true, buf, lb.p.get(), lb.mx.get());
+      return values_axpy(a, vh, k0, n, a.G * it.nr, buf);
+    }
+    parts[np] = TilePart{k0, n, npad, kind, count, {}};
+    std::copy(subs, subs + count, parts[np].subs);
+    scores_gemm_lowp(a, kt, it, subs, count, lb.s.get() + np * BK, LD, lb);
+    ++np;
   });
+  flush();
 }
 
 // Rows of the item over its keys: acc, m, l in buf (R = G * nr rows). lb (T GEMMs, lowp.h)

@@ -220,13 +220,13 @@ inline vf exp2_reduced(vf f) {
 // whole, |f| <= 1/2. With AVX-512, n by vrndscaleps and 2^n applied by vscalefps, which
 // zeroes the lanes below t = -125 (e^-86.6) itself (its masked form): a result there would be
 // a denormal, and denormal results cost a microcode assist each — a sliding window's masked
-// keys (-inf) ran 1.8x slower through an underflowing vscalefps. Elsewhere n is read from
-// t + 1.5 * 2^23's low bits and put in the exponent bits (t clamped at -127, whose bits are
-// 0). -inf (a masked key) gives exactly 0; NaN stays NaN (kept by the clamps).
+// keys (-inf) ran 1.8x slower through an underflowing vscalefps. Those lanes need no clamp
+// (whatever they compute, -inf - -inf = NaN included, is zeroed; NaN and inf cost no assist).
+// Elsewhere n is read from t + 1.5 * 2^23's low bits and put in the exponent bits (t clamped
+// at -127, whose bits are 0). -inf (a masked key) gives exactly 0; NaN stays NaN.
 inline vf exp2_neg(vf t) {
 #if defined(__AVX512F__)
   const __mmask16 live = _mm512_cmp_ps_mask((__m512)t, _mm512_set1_ps(-125.f), _CMP_NLT_UQ);
-  t = select(t < -125.f, splat(-125.f), t);
   const __m512 n = _mm512_roundscale_ps((__m512)t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   return (vf)_mm512_maskz_scalef_ps(live, (__m512)exp2_reduced(t - (vf)n), n);
 #else
@@ -256,6 +256,20 @@ inline float hmax_halving(vf v) {
   return x[0];
 }
 
+// dst[0 : 2W] = T(lo), T(hi): bfloat16 by one vcvtne2ps2bf16 where the build has it.
+inline void store_rounded2(at::BFloat16* dst, vf lo, vf hi) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh((__m512)hi, (__m512)lo));
+#else
+  store_rounded(dst, lo);
+  store_rounded(dst + W, hi);
+#endif
+}
+inline void store_rounded2(at::Half* dst, vf lo, vf hi) {
+  store_rounded(dst, lo);
+  store_rounded(dst + W, hi);
+}
+
 // The low-precision path's online softmax step, in two passes over a tile's rows so that
 // rows overlap in the core (one row's max -> exponentials -> sum is a long serial chain).
 // x (npad,) holds a row's scores s in units of c (c = scale when the max and the exponent
@@ -280,12 +294,22 @@ inline float row_exp_lowp(float* x, i64 npad, float c, float m_new, float& m, fl
   const float shift = m_new == NEG_INF ? 0.f : m_new;     // a row with no key yet: P = 0
   const vf vc = splat(c * LOG2E), vs = splat(-shift * LOG2E);
   vf s0 = splat(0.f), s1 = s0;                            // two chains of sums
-  for (i64 j = 0; j < npad; j += W) {                     // keys [j, j + W): 2^(s c log2e - ..)
+  i64 j = 0;
+  for (; j + 2 * W <= npad; j += 2 * W) {                 // keys [j, j + 2W): 2^(s c log2e - ..)
+    const vf p0 = exp2_neg(load(x + j) * vc + vs), p1 = exp2_neg(load(x + j + W) * vc + vs);
+    if constexpr (Keep) {
+      store(x + j, p0);
+      store(x + j + W, p1);
+    }
+    store_rounded2(p + j, p0, p1);
+    s0 += p0;
+    s1 += p1;
+  }
+  if (j < npad) {                                         // keys [j, j + W)
     const vf pj = exp2_neg(load(x + j) * vc + vs);
     if constexpr (Keep) store(x + j, pj);
     store_rounded(p + j, pj);
-    if ((j / W) % 2 == 0) s0 += pj;
-    else s1 += pj;
+    s0 += pj;
   }
   const float alpha = m == NEG_INF ? 0.f : exp2_neg(splat((m - shift) * LOG2E))[0];
   l = l * alpha + hsum(s0 + s1);
@@ -294,28 +318,37 @@ inline float row_exp_lowp(float* x, i64 npad, float c, float m_new, float& m, fl
 }
 
 // ------------------------------------------------------------------ per-thread buffers
-// The packed Kᵀ and V of one head (NKP / BK tiles, filled as items need them) or of one
-// tile, the item's Q rows and P in T, and a staging block for the packing.
+// Key tiles taken together by the forward's low-precision loop (a span: their scores side
+// by side, one row pass, one P . V product over all their keys where none is cut into
+// sub-blocks). On AMX, P . V over 256 keys ran ~1.2x the rate of two 128-key products.
+constexpr int SPAN = 2;
+
+// The packed Kᵀ and V of one head (NKP / BK tiles, filled as items need them) or of a
+// span's SPAN tiles, the item's Q rows, S (R, SPAN * BK) and P (R, SPAN * BK) of a span, and a staging
+// block for the packing. V is kept by planes of NB columns, each plane all the tiles' keys:
+// block c (columns [c, c + NB)) of tile t at v_at(t) + c * vps, so that consecutive tiles'
+// rows are consecutive in each plane (one brgemm reads a span's V).
 template <typename T> struct LowpBuffers {
-  i64 DKE, DVB, kt_tile, v_tile;                          // sizes of one packed tile
+  i64 DKE, DVB, kt_tile, vps;                             // Kᵀ tile size; V plane stride / NB
   std::unique_ptr<T[]> q, p, kt, v, stage;
-  std::unique_ptr<float[]> mx;                            // (R,) the rows' new maxima
+  std::unique_ptr<float[]> s, mx;                         // S of a span; (R,) the new maxima
   std::vector<char> done;                                 // (tiles,) packed yet
   std::vector<i64> v_bad;                                 // (tiles,) first non-finite V row
   i64 cb = -1, ch = -1;                                   // the cached head
   bool cache, onednn_pack;
   template <typename A> LowpBuffers(const Args<A>& a, i64 R)
       : DKE(round_up(a.Dk, 2)), DVB(round_up(a.Dv, NB)), kt_tile(BK * round_up(a.Dk, 2)),
-        v_tile(BK * round_up(a.Dv, NB)), q(new T[R * round_up(a.Dk, 2)]), p(new T[R * BK]),
-        mx(new float[R]),
-        stage(new T[std::max<i64>(NB, round_up(a.Dk, 2)) * BK]), cache(a.cache_kt),
+        vps(BK * (a.cache_kt ? a.NKP / BK : SPAN)), q(new T[R * round_up(a.Dk, 2)]),
+        p(new T[R * SPAN * BK]), stage(new T[std::max<i64>(NB, round_up(a.Dk, 2)) * BK]),
+        s(new float[R * SPAN * BK]), mx(new float[R]), cache(a.cache_kt),
         onednn_pack(a.lowp_onednn_pack) {
-    const i64 tiles = cache ? a.NKP / BK : 1;
+    const i64 tiles = cache ? a.NKP / BK : SPAN;
     kt.reset(new T[tiles * kt_tile]);
-    v.reset(new T[tiles * v_tile]);
+    v.reset(new T[vps * DVB]);
     done.assign(tiles, 0);
     v_bad.assign(tiles, 0);
   }
+  T* v_at(i64 t) { return v.get() + t * BK * NB; }        // tile t's rows in plane 0
   // The cache slot of the tile at k0 (a multiple of BK) of head h of batch / sequence b; the
   // slots are cleared when the head changes (the cache holds one head at a time).
   i64 slot(i64 b, i64 h, i64 k0) {
@@ -364,11 +397,13 @@ void pack_kt_tile(const Args<A>& a, const T* kh, i64 k0, i64 n, T* dst, LowpBuff
 }
 
 // dst: rows src + j * ld (j < n, D values each) as a (K, DB) matrix packed as DB / NB blocks
-// (K / 2, NB, 2); K even >= n, DB = D rounded up to NB, rows past n and columns past D are 0,
-// and with zero_bad so is every row holding inf/NaN. stage: (K, NB).
+// (K / 2, NB, 2), block c at dst + c * ps (ps >= K; K by default); K even >= n, DB = D
+// rounded up to NB, rows past n and columns past D are 0, and with zero_bad so is every row
+// holding inf/NaN. stage: (K, NB).
 template <typename T>
 void pack_rows(const T* src, i64 ld, i64 n, i64 K, i64 D, T* dst, T* stage, bool onednn_pack,
-               bool zero_bad) {
+               bool zero_bad, i64 ps = 0) {
+  if (ps == 0) ps = K;
   std::vector<char> bad(zero_bad ? n : 0, 0);             // (n,) rows left 0, with zero_bad
   for (i64 j = 0; zero_bad && j < n; ++j) bad[j] = !all_finite(src + j * ld, D);
   for (i64 c = 0; c < round_up(D, NB); c += NB) {         // columns [c, c + w) of src
@@ -376,34 +411,34 @@ void pack_rows(const T* src, i64 ld, i64 n, i64 K, i64 D, T* dst, T* stage, bool
     std::fill_n(stage, K * NB, T(0.f));
     for (i64 j = 0; j < n; ++j)
       if (!zero_bad || !bad[j]) std::memcpy(stage + j * NB, src + j * ld + c, w * sizeof(T));
-    vnni_pack(K, NB, stage, dst + c * K, onednn_pack);
+    vnni_pack(K, NB, stage, dst + c * ps, onednn_pack);
   }
 }
 
-// The packed V tile of keys [k0, k0 + n): DVB / NB blocks (BK / 2, NB, 2) (pack_rows), rows
-// past n and columns past D_v 0; returns the first row holding inf/NaN (BK if none: the zero
+// The packed V tile of keys [k0, k0 + n): DVB / NB blocks (BK / 2, NB, 2) (pack_rows), lb.vps
+// apart (LowpBuffers' planes), rows past n and columns past D_v 0; returns the first row holding inf/NaN (BK if none: the zero
 // rows past n are finite).
 template <typename A, typename T>
 i64 pack_v_tile(const Args<A>& a, const T* vh, i64 k0, i64 n, T* dst, LowpBuffers<T>& lb) {
   const T* v0 = vh + k0 * a.sv[2];
-  pack_rows(v0, a.sv[2], n, BK, a.Dv, dst, lb.stage.get(), lb.onednn_pack, false);
+  pack_rows(v0, a.sv[2], n, BK, a.Dv, dst, lb.stage.get(), lb.onednn_pack, false, lb.vps);
   for (i64 j = 0; j < n; ++j)
     if (!all_finite(v0 + j * a.sv[2], a.Dv)) return j;
   return BK;
 }
 
-// The tile's packed Kᵀ and V (from the head's cache, packed on first use), and V's first
-// non-finite row.
+// The tile's packed Kᵀ and V (from the head's cache, packed on first use; else into slot
+// part of the span's), and V's first non-finite row.
 template <typename A, typename T>
 void packed_tile(const Args<A>& a, const T* kh, const T* vh, const Item& it, i64 k0, i64 n,
-                 LowpBuffers<T>& lb, const T*& kt, const T*& v, i64& v_bad) {
-  i64 t = 0, len = n;
+                 int part, LowpBuffers<T>& lb, const T*& kt, const T*& v, i64& v_bad) {
+  i64 t = part, len = n;
   if (lb.cache) {                                         // k0 is a multiple of BK here
     t = lb.slot(it.b, it.kvh, k0);
     len = std::min<i64>(BK, a.Nk - k0);                   // the whole tile, for every item
   }
   T* ktt = lb.kt.get() + t * lb.kt_tile;
-  T* vt = lb.v.get() + t * lb.v_tile;
+  T* vt = lb.v_at(t);
   if (!lb.cache || !lb.done[t]) {
     pack_kt_tile(a, kh, k0, len, ktt, lb);
     lb.v_bad[t] = pack_v_tile(a, vh, k0, len, vt, lb);
@@ -437,23 +472,24 @@ inline void lowp_brgemm(bool emulate, i64 M, i64 N, i64 K, i64 lda, i64 ldb, i64
   at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add, A, B, C, true);
 }
 
-// S[r0 : r0 + m, j0 : j0 + nj] (ld BK) <- Q rows . Kᵀ columns [j0, j0 + nj), one brgemm.
+// S[r0 : r0 + m, j0 : j0 + nj] (ld ldc) <- Q rows . Kᵀ columns [j0, j0 + nj), one brgemm.
 template <typename T>
 inline void scores_block_lowp(bool emulate, const T* q, i64 DKE, const T* kt, i64 r0, i64 m,
-                              i64 j0, i64 nj, float* s) {
-  lowp_brgemm(emulate, m, nj, DKE, DKE, BK, BK, false, q + r0 * DKE, kt + j0 * 2,
-              s + r0 * BK + j0);
+                              i64 j0, i64 nj, float* s, i64 ldc = BK) {
+  lowp_brgemm(emulate, m, nj, DKE, DKE, BK, ldc, false, q + r0 * DKE, kt + j0 * 2,
+              s + r0 * ldc + j0);
 }
 
-// acc[r0 : r0 + m, :D_v] (ld DVP) += P[r0 : r0 + m, j0 : j0 + nj] . V rows [j0, j0 + nj),
-// one brgemm per VNNI block of V's columns (nj rounded up to 2: P and V are 0 past the tile).
+// acc[r0 : r0 + m, :D_v] (ld DVP) += P[r0 : r0 + m, j0 : j0 + nj] (ld lda) . V rows [j0, j0 +
+// nj), one brgemm per VNNI block of V's columns, the blocks vps apart (nj rounded up to 2:
+// P and V are 0 past the keys).
 template <typename T>
 inline void values_block_lowp(bool emulate, const T* p, const T* v, i64 Dv, i64 DVP, i64 r0,
-                              i64 m, i64 j0, i64 nj, float* acc) {
+                              i64 m, i64 j0, i64 nj, float* acc, i64 lda = BK, i64 vps = BK) {
   const i64 ke = round_up(nj, 2);
   for (i64 c = 0; c < Dv; c += NB)                        // columns [c, c + NB) of V
-    lowp_brgemm(emulate, m, std::min<i64>(NB, Dv - c), ke, BK, NB, DVP, true,
-                p + r0 * BK + j0, v + c * BK + j0 * NB, acc + r0 * DVP + c);
+    lowp_brgemm(emulate, m, std::min<i64>(NB, Dv - c), ke, lda, NB, DVP, true,
+                p + r0 * lda + j0, v + c * vps + j0 * NB, acc + r0 * DVP + c);
 }
 
 
@@ -574,19 +610,19 @@ inline bool any_lane(const v16h& m) {
   return (w[0] | w[1] | w[2] | w[3]) != 0;
 }
 
-// dst (DVB / NB blocks (BK / 2, NB, 2)) <- the packed V tile of the n rows vrow[j] (D_v,),
-// as pack_v_tile: rows past n and columns past D_v 0; returns the first row holding inf/NaN
+// dst (DVB / NB blocks (BK / 2, NB, 2), ps apart) <- the packed V tile of the n rows vrow[j]
+// (D_v,), as pack_v_tile: rows past n and columns past D_v 0; returns the first row holding inf/NaN
 // (BK if none). Block by block (its words written in order), rows 2p, 2p + 1 interleaved 16
 // columns at a time (interleave16), a row past n read as zeros, the columns past the last
 // 16 one by one.
-template <typename T> i64 pack_v_rows(i64 Dv, const T* const* vrow, i64 n, T* dst) {
+template <typename T> i64 pack_v_rows(i64 Dv, const T* const* vrow, i64 n, T* dst, i64 ps = BK) {
   const i64 DVB = round_up(Dv, NB), D16 = Dv / 16 * 16;
   static const T zeros[NB] = {};                          // (NB,) columns of a row past n
   std::array<bool, BK / 2> nf{};                          // per pair: an inf/NaN in a row
   for (i64 c = 0; c < DVB; c += NB) {                     // columns [c, c + NB): one block
     const i64 w = std::min<i64>(NB, Dv - c), w16 = std::clamp<i64>(D16 - c, 0, NB);
     for (i64 p = 0; p < BK / 2; ++p) {                    // rows 2p, 2p + 1 -> word row p
-      T* o = dst + c * BK + p * 2 * NB;                   // (NB, 2)
+      T* o = dst + c * ps + p * 2 * NB;                   // (NB, 2)
       if (2 * p >= n) {                                   // both past n: zero words
         std::fill_n(o, 2 * NB, T(0.f));
         continue;

@@ -329,10 +329,10 @@ void packed_paged_tile(const Pages<T>& pg, const Args<A>& a, const PagedSeq& seq
   }
   rows_of_tile(pg, pi.s, pi.kvh, k0, std::max(n, len), pb.krow.data(), pb.vrow.data());
   T* ktt = lb.kt.get() + t * lb.kt_tile;
-  T* vtt = lb.v.get() + t * lb.v_tile;
+  T* vtt = lb.v_at(t);
   if (!lb.cache || !lb.done[t]) {
     pack_kt_rows(a.Dk, pb.krow.data(), len, ktt);
-    lb.v_bad[t] = pack_v_rows(a.Dv, pb.vrow.data(), len, vtt);
+    lb.v_bad[t] = pack_v_rows(a.Dv, pb.vrow.data(), len, vtt, lb.vps);
     lb.done[t] = 1;
   }
   kt = ktt;
@@ -358,7 +358,7 @@ void gemm_tile_pass_lowp(const Args<A>& a, const Pages<T>& pg, const PagedSeq& s
   if (bad_v) return values_axpy(a, pb.rows(0, n), n, a.G * it.nr, buf);
   for_each_block(subs, count, a.G, it.nr, [&](i64 r0, i64 m, i64 j0, i64 nj) {
     values_block_lowp(a.lowp_emulate, lb.p.get(), vt, a.Dv, a.DVP, r0, m, j0, nj,
-                      buf.acc.data());
+                      buf.acc.data(), BK, lb.vps);
   });
 }
 
