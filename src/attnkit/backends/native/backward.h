@@ -295,8 +295,8 @@ void load_key_block_lowp(const Args<A>& a, const T* kh, const T* vh, i64 k0, i64
                          BackLowp<T>& lb) {
   const T* kr = kh + k0 * a.sk[2];
   const T* vr = vh + k0 * a.sv[2];
-  pack_transposed_rows(kr, a.sk[2], n, a.Dk, lb.DKE, lb.kt.get(), lb.stage.get());
-  pack_transposed_rows(vr, a.sv[2], n, a.Dv, lb.DVE, lb.vt.get(), lb.stage.get());
+  pack_transposed_rows(kr, a.sk[2], n, a.Dk, lb.kt.get());
+  pack_transposed_rows(vr, a.sv[2], n, a.Dv, lb.vt.get());
   pack_rows(kr, a.sk[2], n, BK, a.Dk, lb.kp.get(), lb.stage.get(), lb.onednn_pack, true);
   std::fill(lb.dkt.begin(), lb.dkt.end(), 0.f);
   std::fill(lb.dvt.begin(), lb.dvt.end(), 0.f);

@@ -339,7 +339,7 @@ template <typename T> struct LowpBuffers {
   template <typename A> LowpBuffers(const Args<A>& a, i64 R)
       : DKE(round_up(a.Dk, 2)), DVB(round_up(a.Dv, NB)), kt_tile(BK * round_up(a.Dk, 2)),
         vps(BK * (a.cache_kt ? a.NKP / BK : SPAN)), q(new T[R * round_up(a.Dk, 2)]),
-        p(new T[R * SPAN * BK]), stage(new T[std::max<i64>(NB, round_up(a.Dk, 2)) * BK]),
+        p(new T[R * SPAN * BK]), stage(new T[BK * NB]),
         s(new float[R * SPAN * BK]), mx(new float[R]), cache(a.cache_kt),
         onednn_pack(a.lowp_onednn_pack) {
     const i64 tiles = cache ? a.NKP / BK : SPAN;
@@ -377,15 +377,15 @@ void gather_q_lowp(const Args<A>& a, const T* q, const Item& it, LowpBuffers<T>&
     }
 }
 
-// dst: rows src + j * ld (j < n, D values each) transposed, (DE, BK), packed as one block
-// (DE / 2, BK, 2) by our own interleave, the layout scores_block_lowp reads; DE
-// even >= D, rows past n and dims past D are 0. stage: (DE, BK).
-template <typename T>
-void pack_transposed_rows(const T* src, i64 ld, i64 n, i64 D, i64 DE, T* dst, T* stage) {
-  std::fill_n(stage, DE * BK, T(0.f));
-  for (i64 j = 0; j < n; ++j)                             // stage[d, j] = src[j, d]
-    for (i64 d = 0; d < D; ++d) stage[d * BK + j] = src[j * ld + d];
-  vnni_pack(DE, BK, stage, dst, false);
+template <typename T> void pack_kt_rows(i64 Dk, const T* const* krow, i64 n, T* dst);
+
+// dst: rows src + j * ld (j < n, D values each) transposed, (DE, BK) with DE = D rounded up
+// to 2, packed as one block (DE / 2, BK, 2) by our own interleave, the layout
+// scores_block_lowp reads; rows past n and dims past D are 0 (pack_kt_rows on the rows).
+template <typename T> void pack_transposed_rows(const T* src, i64 ld, i64 n, i64 D, T* dst) {
+  const T* rows[BK];
+  for (i64 j = 0; j < n; ++j) rows[j] = src + j * ld;
+  pack_kt_rows(D, rows, n, dst);
 }
 
 // The packed Kᵀ tile (DKE, BK) of keys [k0, k0 + n): one block (DKE / 2, BK, 2) by our own
@@ -393,7 +393,7 @@ void pack_transposed_rows(const T* src, i64 ld, i64 n, i64 D, i64 DE, T* dst, T*
 // past n and dims past D_k are 0.
 template <typename A, typename T>
 void pack_kt_tile(const Args<A>& a, const T* kh, i64 k0, i64 n, T* dst, LowpBuffers<T>& lb) {
-  pack_transposed_rows(kh + k0 * a.sk[2], a.sk[2], n, a.Dk, lb.DKE, dst, lb.stage.get());
+  pack_transposed_rows(kh + k0 * a.sk[2], a.sk[2], n, a.Dk, dst);
 }
 
 // dst: rows src + j * ld (j < n, D values each) as a (K, DB) matrix packed as DB / NB blocks
