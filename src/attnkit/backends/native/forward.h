@@ -556,7 +556,7 @@ template <typename A> inline bool scale_folds(const Args<A>& a) {
 // rows_pass on the low-precision path, pass by pass over the rows of a span's tiles parts[0
 // : np) (consecutive; all but the last BK keys wide), whose scores S (R, ld) holds side by
 // side: the score terms (with scale_folds, only the mask: the scale is folded into the
-// exponent), each row's new max into mx (R,), then P rounded to T into p (R, ld) and acc
+// exponent) and each row's new max into mx (R,), then P rounded to T into p (R, ld) and acc
 // rescaled. The float P stays in S only when keep (the tile's V holds inf/NaN: values_axpy
 // reads it).
 template <typename A, typename T>
@@ -576,8 +576,8 @@ void rows_pass_lowp(const Args<A>& a, const Item& it, const TilePart* parts, int
                                           tp.kind == FULL);
         else score_terms(a, x + t * BK, tp.n, tp.npad, it.b, h, qi, tp.k0, tp.kind == FULL);
       }
+      mx[g * it.nr + i] = row_max_lowp(x, width, c, buf.m[g * it.nr + i]);  // (x still in L1)
     }
-  for (i64 r = 0; r < R; ++r) mx[r] = row_max_lowp(s + r * ld, width, c, buf.m[r]);
   for (i64 r = 0; r < R; ++r) {
     A* x = s + r * ld;
     const A alpha = keep ? row_exp_lowp<true>(x, width, c, mx[r], buf.m[r], buf.l[r], p + r * ld)
