@@ -5,7 +5,8 @@
 //   VNNI block of a (K, 64) matrix B:  (K / 2, 64, 2)   element (k, n) at [k / 2][n][k % 2]
 //   Kᵀ tile (DKE, BK)  -> one VNNI block BK wide, (DKE / 2, BK, 2)    (DKE = D_k rounded to 2)
 //   V tile  (BK, D_v)  -> DVB / 64 such blocks (BK / 2, 64, 2)        (DVB = D_v rounded to 64)
-//   Q rows  (R, DKE) and P (R, BK) in T; S (R, BK) and acc (R, DVP) stay float.
+//                         in planes of 64 columns holding every tile's rows (LowpBuffers)
+//   Q rows  (R, DKE) and P (R, SPAN * BK) in T; S (R, SPAN * BK) and acc (R, DVP) float.
 //
 // Which path a call takes is decided at run time (lowp_path): the environment switch
 // ATTNKIT_NATIVE_LOWP_GEMM=0 forces the widening path (T -> float, float GEMMs); a CPU or
