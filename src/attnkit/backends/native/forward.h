@@ -14,14 +14,14 @@ namespace {
 // L1's sets), filled tile by tile as the thread's items of that head need them. It is
 // allocated (uninitialised) on first use: the dot-product path never needs it.
 template <typename A> struct Buffers {
-  std::vector<A> q, s, acc, v, row, tmp4, m, l;
+  std::vector<A> q, s, acc, v, row, tmp4, m, l, mx;   // mx: the rows' new maxima (rows_pass)
   std::vector<at::BFloat16> qh;     // the dot path's q in bf16 (scores_dot_bf16)
   std::unique_ptr<A[]> kt;
   std::vector<char> kt_done;        // (NKP / BK,) tiles of the cached head transposed
   i64 kt_b = -1, kt_h = -1;         // the cached head
   Buffers(const Args<A>& a, i64 R)
       : q(R * a.DKP), s(R * BK), acc(R * a.DVP), v(BK * a.DVP), row(std::max(a.DKP, a.DVP)),
-        tmp4(4 * std::max(a.DKP, a.DVP)), m(R), l(R) {}
+        tmp4(4 * std::max(a.DKP, a.DVP)), m(R), l(R), mx(R) {}
   A* kt_buffer(const Args<A>& a) {
     if (!kt) {
       kt.reset(new A[a.Dk * (a.cache_kt ? a.NKP : BK)]);
@@ -510,20 +510,6 @@ inline void rescale_acc_row(const Args<A>& a, Buffers<A>& buf, i64 r, A alpha) {
   for (i64 d = 0; d < a.DVP; ++d) ar[d] *= alpha;
 }
 
-// Each row r (head h, query qi) of the tile's scores S (R, BK): the fused score terms, the
-// online softmax step (S -> P in place), acc row rescaled by alpha.
-template <typename A>
-void rows_pass(const Args<A>& a, const Item& it, i64 k0, i64 n, i64 npad, TileKind kind,
-               Buffers<A>& buf) {
-  for (i64 r = 0; r < a.G * it.nr; ++r) {                  // row r: head h, query qi
-    const i64 h = it.kvh * a.G + r / it.nr, qi = it.q0 + r % it.nr;
-    A* x = buf.s.data() + r * BK;
-    score_terms(a, x, n, npad, it.b, h, qi, k0, kind == FULL);
-    const A alpha = softmax_step(x, npad, buf.m[r], buf.l[r]);
-    rescale_acc_row(a, buf, r, alpha);
-  }
-}
-
 // Whether the low-precision row pass may take the max and the exponent on raw scores (scale
 // folded into the exponent's one FMA): no score term needs the scaled value first, and scale
 // is positive (the max of scaled scores is scale times the raw max).
@@ -554,6 +540,28 @@ void rows_pass_lowp(const Args<A>& a, const Item& it, i64 k0, i64 n, i64 npad, T
     const A alpha = keep ? row_exp_lowp<true>(x, npad, c, mx[r], buf.m[r], buf.l[r], p + r * BK)
                          : row_exp_lowp<false>(x, npad, c, mx[r], buf.m[r], buf.l[r], p + r * BK);
     rescale_acc_row(a, buf, r, alpha);
+  }
+}
+
+// Each row r (head h, query qi) of the tile's scores S (R, BK): the fused score terms, the
+// online softmax step (S -> P in place), acc row rescaled by alpha. float: rows_pass_lowp
+// with T = float and P written over S (rounding to float rounds nothing): its passes over
+// the tile's rows overlap rows in the core, and it folds the scale into the exponent. The
+// dense fp32 forward at 4096 keys spent a quarter of its time in the row-by-row loop below
+// (now double's only).
+template <typename A>
+void rows_pass(const Args<A>& a, const Item& it, i64 k0, i64 n, i64 npad, TileKind kind,
+               Buffers<A>& buf) {
+  if constexpr (std::is_same_v<A, float>) {
+    rows_pass_lowp(a, it, k0, n, npad, kind, false, buf, buf.s.data(), buf.mx.data());
+  } else {
+    for (i64 r = 0; r < a.G * it.nr; ++r) {                // row r: head h, query qi
+      const i64 h = it.kvh * a.G + r / it.nr, qi = it.q0 + r % it.nr;
+      A* x = buf.s.data() + r * BK;
+      score_terms(a, x, n, npad, it.b, h, qi, k0, kind == FULL);
+      const A alpha = softmax_step(x, npad, buf.m[r], buf.l[r]);
+      rescale_acc_row(a, buf, r, alpha);
+    }
   }
 }
 

@@ -193,6 +193,8 @@ inline void store_rounded(at::BFloat16* dst, vf x) {
   store_rounded_generic(dst, x);
 #endif
 }
+// float: x as it is (the float32 forward's row pass is rows_pass_lowp with T = float).
+inline void store_rounded(float* dst, vf x) { store(dst, x); }
 inline void store_rounded(at::Half* dst, vf x) {
 #if defined(__F16C__) && defined(__AVX512F__)
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
