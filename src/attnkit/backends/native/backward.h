@@ -48,28 +48,6 @@ void load_key_block(const Args<A>& a, const T* kh, const T* vh, i64 k0, i64 n,
   }
 }
 
-// dst (cols, ld_dst) = srcᵀ for src (rows, ld_src) with rows x cols used. float: 8 x 8
-// blocks in registers (transpose8_store, lowp.h), the rest one by one (one by one, P's and
-// dS's transposes were a tenth of the fp32 causal backward at N = 2048).
-template <typename A>
-inline void transpose(const A* src, i64 rows, i64 cols, i64 ld_src, A* dst, i64 ld_dst) {
-  i64 i0 = 0;
-  if constexpr (std::is_same_v<A, float>) {
-    for (; i0 + 8 <= rows; i0 += 8) {                      // src rows [i0, i0 + 8)
-      i64 j0 = 0;
-      for (; j0 + 8 <= cols; j0 += 8) {                    // x columns [j0, j0 + 8)
-        v8f r[8];
-        for (int u = 0; u < 8; ++u) std::memcpy(&r[u], src + (i0 + u) * ld_src + j0, sizeof r[u]);
-        transpose8_store(r, dst + j0 * ld_dst + i0, ld_dst);
-      }
-      for (i64 j = j0; j < cols; ++j)
-        for (i64 i = i0; i < i0 + 8; ++i) dst[j * ld_dst + i] = src[i * ld_src + j];
-    }
-  }
-  for (i64 i = i0; i < rows; ++i)
-    for (i64 j = 0; j < cols; ++j) dst[j * ld_dst + i] = src[i * ld_src + j];
-}
-
 // P = e^(x - lse) <= 1: with huge logits lse = m + log l rounds at m's magnitude, and
 // x - lse may come out a few ulps of m above 0 (e^that overflows); NaN stays NaN.
 template <typename V> inline V prob(V x, V shift) {
