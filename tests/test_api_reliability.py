@@ -497,8 +497,8 @@ def test_kv_checked_up_front_only_under_a_python_score_mod(monkeypatch):
     from attnkit.scores import alibi, relative_bias
 
     calls = []
-    real = eager._bad_kv_rows
-    monkeypatch.setattr(eager, "_bad_kv_rows", lambda p: calls.append(1) or real(p))
+    real = eager._non_finite_kv_rows
+    monkeypatch.setattr(eager, "_non_finite_kv_rows", lambda p: calls.append(1) or real(p))
     q = randn(1, 2, 8, 4)
     table = torch.zeros(2, 7)
     minus_inf = table.clone()

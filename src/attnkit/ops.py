@@ -77,9 +77,9 @@ from .backends.base import Problem, compute_dtype
 from .eager import (
     Prepared,
     _attends_to,
-    _bad_kv_rows,
     _empty_result,
     _is_empty,
+    _non_finite_kv_rows,
     attend,
     check_inputs,
     prepare,
@@ -343,21 +343,6 @@ def _eager(q: Tensor, k: Tensor, v: Tensor, tensor_mask: Tensor | None, bands: l
         rebuild_mask(bands, kv_lengths, q_lengths, doc_ids, doc_kv_ids)
     return attend(q, k, v, mask=mask, scale=scale, softcap=softcap, backend=backend,
                   return_lse=True)
-
-
-def _non_finite_kv_rows(p: Problem) -> Tensor | None:
-    """``(B, H_kv, N_k)`` True where a K or V row holds NaN or ±inf, or None when none does
-    (one sum of K and of V decides that: a finite sum has no non-finite term; K/V broadcast
-    over the batch are read once)."""
-
-    k, v = p.k, p.v
-    if k.shape[0] > 1 and k.stride(0) == 0 and v.stride(0) == 0:
-        k, v = k[:1], v[:1]
-    acc = compute_dtype(p.dtype)                  # (a sum that overflows: the exact test)
-    if math.isfinite(float(k.sum(dtype=acc)) + float(v.sum(dtype=acc))):
-        return None
-    bad = _bad_kv_rows(p)
-    return bad if bool(bad.any()) else None
 
 
 def _without_rows(p: Problem, bad: Tensor) -> Problem:

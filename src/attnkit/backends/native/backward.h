@@ -48,13 +48,6 @@ void load_key_block(const Args<A>& a, const T* kh, const T* vh, i64 k0, i64 n,
   }
 }
 
-// dst (cols, ld_dst) = srcᵀ for src (rows, ld_src) with rows x cols used.
-template <typename A>
-inline void transpose(const A* src, i64 rows, i64 cols, i64 ld_src, A* dst, i64 ld_dst) {
-  for (i64 i = 0; i < rows; ++i)
-    for (i64 j = 0; j < cols; ++j) dst[j * ld_dst + i] = src[i * ld_src + j];
-}
-
 // P = e^(x - lse) <= 1: with huge logits lse = m + log l rounds at m's magnitude, and
 // x - lse may come out a few ulps of m above 0 (e^that overflows); NaN stays NaN.
 template <typename V> inline V prob(V x, V shift) {

@@ -14,14 +14,14 @@ namespace {
 // L1's sets), filled tile by tile as the thread's items of that head need them. It is
 // allocated (uninitialised) on first use: the dot-product path never needs it.
 template <typename A> struct Buffers {
-  std::vector<A> q, s, acc, v, row, tmp4, m, l;
+  std::vector<A> q, s, acc, v, row, tmp4, m, l, mx;   // mx: the rows' new maxima (rows_pass)
   std::vector<at::BFloat16> qh;     // the dot path's q in bf16 (scores_dot_bf16)
   std::unique_ptr<A[]> kt;
   std::vector<char> kt_done;        // (NKP / BK,) tiles of the cached head transposed
   i64 kt_b = -1, kt_h = -1;         // the cached head
   Buffers(const Args<A>& a, i64 R)
       : q(R * a.DKP), s(R * BK), acc(R * a.DVP), v(BK * a.DVP), row(std::max(a.DKP, a.DVP)),
-        tmp4(4 * std::max(a.DKP, a.DVP)), m(R), l(R) {}
+        tmp4(4 * std::max(a.DKP, a.DVP)), m(R), l(R), mx(R) {}
   A* kt_buffer(const Args<A>& a) {
     if (!kt) {
       kt.reset(new A[a.Dk * (a.cache_kt ? a.NKP : BK)]);
@@ -41,9 +41,12 @@ void gather_q(const Args<A>& a, const T* q, const Item& it, Buffers<A>& buf) {
     }
 }
 
-// kt (D_k, BK) <- K rows [k0, k0 + n) transposed, in A.
+// kt (D_k, BK) <- K rows [k0, k0 + n) transposed, in A (rows already in A: by transpose).
 template <typename A, typename T>
 void transpose_tile(const Args<A>& a, const T* kh, i64 k0, i64 n, A* kt, Buffers<A>& buf) {
+  if constexpr (std::is_same_v<T, A>) {
+    return transpose(kh + k0 * a.sk[2], n, a.Dk, a.sk[2], kt, BK);
+  }
   A* row = buf.row.data();
   for (i64 j = 0; j < n; ++j) {                          // kt[d, j] = k[k0 + j, d]
     row_to_compute(kh + (k0 + j) * a.sk[2], row, a.Dk, a.Dk);
@@ -449,6 +452,22 @@ void values_axpy(const Args<A>& a, const T* vh, i64 k0, i64 n, i64 R, Buffers<A>
   values_axpy(a, head_rows(a, vh, vh, k0), n, R, buf);     // (its K rows are not read)
 }
 
+// Whether the n rows x + j * ld (D values each) hold no inf/NaN: all_finite's x * 0 summed
+// over every row, one horizontal sum (all_finite row by row, a horizontal sum each, was 2-3%
+// of the fp32 forward).
+template <typename A> inline bool rows_finite(const A* x, i64 ld, i64 n, i64 D) {
+  using V = vec<A>;
+  V z = splat(A(0));
+  A t = 0;
+  for (i64 j = 0; j < n; ++j) {                            // row j (D,)
+    const A* r = x + j * ld;
+    i64 i = 0;
+    for (; i + lanes<A> <= D; i += lanes<A>) z += load(r + i) * A(0);
+    for (; i < D; ++i) t += r[i] * A(0);
+  }
+  return hsum(z) + t == A(0);
+}
+
 // acc (R, D_v) += P (R, n) . V_tile through brgemm (gemm; V converted to A when needed),
 // by the tile's sub-blocks (the rows a sub-block skips have P = 0 there); a tile holding
 // inf/NaN takes the exact P == 0-skipping path instead.
@@ -461,8 +480,7 @@ void values_gemm(const Args<A>& a, const T* vh, const Item& it, i64 k0, i64 n,
   if constexpr (std::is_same_v<T, A>) {
     vt = vh + k0 * a.sv[2];
     ldv = a.sv[2];
-    for (i64 j = 0; j < n; ++j)
-      if (!all_finite(vt + j * ldv, a.Dv)) return values_axpy(a, vh, k0, n, R, buf);
+    if (!rows_finite(vt, ldv, n, a.Dv)) return values_axpy(a, vh, k0, n, R, buf);
   } else {
     for (i64 j = 0; j < n; ++j)
       row_to_compute(vh + (k0 + j) * a.sv[2], buf.v.data() + j * a.DVP, a.Dv, a.DVP);
@@ -531,20 +549,6 @@ inline void rescale_acc_row(const Args<A>& a, Buffers<A>& buf, i64 r, A alpha) {
   for (i64 d = 0; d < a.DVP; ++d) ar[d] *= alpha;
 }
 
-// Each row r (head h, query qi) of the tile's scores S (R, BK): the fused score terms, the
-// online softmax step (S -> P in place), acc row rescaled by alpha.
-template <typename A>
-void rows_pass(const Args<A>& a, const Item& it, i64 k0, i64 n, i64 npad, TileKind kind,
-               Buffers<A>& buf) {
-  for (i64 r = 0; r < a.G * it.nr; ++r) {                  // row r: head h, query qi
-    const i64 h = it.kvh * a.G + r / it.nr, qi = it.q0 + r % it.nr;
-    A* x = buf.s.data() + r * BK;
-    score_terms(a, x, n, npad, it.b, h, qi, k0, kind == FULL);
-    const A alpha = softmax_step(x, npad, buf.m[r], buf.l[r]);
-    rescale_acc_row(a, buf, r, alpha);
-  }
-}
-
 // Whether the low-precision row pass may take the max and the exponent on raw scores (scale
 // folded into the exponent's one FMA): no score term needs the scaled value first, and scale
 // is positive (the max of scaled scores is scale times the raw max).
@@ -591,6 +595,28 @@ void rows_pass_lowp(const Args<A>& a, const Item& it, i64 k0, i64 n, i64 npad, T
                     bool keep, Buffers<A>& buf, T* p, A* mx) {
   const TilePart tp{k0, n, npad, kind, 1, {}};
   rows_pass_lowp(a, it, &tp, 1, buf.s.data(), BK, keep, buf, p, mx);
+}
+
+// Each row r (head h, query qi) of the tile's scores S (R, BK): the fused score terms, the
+// online softmax step (S -> P in place), acc row rescaled by alpha. float: rows_pass_lowp
+// with T = float and P written over S (rounding to float rounds nothing): its passes over
+// the tile's rows overlap rows in the core, and it folds the scale into the exponent. The
+// dense fp32 forward at 4096 keys spent a quarter of its time in the row-by-row loop below
+// (now double's only).
+template <typename A>
+void rows_pass(const Args<A>& a, const Item& it, i64 k0, i64 n, i64 npad, TileKind kind,
+               Buffers<A>& buf) {
+  if constexpr (std::is_same_v<A, float>) {
+    rows_pass_lowp(a, it, k0, n, npad, kind, false, buf, buf.s.data(), buf.mx.data());
+  } else {
+    for (i64 r = 0; r < a.G * it.nr; ++r) {                // row r: head h, query qi
+      const i64 h = it.kvh * a.G + r / it.nr, qi = it.q0 + r % it.nr;
+      A* x = buf.s.data() + r * BK;
+      score_terms(a, x, n, npad, it.b, h, qi, k0, kind == FULL);
+      const A alpha = softmax_step(x, npad, buf.m[r], buf.l[r]);
+      rescale_acc_row(a, buf, r, alpha);
+    }
+  }
 }
 
 // body(k0, n, npad, kind, subs, count) for each key tile [k0, k0 + n) of the item that is not

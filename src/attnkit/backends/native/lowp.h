@@ -194,6 +194,8 @@ inline void store_rounded(at::BFloat16* dst, vf x) {
   store_rounded_generic(dst, x);
 #endif
 }
+// float: x as it is (the float32 forward's row pass is rows_pass_lowp with T = float).
+inline void store_rounded(float* dst, vf x) { store(dst, x); }
 inline void store_rounded(at::Half* dst, vf x) {
 #if defined(__F16C__) && defined(__AVX512F__)
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
@@ -550,6 +552,28 @@ inline void transpose8_store(const v8f (&r)[8], float* dst, i64 ld) {
     std::memcpy(dst + i * ld, &lo, sizeof lo);
     std::memcpy(dst + (i + 4) * ld, &hi, sizeof hi);
   }
+}
+
+// dst (cols, ld_dst) = srcᵀ for src (rows, ld_src) with rows x cols used. float: 8 x 8
+// blocks in registers (transpose8_store), the rest one by one (one by one, the backward's
+// transposes of P and dS were a tenth of the fp32 causal backward at N = 2048).
+template <typename A>
+inline void transpose(const A* src, i64 rows, i64 cols, i64 ld_src, A* dst, i64 ld_dst) {
+  i64 i0 = 0;
+  if constexpr (std::is_same_v<A, float>) {
+    for (; i0 + 8 <= rows; i0 += 8) {                      // src rows [i0, i0 + 8)
+      i64 j0 = 0;
+      for (; j0 + 8 <= cols; j0 += 8) {                    // src columns [j0, j0 + 8)
+        v8f r[8];
+        for (int u = 0; u < 8; ++u) std::memcpy(&r[u], src + (i0 + u) * ld_src + j0, sizeof r[u]);
+        transpose8_store(r, dst + j0 * ld_dst + i0, ld_dst);
+      }
+      for (i64 j = j0; j < cols; ++j)
+        for (i64 i = i0; i < i0 + 8; ++i) dst[j * ld_dst + i] = src[i * ld_src + j];
+    }
+  }
+  for (i64 i = i0; i < rows; ++i)
+    for (i64 j = 0; j < cols; ++j) dst[j * ld_dst + i] = src[i * ld_src + j];
 }
 
 // dst (DKE, BK) <- the packed Kᵀ tile of the n rows krow[j] (D_k,), as pack_kt_tile: one
