@@ -272,6 +272,10 @@ inline void store_rounded2(at::Half* dst, vf lo, vf hi) {
   store_rounded(dst, lo);
   store_rounded(dst + W, hi);
 }
+inline void store_rounded2(float* dst, vf lo, vf hi) {    // float: as they are
+  store(dst, lo);
+  store(dst + W, hi);
+}
 
 // The low-precision path's online softmax step, in two passes over a tile's rows so that
 // rows overlap in the core (one row's max -> exponentials -> sum is a long serial chain).
