@@ -712,6 +712,49 @@ def test_the_lean_lane_honours_scopes_switches_registry_edits_and_grad(monkeypat
     assert out.grad_fn is not None and runs == ["tiled"]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("entry", ["attention", "sdpa"])
+def test_the_lean_lane_takes_rows_with_a_strided_last_dim(entry, dtype):
+    """A frame's repeat whose q, k or v has a strided last dim (same shapes as the calls that
+    made the lane: a view of a wider tensor) runs on the lean operator, which copies such
+    rows itself (nothing in Python reads the strides), and gives the full path's answer
+    bit for bit — within DESIGN's budget of the float64 reference."""
+    if not native.available():
+        pytest.skip("native kernel unavailable")
+    from attnkit.backends.tiled import counting
+    from helpers.tolerance import assert_low_precision_close
+
+    torch.manual_seed(1)
+    q, k, v = _decode_qkv(dtype)
+    wide = [torch.randn(*t.shape[:-1], 2 * t.shape[-1], dtype=dtype) for t in (q, k, v)]
+    views = [w[..., ::2] for w in wide]                        # (…, D) with stride 2 along D
+    assert all(t.stride(-1) == 2 for t in views)
+
+    def call(q_, k_, v_):
+        if entry == "sdpa":
+            return ak.scaled_dot_product_attention(q_, k_, v_, enable_gqa=True)
+        return ak.attention(q_, k_, v_)
+
+    with torch.no_grad():
+        _warm(lambda: call(q, k, v))                           # the lane, on contiguous rows
+        for strided in itertools.product((False, True), repeat=3):
+            if not any(strided):
+                continue
+            args = [view if s else t for t, view, s in zip((q, k, v), views, strided,
+                                                           strict=True)]
+            with counting() as c:
+                got = call(*args)
+            assert c["native"] == 1
+            full = ak.attention(*(a.contiguous() for a in args), backend="decode")
+            assert torch.equal(got, full), strided
+            ref64 = ak.attention(*(a.double() for a in args), backend="reference")
+            if dtype == torch.float32:
+                torch.testing.assert_close(got.double(), ref64, rtol=1e-5, atol=1e-6)
+            else:
+                ref_lowp = ak.attention(*args, backend="reference")
+                assert_low_precision_close(got, ref_lowp, ref64)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 def test_lean_operator_is_attend_and_flags_non_finite_outputs(dtype):
     """``attend_lean`` gives what ``attend`` gives for the same call (no mask, a band, a

@@ -68,6 +68,10 @@ from .scores import ScoreMod
 
 __all__ = ["attention", "scaled_dot_product_attention", "prepare", "Prepared", "check_inputs"]
 
+_is_compiling = torch.compiler.is_compiling     # (Dynamo knows the function, not its name)
+_any_autocast = _ops.any_autocast
+_Tensor = torch.Tensor
+
 
 @overload
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Any = ...,
@@ -233,13 +237,16 @@ def scaled_dot_product_attention(
     them silently). Errors are attnkit's (ValueError / TypeError with the shapes seen), not
     torch's RuntimeError.
     """
-    cast_to = _ops.autocast_dtype(query)
+    # (the common call — no autocast region, three tensors — asks the fewest questions: on
+    # the per-token path each function entered is a cache miss, see eager.attend)
+    cast_to = _ops.autocast_dtype(query) if _any_autocast() else None
     if cast_to is not None:             # torch.autocast casts SDPA's inputs, the mask too
         query, key, value, attn_mask = (_ops.autocast_cast(t, cast_to)
                                         for t in (query, key, value, attn_mask))
-    if not (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor)
-            and isinstance(value, torch.Tensor) and query.dim() >= 2 and key.dim() >= 2
-            and value.dim() >= 2):
+    if not (type(query) is _Tensor and type(key) is _Tensor and type(value) is _Tensor
+            or isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor)
+            and isinstance(value, torch.Tensor)) \
+            or query.dim() < 2 or key.dim() < 2 or value.dim() < 2:
         _check_sdpa_tensors(query, key, value)
     if not isinstance(enable_gqa, (bool, np.bool_)):
         raise TypeError(f"enable_gqa must be True or False, got {enable_gqa!r}")
@@ -259,7 +266,7 @@ def scaled_dot_product_attention(
     if attn_mask is not None and attn_mask.dtype.is_floating_point:
         attn_mask, poison = _sdpa_poison(attn_mask)
     drop = float(dropout_p) if dropout_p < 1 else 0.0
-    if cast_to is None and not torch.compiler.is_compiling():
+    if cast_to is None and not _is_compiling():
         # attention()'s eager call, its checks done: no autocast region, backend "auto"
         out = _eager.attend(q, k, v, mask=attn_mask, is_causal=is_causal, scale=scale,
                             dropout_p=drop)

@@ -709,11 +709,16 @@ def attention_weights(q: Tensor, k: Tensor, v: Tensor, *, mask: Any = None,
 # in a graph (torch.library.register_autocast casts to one fixed dtype, but a CPU region may
 # be bfloat16 or float16). The backward operators cast nothing: they only run with autocast
 # off, so that no matmul inside an implementation is autocast.
+# Whether autocast is on for any device: one call without arguments, ahead of the per-device
+# question (whose device-string argument parsing is the dearer part on the per-token path).
+any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+
+
 def autocast_dtype(q: Any) -> torch.dtype | None:
     """The dtype ``torch.autocast`` runs torch's SDPA in for a call with query ``q``: the
     region's dtype while autocast is on for q's device, else None (off, NumPy inputs, a
     device other than CPU or CUDA)."""
-    if not isinstance(q, torch.Tensor):
+    if not any_autocast() or not isinstance(q, torch.Tensor):
         return None
     device = "cpu" if q.is_cpu else "cuda" if q.is_cuda else None
     if device is None or not torch.is_autocast_enabled(device):

@@ -181,18 +181,27 @@ template <typename T> bool input_finite(const Tensor& q) {
   return true;
 }
 
+// t (4-D) with unit stride along its last dim, as the kernel reads rows: copied only when
+// that dim is strided (native.unit_rows' rule, here so that the hot path's Python does not
+// read three strides).
+Tensor unit_rows(const Tensor& t) {
+  return t.dim() == 4 && t.size(3) > 1 && t.stride(3) != 1 ? t.contiguous() : t;
+}
+
 // The eager hot path's forward (a decoder's per-token call, a short prefill: attnkit/eager.py):
 // no score term, a band lo <= q - k <= hi and at most a dense bool mask (B|1, H_q|1, N_q|1,
-// N_k|1); the few arguments keep the dispatcher's per-call cost small. Returns (out, lse) as
-// attend does and whether every output element (and, with check_q, every query element)
-// is finite: the caller's NaN/inf screen.
-std::tuple<Tensor, Tensor, bool> attend_lean(const Tensor& q, const Tensor& k, const Tensor& v,
-                                             double scale, double softcap, double band_lo,
-                                             double band_hi, const std::optional<Tensor>& mask,
-                                             int64_t splits, int64_t block_q, bool check_q) {
+// N_k|1); the few arguments keep the dispatcher's per-call cost small; q, k, v may have a
+// strided last dim (unit_rows). Returns (out, lse) as attend does and whether every output
+// element (and, with check_q, every query element) is finite: the caller's NaN/inf screen.
+std::tuple<Tensor, Tensor, bool> attend_lean(const Tensor& q_in, const Tensor& k_in,
+                                             const Tensor& v_in, double scale, double softcap,
+                                             double band_lo, double band_hi,
+                                             const std::optional<Tensor>& mask, int64_t splits,
+                                             int64_t block_q, bool check_q) {
   TORCH_CHECK(!mask.has_value() || mask->scalar_type() == at::kBool,
               "attnkit native: mask must be bool (True = may attend)");
   static const std::optional<Tensor> none;
+  const Tensor q = unit_rows(q_in), k = unit_rows(k_in), v = unit_rows(v_in);
   auto [out, lse] = attend(q, k, v, scale, softcap, none, 0.0, none, 0, none, band_lo, band_hi,
                            none, none, none, none, mask, 0, 0, splits, block_q);
   bool finite = true;

@@ -20,8 +20,8 @@ template <typename A> struct Buffers {
   std::vector<char> kt_done;        // (NKP / BK,) tiles of the cached head transposed
   i64 kt_b = -1, kt_h = -1;         // the cached head
   Buffers(const Args<A>& a, i64 R)
-      : q(R * a.DKP), s(R * BK), acc(R * a.DVP), v(BK * a.DVP), row(std::max(a.DKP, a.DVP)),
-        tmp4(4 * std::max(a.DKP, a.DVP)), m(R), l(R), mx(R) {}
+      : q(R * a.DKP), s(R * BK), acc(R * a.DVP), v(R >= 16 ? BK * a.DVP : 0),
+        row(std::max(a.DKP, a.DVP)), tmp4(4 * std::max(a.DKP, a.DVP)), m(R), l(R), mx(R) {}
   A* kt_buffer(const Args<A>& a) {
     if (!kt) {
       kt.reset(new A[a.Dk * (a.cache_kt ? a.NKP : BK)]);

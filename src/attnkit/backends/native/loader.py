@@ -69,8 +69,8 @@ try:
 except ImportError:  # Windows: no flock (the native kernel does not build there anyway)
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["load", "reason", "reset", "cpu_flags", "cache_dir", "compiler", "build_key",
-           "SOURCES", "verify_library", "cached_library", "CacheError"]
+__all__ = ["load", "hot_state", "reason", "reset", "cpu_flags", "cache_dir", "compiler",
+           "build_key", "SOURCES", "verify_library", "cached_library", "CacheError"]
 
 SOURCES: list[Path] = [Path(__file__).with_name("attention.cpp")]
 _OPT_FLAGS = ["-O3", "-fno-math-errno"]
@@ -500,6 +500,17 @@ def switch(name: str, default: bool) -> bool:
         got = _PARSED[key] = (True if text in _TRUE else False if text in _FALSE
                               else default)
     return got
+
+
+def hot_state() -> tuple[object, object, object]:
+    """What the eager hot path's remembered backend choice depends on here, read in one call:
+    the raw values of ``ATTNKIT_NATIVE`` and ``TRITON_INTERPRET`` (None when unset) and the
+    library loaded so far (None before the first :func:`load` and after :func:`reset` with
+    ``forget_loaded``). Two equal answers mean :func:`load` and both switches answer alike."""
+    env = os.environ
+    if env is _ENVIRON and _DATA is not None:
+        return _DATA.get(b"ATTNKIT_NATIVE"), _DATA.get(b"TRITON_INTERPRET"), _state["ops"]
+    return env.get("ATTNKIT_NATIVE"), env.get("TRITON_INTERPRET"), _state["ops"]
 
 
 def _switched_off() -> bool:
