@@ -246,28 +246,32 @@ def _read_pages(pool: torch.Tensor, pages: list[int], n: int) -> torch.Tensor:
     return pool.index_select(0, idx).flatten(0, 1)[:n]
 
 
-def _write(pool: torch.Tensor, pages: list[list[int]] | None, starts: list[int],
-           new: torch.Tensor, block_size: int) -> None:
-    """Write ``new (B, N_new, H_kv, D)`` at positions ``starts[b] ...`` of each row."""
-    n_new = new.shape[1]
+def _write(pools: tuple[torch.Tensor, torch.Tensor], pages: list[list[int]] | None,
+           starts: list[int], news: tuple[torch.Tensor, torch.Tensor], block_size: int) -> None:
+    """Write ``news = (k, v)``, each ``(B, N_new, H_kv, D | D_v)``, at positions ``starts[b]
+    ...`` of each row of ``pools = (k_cache, v_cache)`` (the positions' slots found once for
+    both)."""
+    n_new = news[0].shape[1]
     if n_new == 0:
         return
-    dev = pool.device
+    dev = pools[0].device
     pos = torch.tensor(starts, device=dev).unsqueeze(1) + torch.arange(n_new, device=dev)
     with torch.no_grad():
         if pages is None:                               # contiguous (B, N_cache, H_kv, D)
-            rows = torch.arange(new.shape[0], device=dev).unsqueeze(1).expand_as(pos)
-            pool[rows, pos] = new
+            rows = torch.arange(news[0].shape[0], device=dev).unsqueeze(1).expand_as(pos)
+            for pool, new in zip(pools, news, strict=True):
+                pool[rows, pos] = new
             return
         page = torch.tensor([[row[(s + t) // block_size] for t in range(n_new)]    # (B, N_new)
                              for row, s in zip(pages, starts, strict=True)], device=dev)
-        if pool.stride(0) == block_size * pool.stride(1):   # token slots as one dim: a view
-            # rows copied by index_copy_ (index_put's path took ms on a loaded CPU)
-            slots = pool.view(-1, *pool.shape[2:])          # (num_blocks · bs, H_kv, D)
-            slots.index_copy_(0, (page * block_size + pos % block_size).flatten(),
-                              new.reshape(-1, *new.shape[2:]))
-        else:
-            pool[page, pos % block_size] = new
+        slot_of = (page * block_size + pos % block_size).flatten()    # (B · N_new,)
+        for pool, new in zip(pools, news, strict=True):
+            if pool.stride(0) == block_size * pool.stride(1):   # token slots as one dim: a view
+                # rows copied by index_copy_ (index_put's path took ms on a loaded CPU)
+                slots = pool.view(-1, *pool.shape[2:])          # (num_blocks · bs, H_kv, D)
+                slots.index_copy_(0, slot_of, new.reshape(-1, *new.shape[2:]))
+            else:
+                pool[page, pos % block_size] = new
 
 
 # --------------------------------------------------------------------------- rows
@@ -429,9 +433,9 @@ def _attend_rows_native(qs: list[torch.Tensor], k_pool: torch.Tensor, v_pool: to
         scale=scale, softcap=softcap or None, alibi_slopes=slopes, window=window)
     if groups:                                     # prefix query i -> its row's query
         own = len(groups)
-        dst = [cu[own + b] + i for rows, _ in groups for b in rows
-               for i in range(qs[b].shape[0])]
-        _native.paged_merge_rows(out, lse, range(cu[0], cu[own]), dst)
+        dst = torch.tensor([cu[own + b] + i for rows, _ in groups for b in rows
+                            for i in range(qs[b].shape[0])], dtype=torch.int64)
+        _native.paged_merge_rows(out, lse, torch.arange(cu[0], cu[own]), dst)
     rows_out, rows_lse = out[cu[len(groups)]:], lse[cu[len(groups)]:]
     if cu[len(groups)] > _KEEP_PREFIX_ROWS:        # views would keep the prefix rows alive
         rows_out, rows_lse = rows_out.clone(), rows_lse.clone()
@@ -676,8 +680,7 @@ def attention_with_kvcache(
                          "a sequence longer than its cache")
     if k is not None:
         assert v is not None
-        _write(k_cache, pages, starts, k, block_size)
-        _write(v_cache, pages, starts, v, block_size)
+        _write((k_cache, v_cache), pages, starts, (k, v), block_size)
     if batch == 0:
         out = q.new_zeros(0, n_q, h_q, v_cache.shape[3])
         lse_all = torch.zeros(0, h_q, n_q, dtype=compute_dtype(q.dtype), device=q.device)
