@@ -696,12 +696,22 @@ struct PagedTask {
 template <typename A>
 std::vector<PagedTask> paged_tasks(const Args<A>& a, const std::vector<PagedSeq>& seqs,
                                    const std::vector<PagedItem>& items) {
-  std::vector<PagedTask> tasks;
+  std::vector<PagedTask> tasks, dots;
   for (i64 i = 0; i < i64(items.size()); ++i) {
     const PagedItem& pi = items[i];
     if (!on_dot_loop(a, pi.it)) tasks.push_back({i, 0, false});
-    else if (pi.kvh == 0) tasks.push_back({i, seqs[pi.s].nqb * seqs[pi.s].splits, true});
+    else if (pi.kvh == 0) dots.push_back({i, seqs[pi.s].nqb * seqs[pi.s].splits, true});
   }
+  // the dot tasks dearest first (keys x queries; the threads take the tasks in this order):
+  // the last ones taken are the cheapest, so no thread waits long on another's last task
+  // (16 decodes of 512-8192 keys on 2 threads: the plan order's finish, by key counts,
+  // 1.03 of an even split, this 1.002); the GEMM tasks first, in the plan's order (a
+  // thread's cached tiles serve the next query block of the same head)
+  std::stable_sort(dots.begin(), dots.end(), [&](const PagedTask& x, const PagedTask& y) {
+    const Item &p = items[x.first].it, &q = items[y.first].it;
+    return (p.ke - p.kb) * p.nr > (q.ke - q.kb) * q.nr;
+  });
+  tasks.insert(tasks.end(), dots.begin(), dots.end());
   return tasks;
 }
 
