@@ -309,6 +309,26 @@ def test_page_used_by_two_sequences_without_fork_is_refused():
                     cache_seqlens=torch.tensor([5, 4]), block_table=table)
 
 
+def test_page_written_by_one_row_and_only_read_by_another_is_refused():
+    k_pages, v_pages, table, q, kn, vn = _bad_call_setup()
+    table[1, 0] = table[0, 1]              # row 1 reads (before its new token) what row 0 writes
+    _assert_refused(k_pages, v_pages, "used by two sequences without a fork", q, k_pages,
+                    v_pages, kn, vn, cache_seqlens=torch.tensor([5, 4]), block_table=table)
+
+
+def test_entries_past_a_rows_pages_are_not_checked():
+    # a page listed again, -1 and out-of-range entries past the pages a row's length needs
+    # are padding: the call runs, equal to the one on the narrow table
+    k_pages, v_pages, table, q, kn, vn = _bad_call_setup()
+    pad = torch.tensor([[table[0, 0], k_pages.shape[0]], [-1, table[1, 1]]], dtype=table.dtype)
+    wide = torch.cat([table, pad], dim=1)
+    want = ak.attention_with_kvcache(q, k_pages.clone(), v_pages.clone(), kn, vn,
+                                     cache_seqlens=torch.tensor([5, 4]), block_table=table)
+    got = ak.attention_with_kvcache(q, k_pages, v_pages, kn, vn,
+                                    cache_seqlens=torch.tensor([5, 4]), block_table=wide)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_paged_cache_state_errors_freed_page_and_shared_without_fork():
     cache = ak.PagedKVCache(8, 2, 1, 4, dtype=DT)
     a, b = cache.new_sequence(), cache.new_sequence()
