@@ -289,23 +289,26 @@ def _write(pools: tuple[torch.Tensor, torch.Tensor], pages: list[list[int]] | No
     if n_new == 0:
         return
     dev = pools[0].device
-    pos = torch.tensor(starts, device=dev).unsqueeze(1) + torch.arange(n_new, device=dev)
     with torch.no_grad():
         if pages is None:                               # contiguous (B, N_cache, H_kv, D)
+            pos = torch.tensor(starts, device=dev).unsqueeze(1) + torch.arange(n_new, device=dev)
             rows = torch.arange(news[0].shape[0], device=dev).unsqueeze(1).expand_as(pos)
             for pool, new in zip(pools, news, strict=True):
                 pool[rows, pos] = new
             return
-        page = torch.tensor([[row[(s + t) // block_size] for t in range(n_new)]    # (B, N_new)
-                             for row, s in zip(pages, starts, strict=True)], device=dev)
-        slot_of = (page * block_size + pos % block_size).flatten()    # (B · N_new,)
+        # position p of row b: slot row[p // bs] · bs + p % bs of the pool's token slots,
+        # found in Python (a decode step's few positions: one tensor, not five tensor ops)
+        slot_of = torch.tensor([row[p // block_size] * block_size + p % block_size
+                                for row, s in zip(pages, starts, strict=True)
+                                for p in range(s, s + n_new)], device=dev)   # (B · N_new,)
         for pool, new in zip(pools, news, strict=True):
             if pool.stride(0) == block_size * pool.stride(1):   # token slots as one dim: a view
                 # rows copied by index_copy_ (index_put's path took ms on a loaded CPU)
                 slots = pool.view(-1, *pool.shape[2:])          # (num_blocks · bs, H_kv, D)
                 slots.index_copy_(0, slot_of, new.reshape(-1, *new.shape[2:]))
             else:
-                pool[page, pos % block_size] = new
+                page = slot_of.view(-1, n_new) // block_size    # (B, N_new)
+                pool[page, slot_of.view(-1, n_new) % block_size] = new
 
 
 # --------------------------------------------------------------------------- rows
