@@ -179,6 +179,20 @@ def test_gqa_group_loops_on_decode_rows(dtype, h_q, h_kv):
                d_v=40, n_q=[1, 2, 1, 1], lengths=[300, 129, 1, 1000])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("block_size", [5, 13])
+@pytest.mark.parametrize("h_q,h_kv,d,d_v", [(8, 2, 128, 128), (6, 1, 59, 111), (4, 4, 32, 40)])
+def test_decode_rows_at_awkward_pages_and_dims(dtype, block_size, h_q, h_kv, d, d_v):
+    # decode rows (G * n_q < 16) on the dot loops — bf16 with AVX512-BF16 on forward.h's
+    # bf16 dot loops (vdpbf16ps, pairs of dims), the others on the GQA / generic loops: pages
+    # of 5 and 13 (a tile of 128 keys spans pages mid-way), D_k / D_v off the 32-dim chunks
+    # (59, 111, 40), lengths 0 and 1, a window whose P == 0 keys skip their V rows, NaN in
+    # unused pages and past each length
+    for opts in ({"window": (-1, 0)}, {"window": (150, 0), "softcap": 4.0}):
+        _check(dtype, block_size, opts, split_len=None, block_q=None, h_q=h_q, h_kv=h_kv,
+               d=d, d_v=d_v, n_q=[1, 1, 1, 2, 1], lengths=[0, 1, 517, 260, 129])
+
+
 def test_explicit_query_positions():
     # every query placed after all keys (a shared prefix's call) sees every key
     _check(DT, 5, {"window": (-1, 0)}, split_len=128, block_q=4, n_q=[3, 16],

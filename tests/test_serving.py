@@ -116,6 +116,34 @@ def test_paged_matches_reference_on_gathered_keys(block_size, opts, n_q, n_new):
         assert torch.equal(got_k, kk)
 
 
+@pytest.mark.parametrize("dtype", [DT, torch.bfloat16])
+def test_new_tokens_written_into_pools_whose_slots_are_not_one_dim(dtype):
+    # pools viewed from (block_size, num_blocks, H_kv, D) storage: a page's slots are not
+    # one run of memory, so the new K and V rows go in by page and slot (not index_copy_);
+    # both pools written, and the output is the reference's on the gathered keys
+    lengths, n_new, bs, h_q, h_kv, d, d_v = [0, 4, 9], 3, 5, 4, 2, 8, 6
+    k_pages, v_pages, table, ks, vs = _paged(lengths, bs, h_kv, d, d_v, dtype, spare=n_new)
+    k_view = k_pages.transpose(0, 1).contiguous().transpose(0, 1)
+    v_view = v_pages.transpose(0, 1).contiguous().transpose(0, 1)
+    assert k_view.stride(0) != bs * k_view.stride(1)
+    q = torch.randn(3, 1, h_q, d, dtype=DT).to(dtype)
+    k_new = torch.randn(3, n_new, h_kv, d, dtype=DT).to(dtype)
+    v_new = torch.randn(3, n_new, h_kv, d_v, dtype=DT).to(dtype)
+    out = ak.attention_with_kvcache(q, k_view, v_view, k_new, v_new, causal=True,
+                                    cache_seqlens=torch.tensor(lengths), block_table=table)
+    for b, n in enumerate(lengths):
+        idx = table[b, : -(-(n + n_new) // bs)].long()
+        kk, vv = torch.cat([ks[b], k_new[b]]), torch.cat([vs[b], v_new[b]])
+        assert torch.equal(k_view[idx].flatten(0, 1)[: n + n_new], kk)
+        assert torch.equal(v_view[idx].flatten(0, 1)[: n + n_new], vv)
+        want, _ = _reference(q[b].to(DT), kk.to(DT), vv.to(DT), causal=True)
+        if dtype == DT:
+            torch.testing.assert_close(out[b], want, rtol=1e-10, atol=1e-10)
+        else:
+            low, _ = _reference(q[b], kk, vv, causal=True, dtype=dtype)
+            assert_low_precision_close(out[b], low, want, what=f"written pools, row {b}")
+
+
 @pytest.mark.parametrize("opts", OPTIONS[:4] + OPTIONS[5:6], ids=lambda o: ",".join(o) or "plain")
 def test_contiguous_cache_matches_reference_and_is_written_in_place(opts):
     lengths = [0, 1, 9]
@@ -279,6 +307,26 @@ def test_page_used_by_two_sequences_without_fork_is_refused():
     table[0, 0] = table[0, 1]              # one row listing a page twice
     _assert_refused(k_pages, v_pages, "lists page .* twice", q, k_pages, v_pages,
                     cache_seqlens=torch.tensor([5, 4]), block_table=table)
+
+
+def test_page_written_by_one_row_and_only_read_by_another_is_refused():
+    k_pages, v_pages, table, q, kn, vn = _bad_call_setup()
+    table[1, 0] = table[0, 1]              # row 1 reads (before its new token) what row 0 writes
+    _assert_refused(k_pages, v_pages, "used by two sequences without a fork", q, k_pages,
+                    v_pages, kn, vn, cache_seqlens=torch.tensor([5, 4]), block_table=table)
+
+
+def test_entries_past_a_rows_pages_are_not_checked():
+    # a page listed again, -1 and out-of-range entries past the pages a row's length needs
+    # are padding: the call runs, equal to the one on the narrow table
+    k_pages, v_pages, table, q, kn, vn = _bad_call_setup()
+    pad = torch.tensor([[table[0, 0], k_pages.shape[0]], [-1, table[1, 1]]], dtype=table.dtype)
+    wide = torch.cat([table, pad], dim=1)
+    want = ak.attention_with_kvcache(q, k_pages.clone(), v_pages.clone(), kn, vn,
+                                     cache_seqlens=torch.tensor([5, 4]), block_table=table)
+    got = ak.attention_with_kvcache(q, k_pages, v_pages, kn, vn,
+                                    cache_seqlens=torch.tensor([5, 4]), block_table=wide)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_paged_cache_state_errors_freed_page_and_shared_without_fork():

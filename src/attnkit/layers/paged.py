@@ -48,6 +48,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from .common import shape_of
@@ -440,7 +441,16 @@ class PagedKVCache:
         bs = self.block_size
         rows = block_table.tolist()
         read = [rows[b][: -(-int(n) // bs)] for b, n in enumerate(seqlens)]  # pages row b reads
-        uses = Counter(itertools.chain.from_iterable(read))                  # page -> rows
+        t = block_table.detach().cpu().numpy().astype(np.int64)              # (B, W)
+        flat = t[np.arange(t.shape[1]) < np.asarray([len(r) for r in read])[:, None]]
+        if flat.size and flat.min() >= 0 and flat.max() < len(self._refs):
+            # page -> rows, counted by NumPy on the table's memory (a Counter of a 4096-token
+            # prefix's 16 forks, 4240 entries, took 0.15 ms a decode step)
+            counts = np.bincount(flat)
+            used = np.flatnonzero(counts)
+            uses = dict(zip(used.tolist(), counts[used].tolist(), strict=True))
+        else:
+            uses = Counter(itertools.chain.from_iterable(read))
         for p, count in uses.items():
             if self._refs[p] == 0 or count > self._refs[p]:
                 bs_rows = [b for b, r in enumerate(read) for q in r if q == p]
