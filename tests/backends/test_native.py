@@ -575,6 +575,17 @@ def test_gradients_by_band_sub_blocks(band: tuple[float, float]) -> None:
 
 
 @needs_native
+@pytest.mark.parametrize("band", [(0, 49), (-(350 - 300), math.inf)])
+def test_gradients_by_band_sub_blocks_read_unpadded_rows(band: tuple[float, float]) -> None:
+    """D_k = 59, D_v = 37: the float32 backward's GEMMs read Q and dO rows where they lie
+    (59 and 37 values apart, not copied padded to 64 and 48), also from a sub-block's
+    first row on (r0 > 0)."""
+    q, k, v = qkv(1, 4, 2, 300, 350, 59, 37)
+    d = torch.arange(300)[:, None] - torch.arange(350)[None, :]
+    check_grads(q, k, v, torch.float32, allowed=(d >= band[0]) & (d <= band[1]), band=band)
+
+
+@needs_native
 def test_gradients_with_empty_rows_and_nan_in_masked_kv() -> None:
     q, k, v = qkv(2, 2, 2, 97, 120, 16)
     kvl, ql = torch.tensor([120, 45]), torch.tensor([97, 60])

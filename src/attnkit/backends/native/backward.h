@@ -157,20 +157,31 @@ void backward_tile(const Args<A>& a, const T* q, const T* dout, const i64* sdo, 
   using V = vec<A>;
   constexpr int L = lanes<A>;
   const i64 nq = it.nr, npad = round_up(n, W);
-  for (i64 i = 0; i < nq; ++i) {                           // Q and dO rows in A
-    const i64 qi = it.q0 + i;
-    row_to_compute(q + it.b * a.sq[0] + h * a.sq[1] + qi * a.sq[2], bb.q.data() + i * a.DKP,
-                   a.Dk, a.DKP);
-    row_to_compute(dout + it.b * sdo[0] + h * sdo[1] + qi * sdo[2],
-                   bb.dout.data() + i * a.DVP, a.Dv, a.DVP);
+  const T* q0 = q + it.b * a.sq[0] + h * a.sq[1] + it.q0 * a.sq[2];   // the tile's first rows
+  const T* do0 = dout + it.b * sdo[0] + h * sdo[1] + it.q0 * sdo[2];
+  const A *qr, *dor;                                       // Q (nq, D_k), dO (nq, D_v) in A
+  i64 ldq, ldo;
+  // rows in A at a stride of at least their length (the GEMMs read D values a row: no
+  // padding needed) are read as they are; other rows (e.g. dO broadcast, stride 0) converted
+  bool direct = false;
+  if constexpr (std::is_same_v<T, A>) direct = a.sq[2] >= a.Dk && sdo[2] >= a.Dv;
+  if (direct) {
+    qr = reinterpret_cast<const A*>(q0), ldq = a.sq[2];
+    dor = reinterpret_cast<const A*>(do0), ldo = sdo[2];
+  } else {
+    for (i64 i = 0; i < nq; ++i) {                         // converted rows
+      row_to_compute(q0 + i * a.sq[2], bb.q.data() + i * a.DKP, a.Dk, a.DKP);
+      row_to_compute(do0 + i * sdo[2], bb.dout.data() + i * a.DVP, a.Dv, a.DVP);
+    }
+    qr = bb.q.data(), ldq = a.DKP, dor = bb.dout.data(), ldo = a.DVP;
   }
   // S, dP by the band's sub-blocks (rows a sub-block skips: S = dP = 0, masked below)
   Sub subs[BK / SUB];
   const int count = band_subs(a, it, k0, n, full, nq, bb, subs);
   for_each_block(subs, count, 1, nq, [&](i64 r0, i64 m, i64 j0, i64 nj) {
-    gemm(m, nj, a.Dk, a.DKP, BK, BK, false, bb.q.data() + r0 * a.DKP, bb.kt.data() + j0,
+    gemm(m, nj, a.Dk, ldq, BK, BK, false, qr + r0 * ldq, bb.kt.data() + j0,
          bb.s.data() + r0 * BK + j0);
-    gemm(m, nj, a.Dv, a.DVP, BK, BK, false, bb.dout.data() + r0 * a.DVP, bb.vt.data() + j0,
+    gemm(m, nj, a.Dv, ldo, BK, BK, false, dor + r0 * ldo, bb.vt.data() + j0,
          bb.dp.data() + r0 * BK + j0);
   });
   tile_grads(a, lse, delta, it, h, k0, n, full, dtab, dslope, bb);
@@ -178,14 +189,14 @@ void backward_tile(const Args<A>& a, const T* q, const T* dout, const i64* sdo, 
   // on the rows a sub-block skips)
   transpose(bb.s.data(), nq, n, BK, bb.pt.data(), BQ);     // Pᵀ (n, nq)
   for_each_block(subs, count, 1, nq, [&](i64 r0, i64 m, i64 j0, i64 nj) {
-    gemm(nj, a.Dv, m, BQ, a.DVP, a.DVP, true, bb.pt.data() + j0 * BQ + r0,
-         bb.dout.data() + r0 * a.DVP, bb.dv.data() + j0 * a.DVP);
+    gemm(nj, a.Dv, m, BQ, ldo, a.DVP, true, bb.pt.data() + j0 * BQ + r0, dor + r0 * ldo,
+         bb.dv.data() + j0 * a.DVP);
   });
   transpose(bb.dp.data(), nq, n, BK, bb.pt.data(), BQ);    // dSᵀ (n, nq)
   A* dq_rows = dq + ((it.b * a.Hq + h) * a.Nq + it.q0) * a.DKP;
   for_each_block(subs, count, 1, nq, [&](i64 r0, i64 m, i64 j0, i64 nj) {
-    gemm(nj, a.Dk, m, BQ, a.DKP, a.DKP, true, bb.pt.data() + j0 * BQ + r0,
-         bb.q.data() + r0 * a.DKP, bb.dk.data() + j0 * a.DKP);
+    gemm(nj, a.Dk, m, BQ, ldq, a.DKP, true, bb.pt.data() + j0 * BQ + r0, qr + r0 * ldq,
+         bb.dk.data() + j0 * a.DKP);
     gemm(m, a.Dk, nj, BK, a.DKP, a.DKP, true, bb.dp.data() + r0 * BK + j0,
          bb.kb.data() + j0 * a.DKP, dq_rows + r0 * a.DKP);
   });

@@ -430,6 +430,7 @@ def _build() -> object:
             raise _Unavailable(f"the cached native kernel {so} failed to load ({e}); delete "
                                f"{folder} to rebuild it") from e
     _state["loaded_key"] = key
+    _state["loaded_level"] = level
     return torch.ops.attnkit_native
 
 
@@ -545,6 +546,11 @@ def load() -> object | None:
                 warnings.warn(f"attnkit native CPU kernel unavailable: {_state['reason']}. "
                               f"{_FIX}.", NativeUnavailableWarning, stacklevel=3)
         return _state["ops"]
+
+
+def loaded_level() -> str | None:
+    """The vector level (:func:`cpu_flags`) of the build this process loaded, or None."""
+    return _state.get("loaded_level")  # type: ignore[return-value]
 
 
 def reason() -> str | None:
