@@ -429,6 +429,17 @@ def _bad_kv_rows(p: Problem) -> torch.Tensor:
     return bad.expand(p.batch, *bad.shape[1:])
 
 
+def _kv_finite(p: Problem) -> bool:
+    """Whether every K and V element is finite, known from the native kernel's one pass over
+    them (K/V broadcast over the batch read once); False when it cannot say (the caller
+    then finds the rows with torch). A bf16 (1, 8, 2048, 64) K and V: ~0.3 ms against ~10 ms
+    for isfinite(...).all(-1) (four elementwise kernels and a reduction each), one core."""
+    k, v = p.k, p.v
+    if k.shape[0] > 1 and k.stride(0) == 0 and v.stride(0) == 0:
+        k, v = k[:1], v[:1]
+    return bool(_native.all_finite(k)) and bool(_native.all_finite(v))
+
+
 def _may_score_minus_inf(p: Problem) -> bool:
     """Whether the score_mod may score a key −∞: Python code, or an ALiBi / relative-bias
     term whose slopes or table (a few hundred numbers) hold a non-finite value."""
@@ -461,7 +472,7 @@ def _run(p: Problem, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     # except under a score_mod that may give −∞: that is a score, not a mask (a key it
     # removes still passes NaN on, as in the formula), and a kernel skipping P == 0 hides it.
     up_front = p.requires_grad or _may_score_minus_inf(p)
-    bad = _bad_kv_rows(p) if up_front else None
+    bad = _bad_kv_rows(p) if up_front and not _kv_finite(p) else None
     if bad is None or not bad.any():
         out, lse = chosen.forward(p)
         # one-pass screen: NaN/inf anywhere make the sum non-finite (an overflowing sum of
@@ -470,7 +481,7 @@ def _run(p: Problem, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
         # is taken in the output's dtype (float32 accumulation inside; bfloat16 has float32's
         # range) but for float16, whose range a sum of finite outputs can leave; float() of
         # the 0-dim sum costs less than .item()
-        if bad is not None or math.isfinite(float(
+        if up_front or math.isfinite(float(
                 out.sum(dtype=torch.float32) if out.dtype is torch.float16 else out.sum())):
             return out, lse
         bad = _bad_kv_rows(p)
