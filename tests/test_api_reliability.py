@@ -496,18 +496,21 @@ def test_kv_checked_up_front_only_under_a_python_score_mod(monkeypatch):
     from attnkit import eager
     from attnkit.scores import alibi, relative_bias
 
-    calls = []
-    real = eager._non_finite_kv_rows
-    monkeypatch.setattr(eager, "_non_finite_kv_rows", lambda p: calls.append(1) or real(p))
+    calls: set[str] = set()            # the up-front read: the one-pass check, then the rows
+    for name in ("_kv_finite", "_bad_kv_rows"):
+        real = getattr(eager, name)
+        monkeypatch.setattr(eager, name, lambda p, real=real, name=name: calls.add(name)
+                            or real(p))
     q = randn(1, 2, 8, 4)
     table = torch.zeros(2, 7)
     minus_inf = table.clone()
     minus_inf[:, 0] = -torch.inf                            # a table may remove keys too
-    for mod, expected in ((None, 0), (alibi(2), 0), (relative_bias(table, 3), 0),
-                          (relative_bias(minus_inf, 3), 1), (lambda s, b, h, qi, ki: s * 2, 1)):
+    for mod, expected in ((None, False), (alibi(2), False), (relative_bias(table, 3), False),
+                          (relative_bias(minus_inf, 3), True),
+                          (lambda s, b, h, qi, ki: s * 2, True)):
         calls.clear()
         ak.attention(q, q, q, score_mod=mod)
-        assert len(calls) == expected, mod
+        assert bool(calls) == expected, mod
 
 
 @pytest.mark.parametrize("grad", [False, True])

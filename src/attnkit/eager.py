@@ -429,16 +429,21 @@ def _bad_kv_rows(p: Problem) -> torch.Tensor:
     return bad.expand(p.batch, *bad.shape[1:])
 
 
-def _non_finite_kv_rows(p: Problem) -> torch.Tensor | None:
-    """``(B, H_kv, N_k)`` True where a K or V row holds NaN or ±inf, or None when none does
-    (one sum of K and of V decides that: a finite sum has no non-finite term; K/V broadcast
-    over the batch are read once)."""
-
-    k, v = p.k.detach(), p.v.detach()                # (no graph for the sums)
+def _kv_finite(p: Problem) -> bool:
+    """Whether every K and V element is finite, known from the native kernel's one pass over
+    them (K/V broadcast over the batch read once); False when it cannot say (the caller
+    then finds the rows with torch). A bf16 (1, 8, 2048, 64) K and V: ~0.3 ms against ~10 ms
+    for isfinite(...).all(-1) (four elementwise kernels and a reduction each), one core."""
+    k, v = p.k.detach(), p.v.detach()
     if k.shape[0] > 1 and k.stride(0) == 0 and v.stride(0) == 0:
         k, v = k[:1], v[:1]
-    acc = _compute_dtype(p.dtype)                  # (a sum that overflows: the exact test)
-    if math.isfinite(float(k.sum(dtype=acc)) + float(v.sum(dtype=acc))):
+    return bool(_native.all_finite(k)) and bool(_native.all_finite(v))
+
+
+def _non_finite_kv_rows(p: Problem) -> torch.Tensor | None:
+    """``(B, H_kv, N_k)`` True where a K or V row holds NaN or ±inf, or None when none does
+    (:func:`_kv_finite` decides that first; the rows' exact test only when it cannot)."""
+    if _kv_finite(p):
         return None
     bad = _bad_kv_rows(p)
     return bad if bool(bad.any()) else None
@@ -475,8 +480,8 @@ def _run(p: Problem, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     # costs one read of K and V; without autograd we only check when the output shows it —
     # except under a score_mod that may give −∞: that is a score, not a mask (a key it
     # removes still passes NaN on, as in the formula), and a kernel skipping P == 0 hides it.
-    # (Up front: a sum of K and one of V first, _non_finite_kv_rows; the rows' exact test
-    # cost 6% of a float32 causal forward + backward at N = 2048.)
+    # (Up front: the kernel's one pass over K and V first, _non_finite_kv_rows; the rows'
+    # exact test cost 6% of a float32 causal forward + backward at N = 2048.)
     up_front = p.requires_grad or _may_score_minus_inf(p)
     bad = _non_finite_kv_rows(p) if up_front else None
     if bad is None:

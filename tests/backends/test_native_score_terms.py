@@ -185,6 +185,31 @@ def test_softcap_tanh_within_a_few_ulp_over_the_whole_range(dtype: torch.dtype,
     assert (got.abs() <= torch.tensor(softcap, dtype=dtype).item()).all()   # c in dtype
 
 
+@pytest.mark.parametrize(("dtype", "n_q"), [(torch.float32, 1), (torch.float32, 20),
+                                            (torch.bfloat16, 20)])
+def test_softcap_form_follows_the_rows_largest_score_at_any_key(dtype: torch.dtype,
+                                                                n_q: int) -> None:
+    """A row's form (the polynomial alone, or the e^x form) follows its largest |x · scale /
+    c| wherever that key lies in the tile (any lane of any vector, the row's padded tail):
+    one score of 3 among scores of 0.1 (the polynomial alone is ~2 off at 3). The weights
+    (V = the identity) match float64's softmax(c · tanh(x / c)) — bfloat16 (the GEMM loops'
+    low-precision path) within DESIGN's budget."""
+    n = 133                                                # two tiles: 128 + a 5-key tail
+    q = torch.ones(1, 1, n_q, 1, dtype=torch.float64)
+    v = torch.eye(n, dtype=torch.float64).reshape(1, 1, n, n)
+    for p in range(n):
+        k = torch.full((1, 1, n, 1), 0.1, dtype=torch.float64)
+        k[0, 0, p, 0] = 3.0
+        want = torch.softmax(torch.tanh(k.reshape(1, 1, 1, n)), dim=-1).expand(1, 1, n_q, n)
+        got, _ = native.forward(q.to(dtype), k.to(dtype), v.to(dtype), scale=1.0, softcap=1.0)
+        if dtype == torch.float32:
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6, msg=f"key {p}")
+        else:
+            ref_lowp = naive_low_precision(q.to(dtype), k.to(dtype), v.to(dtype), scale=1.0,
+                                           softcap=1.0)
+            assert_low_precision_close(got, ref_lowp, want, what=f"key {p}")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_softcap_of_inf_and_nan_scores(dtype: torch.dtype) -> None:
     """An infinite score caps to ±c (not NaN); NaN stays NaN, in its own row only."""

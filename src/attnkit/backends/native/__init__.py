@@ -35,6 +35,8 @@ API (what ``tiled``, ``decode`` and the custom operator ``attnkit::attention`` c
     supports(p: Problem) -> list[str]    forward_problem(p: Problem) -> (out, lse)
     backward_problem(p, out, lse, dout, dlse=None, bias_grad=False)
                                          -> (dq, dk, dv, dbias)  from saved out, lse
+    all_finite(t) -> bool | None         every element of a 4-D tensor finite (one pass; the
+                                         eager path's NaN/inf screens ask it first)
     lean_launch(p: Problem) -> LeanLaunch | None   the eager hot path's launch of a call
                                          with no score term, a band and at most the call's
                                          bool mask tensor on the lean operator
@@ -116,8 +118,8 @@ from .score_mod import CompiledScoreMod, compile_score_mod, for_problem
 __all__ = ["available", "why_unavailable", "forward", "decode", "supports", "forward_problem",
            "backward_problem", "compile_score_mod", "CompiledScoreMod", "low_precision_paths",
            "paged_attention", "paged_merge_rows", "KernelTerms", "plain_terms", "use_native",
-           "native_enabled", "LeanLaunch", "lean_launch", "DTYPES", "DECODE_MAX_QUERIES",
-           "DENSE_MASK_LIMIT"]
+           "native_enabled", "all_finite", "LeanLaunch", "lean_launch", "DTYPES",
+           "DECODE_MAX_QUERIES", "DENSE_MASK_LIMIT"]
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 DECODE_MAX_QUERIES = 16
@@ -759,6 +761,17 @@ def forward_problem(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
                     t.rel_table, t.rel_max_distance, p.bias, t.band, t.kv_lengths,
                     t.q_lengths, t.doc_ids, t.kv_doc_ids, t.dense_mask, block, None,
                     t.score_mod)
+
+
+def all_finite(t: torch.Tensor) -> bool | None:
+    """Whether every element of the 4-D CPU tensor ``t`` is finite, in one pass of the
+    kernel's vector loop over its rows (any strides); None when the kernel is not loaded
+    or does not take ``t`` (the caller's torch check runs instead)."""
+    ops = loader.load()
+    op = getattr(ops, "all_finite", None)
+    if op is None or t.dim() != 4 or not t.is_cpu or t.dtype not in DTYPES:
+        return None
+    return bool(op(t))
 
 
 class LeanLaunch(NamedTuple):

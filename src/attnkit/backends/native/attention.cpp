@@ -23,6 +23,8 @@
 // tensors' pointers; 0 = none) and runs where ALiBi / the table do (score_mod.h).
 // Conventions: a row with no allowed key -> out 0, LSE -inf; NaN in an allowed score
 // propagates; a key with P == 0 never touches the output (NaN in masked V rows stays out).
+#include <atomic>
+
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
@@ -170,22 +172,38 @@ std::tuple<Tensor, Tensor> attend(
   return {out, lse};
 }
 
-// Whether every row of q (B, H, N, D), last dim contiguous, is finite.
-template <typename T> bool input_finite(const Tensor& q) {
-  const T* p = q.data_ptr<T>();
-  for (i64 b = 0; b < q.size(0); ++b)
-    for (i64 h = 0; h < q.size(1); ++h)
-      for (i64 i = 0; i < q.size(2); ++i)
-        if (!all_finite(p + b * q.stride(0) + h * q.stride(1) + i * q.stride(2), q.size(3)))
-          return false;
-  return true;
-}
-
 // t (4-D) with unit stride along its last dim, as the kernel reads rows: copied only when
 // that dim is strided (native.unit_rows' rule, here so that the hot path's Python does not
 // read three strides).
 Tensor unit_rows(const Tensor& t) {
   return t.dim() == 4 && t.size(3) > 1 && t.stride(3) != 1 ? t.contiguous() : t;
+}
+
+// Whether every row of q (B, H, N, D), last dim contiguous, is finite: rows split over the
+// threads from 64k elements on (a decode call's q is read inline).
+template <typename T> bool input_finite(const Tensor& q) {
+  const T* p = q.data_ptr<T>();
+  const i64 H = q.size(1), N = q.size(2), D = q.size(3);
+  std::atomic<bool> ok{true};
+  at::parallel_for(0, q.size(0) * H * N, std::max<i64>(1, (i64(1) << 16) / std::max<i64>(D, 1)),
+                   [&](i64 r0, i64 r1) {
+    for (i64 r = r0; r < r1 && ok.load(std::memory_order_relaxed); ++r) {  // row (b, h, i)
+      const i64 b = r / (H * N), h = r / N % H, i = r % N;
+      if (!all_finite(p + b * q.stride(0) + h * q.stride(1) + i * q.stride(2), D)) ok = false;
+    }
+  });
+  return ok;
+}
+
+// Whether every element of t (B, H, N, D) is finite, one pass (the eager path's NaN/inf
+// screens: a score_mod's up-front K/V check, the query rows' check). Any strides; a strided
+// last dim is copied first.
+bool all_finite_op(const Tensor& t) {
+  TORCH_CHECK(t.dim() == 4, "attnkit native: all_finite takes a 4-D tensor, got ", t.sizes());
+  const Tensor r = unit_rows(t);
+  bool ok = true;
+  ATTNKIT_DISPATCH(r.scalar_type(), { ok = input_finite<T>(r); });
+  return ok;
 }
 
 // The eager hot path's forward (a decoder's per-token call, a short prefill: attnkit/eager.py):
@@ -483,6 +501,7 @@ TORCH_LIBRARY(attnkit_native, m) {
         "float softcap, Tensor? alibi, float band_lo, float band_hi, int split_len, "
         "int block_q) -> (Tensor, Tensor)",
         &paged_attend);
+  m.def("all_finite(Tensor t) -> bool", &all_finite_op);
   m.def("vector_width() -> str", &vector_width);
   m.def("lowp_gemm_path(str dtype) -> str", &lowp_gemm_path);
   m.def("round_to_bfloat16(Tensor x, bool generic) -> Tensor", &round_to_bfloat16);

@@ -95,10 +95,23 @@ inline float hsum(vf v) {
   v4f x = to4(v);
   return (x[0] + x[2]) + (x[1] + x[3]);
 }
+// (by halving too: once per row and tile, and a lane-by-lane chain of W dependent maxima cost
+// ~60 cycles a row, a soft-capped bf16 tile's largest single cost; every caller's v holds no
+// NaN — vmax never takes one in — so any order gives the same lane)
 inline float hmax(vf v) {
-  float m = v[0];
-  for (int i = 1; i < W; ++i) m = v[i] > m ? v[i] : m;   // once per row and tile
-  return m;
+#if defined(__AVX512F__)
+  typedef float v8f __attribute__((vector_size(32)));
+  const v8f h = vmax(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7),
+                     __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
+  v4f x = vmax(__builtin_shufflevector(h, h, 0, 1, 2, 3), __builtin_shufflevector(h, h, 4, 5, 6, 7));
+#elif defined(__AVX2__) || defined(__AVX__)
+  v4f x = vmax(__builtin_shufflevector(v, v, 0, 1, 2, 3), __builtin_shufflevector(v, v, 4, 5, 6, 7));
+#else
+  v4f x = v;
+#endif
+  x = vmax(x, __builtin_shufflevector(x, x, 2, 3, 0, 1));
+  x = vmax(x, __builtin_shufflevector(x, x, 1, 0, 3, 2));
+  return x[0];
 }
 inline double hsum(vd v) {
   double s = v[0];
@@ -516,12 +529,19 @@ template <typename A> inline void scale_and_cap(const Args<A>& a, A* x, i64 npad
   const A c = a.softcap, r = a.scale / c;                  // x * r = x * scale / c
   if (!std::isfinite(r))
     return cap_row<false>(x, npad, fac, a.scale, c, [&](V v) { return (v * sc) / splat(c); });
-  V amax = splat(A(0));                           // a row whose |x * scale / c| < 0.625
-  for (i64 j = 0; j < npad; j += L) amax = vmax(amax, vabs(load(x + j)));  // (the usual case)
+  V a0 = splat(A(0)), a1 = a0;                   // a row whose |x * scale / c| < 0.625
+  i64 j = 0;                                      // (the usual case); two chains of maxima
+  for (; j + 2 * L <= npad; j += 2 * L) {                   // keys [j, j + 2L)
+    a0 = vmax(a0, vabs(load(x + j)));
+    a1 = vmax(a1, vabs(load(x + j + L)));
+  }
+  if (j < npad) a0 = vmax(a0, vabs(load(x + j)));
   const V vr = splat(r);
   const auto y_of = [vr](V v) { return v * vr; };
-  if (hmax(amax) * std::abs(r) < A(0.625)) cap_row<true>(x, npad, fac, a.scale, c, y_of);
-  else cap_row<false>(x, npad, fac, a.scale, c, y_of);
+  if (hmax(vmax(a0, a1)) * std::abs(r) < A(0.625))
+    cap_row<true>(x, npad, fac, a.scale, c, y_of);
+  else
+    cap_row<false>(x, npad, fac, a.scale, c, y_of);
 }
 
 // The relative-position buckets of row qi over keys [k0, k0+n): keys [0, jl) have

@@ -145,9 +145,10 @@ def _fusable(p: Problem) -> bool:
 
 def _nonfinite_query_rows(q: torch.Tensor) -> torch.Tensor | None:
     """``(B, H_q, N_q)`` True where a query row holds NaN or ±inf; ``None`` when none does
-    (one reduction over q; the exact row test only when the sum is not finite)."""
+    (one pass over q: the native kernel's, else a reduction; the exact row test only when
+    that finds a non-finite value)."""
     with torch.no_grad():
-        if math.isfinite(q.sum(dtype=compute_dtype(q.dtype)).item()):   # one reduction
+        if native.all_finite(q) or math.isfinite(q.sum(dtype=compute_dtype(q.dtype)).item()):
             return None
         bad = ~torch.isfinite(q).all(-1)
     return bad if bool(bad.any()) else None
