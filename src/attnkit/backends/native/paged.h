@@ -34,7 +34,6 @@
 // key-major across the heads (the pages read front to back) — except bfloat16 where the CPU
 // has AVX512-BF16, which runs forward.h's bf16 dot loops head by head (on_group_loop).
 #pragma once
-#include <array>
 #include <atomic>
 #include <torch/library.h>
 
@@ -715,7 +714,8 @@ std::vector<PagedTask> paged_tasks(const Args<A>& a, const std::vector<PagedSeq>
   return tasks;
 }
 
-// The sequences' tasks, taken by the threads one at a time; then the splits merged.
+// The sequences' tasks, taken by the threads one at a time; each group of splits merged
+// when its last split is done.
 // alibi: (S, H_q) slopes in A, or null.
 template <typename A, typename T>
 void run_paged(const Args<A>& a, const Pages<T>& pg, const T* q, const i64 (&sq)[2],
@@ -735,8 +735,30 @@ void run_paged(const Args<A>& a, const Pages<T>& pg, const T* q, const i64 (&sq)
   }
   Args<A> la = a;                                          // lowp.h's buffers: a tile or
   la.NKP = (a.cache_kt ? max_tiles : 1) * BK;              // the cached head's tiles
+  // the splits of one (sequence, K/V head, query block) are merged by the thread finishing
+  // the last of them (no second parallel region after the tasks: on a loaded machine a
+  // region waits for every thread to be scheduled): left[g] counts group g's splits to go
+  std::vector<i64> group0(seqs.size(), -1);               // sequence -> its first group
+  i64 n_groups = 0;
+  for (i64 s = 0; s < i64(seqs.size()); ++s)
+    if (seqs[s].splits > 1) {
+      group0[s] = n_groups;
+      n_groups += a.Hkv * seqs[s].nqb;
+    }
+  std::unique_ptr<std::atomic<i64>[]> left(new std::atomic<i64>[std::max<i64>(1, n_groups)]);
+  for (i64 s = 0; s < i64(seqs.size()); ++s)
+    for (i64 g = 0; seqs[s].splits > 1 && g < a.Hkv * seqs[s].nqb; ++g)
+      left[group0[s] + g].store(seqs[s].splits, std::memory_order_relaxed);
+  const auto finished = [&](const PagedItem& pi, std::vector<A>& accv) {  // pi's partials out
+    const PagedSeq& seq = seqs[pi.s];
+    if (seq.splits == 1) return;
+    // acq_rel: the last split's thread sees every other split's partials
+    if (left[group0[pi.s] + pi.kvh * seq.nqb + pi.qb].fetch_sub(1, std::memory_order_acq_rel) == 1)
+      merge_paged(a, seq, pi.kvh, pi.qb, po.data(), pl.data(), out, lse, accv.data());
+  };
   at::parallel_for(0, T_, 1, [&](i64, i64) {
     Buffers<A> buf(a, a.G * max_rows);
+    std::vector<A> accv(a.Dv);                             // merge_paged's scratch
     PagedBuffers<A, T> pb(a, max_tiles);
     std::unique_ptr<LowpBuffers<T>> lb;                    // T GEMMs: packed K/V, Q, P in T
     std::vector<const PagedItem*> its(a.Hkv);
@@ -750,27 +772,18 @@ void run_paged(const Args<A>& a, const Pages<T>& pg, const T* q, const i64 (&sq)
           if (a.lowp && !lb) lb.reset(new LowpBuffers<T>(la, a.G * max_rows));
         attend_paged_item(as, pg, q, sq, seq, items[task.first], buf, pb, lb.get());
         finish_item(a, seq, items[task.first], buf, out, lse, po.data(), pl.data());
+        finished(items[task.first], accv);
         continue;
       }
       while (i64(pb.heads.size()) < a.Hkv) pb.heads.emplace_back(a, a.G * max_rows);
       for (i64 h = 0; h < a.Hkv; ++h) its[h] = &items[task.first + h * task.stride];
       attend_paged_task(as, pg, q, sq, seq, its.data(), pb);
-      for (i64 h = 0; h < a.Hkv; ++h)
+      for (i64 h = 0; h < a.Hkv; ++h) {
         finish_item(a, seq, *its[h], pb.heads[h], out, lse, po.data(), pl.data());
+        finished(*its[h], accv);
+      }
     }
     if (lb && !a.lowp_emulate) at::native::cpublas::brgemm_release(true);  // AMX tile state
-  });
-  if (n_part_rows == 0) return;
-  std::vector<std::array<i64, 3>> groups;                  // (sequence, kv head, query block)
-  for (i64 s = 0; s < i64(seqs.size()); ++s)
-    if (seqs[s].splits > 1)
-      for (i64 h = 0; h < a.Hkv; ++h)
-        for (i64 qb = 0; qb < seqs[s].nqb; ++qb) groups.push_back({s, h, qb});
-  at::parallel_for(0, i64(groups.size()), 1, [&](i64 g0, i64 g1) {
-    std::vector<A> accv(a.Dv);
-    for (i64 gi = g0; gi < g1; ++gi)
-      merge_paged(a, seqs[groups[gi][0]], groups[gi][1], groups[gi][2], po.data(), pl.data(),
-                  out, lse, accv.data());
   });
 }
 
