@@ -636,18 +636,6 @@ class _Lane:
         self.consulted = consulted    # (name, backend, len(vars(backend))) select asked
         self.launch = launch          # the decode backend's lean launch, or None (full path)
 
-    def holds(self, backend: str) -> bool:
-        """Whether the remembered choice still stands (the registry entries asked unchanged,
-        instance attributes included: a patched ``extra_reasons`` shows as one more).
-        (:func:`attend` has this written out on its hot path.)"""
-        if self.state != _lane_state(backend):
-            return False
-        reg = _backends.REGISTRY
-        for name, b, n_attrs in self.consulted:
-            if reg.get(name) is not b or len(vars(b)) != n_attrs:
-                return False
-        return True
-
 
 _SELECT = _backends.select
 _SCOPE = _backends._SCOPE            # what backends.current() reads
@@ -725,7 +713,9 @@ def attend(q: Any, k: Any, v: Any, *, mask: Any = None, is_causal: bool = False,
     layout.
 
     A decoder's per-token call (a frame whose lane holds a lean launch) is written out here
-    in one function — its signature, the lane's check (:meth:`_Lane.holds`), the launch
+    in one function — its signature, the lane's check (does the remembered choice still
+    stand: the state as :func:`_lane_state` reads it, and the registry entries asked unchanged,
+    instance attributes included — a patched ``extra_reasons`` shows as one more), the launch
     (:meth:`_Frame.lean`): after the kernel has streamed a long K/V cache through the CPU's
     caches, each Python function such a call enters costs microseconds of cache misses
     (1 query × 4096 keys bf16: 30 → 18 µs around the kernel, one core)."""
@@ -753,7 +743,7 @@ def attend(q: Any, k: Any, v: Any, *, mask: Any = None, is_causal: bool = False,
     lane = frame.lane
     grad = _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     holds = False
-    if not grad and lane is not None and lane.state == _lane_state(backend):   # lane.holds
+    if not grad and lane is not None and lane.state == _lane_state(backend):
         holds = True
         reg = _backends.REGISTRY
         for name, b, n_attrs in lane.consulted:
