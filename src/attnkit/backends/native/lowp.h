@@ -240,25 +240,6 @@ inline vf exp2_neg(vf t) {
 #endif
 }
 
-// The largest lane of v by halving (log2 W shuffles: a row's max is taken once per tile, and
-// a lane-by-lane scalar chain cost as much as the row's exponentials); NaN lanes may be
-// skipped (their P is NaN through the exponential all the same).
-inline float hmax_halving(vf v) {
-  typedef float v8f __attribute__((vector_size(32)));
-#if defined(__AVX512F__)
-  const v8f h = vmax(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7),
-                     __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
-  v4f x = vmax(__builtin_shufflevector(h, h, 0, 1, 2, 3), __builtin_shufflevector(h, h, 4, 5, 6, 7));
-#elif defined(__AVX2__) || defined(__AVX__)
-  v4f x = vmax(__builtin_shufflevector(v, v, 0, 1, 2, 3), __builtin_shufflevector(v, v, 4, 5, 6, 7));
-#else
-  v4f x = v;
-#endif
-  x = vmax(x, __builtin_shufflevector(x, x, 2, 3, 0, 1));
-  x = vmax(x, __builtin_shufflevector(x, x, 1, 0, 3, 2));
-  return x[0];
-}
-
 // dst[0 : 2W] = T(lo), T(hi): bfloat16 by one vcvtne2ps2bf16 where the build has it.
 inline void store_rounded2(at::BFloat16* dst, vf lo, vf hi) {
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -290,7 +271,7 @@ inline float row_max_lowp(const float* x, i64 npad, float c, float m) {
     m1 = vmax(m1, load(x + j + W));
   }
   if (j < npad) m0 = vmax(m0, load(x + j));
-  return std::max(m, hmax_halving(vmax(m0, m1)) * c);
+  return std::max(m, hmax(vmax(m0, m1)) * c);  // (NaN lanes skipped: vmax)
 }
 
 // The second: P = e^(c s - m_new) rounded to T into p (with Keep also as float in x: the
