@@ -598,24 +598,27 @@ void rows_pass_lowp(const Args<A>& a, const Item& it, i64 k0, i64 n, i64 npad, T
 }
 
 // Each row r (head h, query qi) of the tile's scores S (R, BK): the fused score terms, the
-// online softmax step (S -> P in place), acc row rescaled by alpha. float: rows_pass_lowp
-// with T = float and P written over S (rounding to float rounds nothing): its passes over
-// the tile's rows overlap rows in the core, and it folds the scale into the exponent. The
-// dense fp32 forward at 4096 keys spent a quarter of its time in the row-by-row loop below
-// (now double's only).
+// online softmax step (S -> P in place), acc row rescaled by alpha. float on the GEMM loops
+// (R >= 16) when the scale folds (no score term but the mask): rows_pass_lowp with T = float
+// and P written over S (rounding to float rounds nothing): its passes over the tile's rows
+// overlap rows in the core, and the scale folds into the exponent (the dense fp32 forward at
+// 4096 keys spent a quarter of its time in the row-by-row loop below). Elsewhere the loop
+// below and its e^(x - m) to ~1 ulp: exp2_neg's 2e-7 put a 5000-key decode (the dot loops)
+// with a relative-bias table past 2x the naive fp32 error, and 2^(x log2e - m log2e) a
+// soft-capped row's LSE past 4 ulp.
 template <typename A>
 void rows_pass(const Args<A>& a, const Item& it, i64 k0, i64 n, i64 npad, TileKind kind,
                Buffers<A>& buf) {
   if constexpr (std::is_same_v<A, float>) {
-    rows_pass_lowp(a, it, k0, n, npad, kind, false, buf, buf.s.data(), buf.mx.data());
-  } else {
-    for (i64 r = 0; r < a.G * it.nr; ++r) {                // row r: head h, query qi
-      const i64 h = it.kvh * a.G + r / it.nr, qi = it.q0 + r % it.nr;
-      A* x = buf.s.data() + r * BK;
-      score_terms(a, x, n, npad, it.b, h, qi, k0, kind == FULL);
-      const A alpha = softmax_step(x, npad, buf.m[r], buf.l[r]);
-      rescale_acc_row(a, buf, r, alpha);
-    }
+    if (a.G * it.nr >= 16 && scale_folds(a))
+      return rows_pass_lowp(a, it, k0, n, npad, kind, false, buf, buf.s.data(), buf.mx.data());
+  }
+  for (i64 r = 0; r < a.G * it.nr; ++r) {                  // row r: head h, query qi
+    const i64 h = it.kvh * a.G + r / it.nr, qi = it.q0 + r % it.nr;
+    A* x = buf.s.data() + r * BK;
+    score_terms(a, x, n, npad, it.b, h, qi, k0, kind == FULL);
+    const A alpha = softmax_step(x, npad, buf.m[r], buf.l[r]);
+    rescale_acc_row(a, buf, r, alpha);
   }
 }
 
