@@ -146,6 +146,18 @@ def test_spans_of_tiles(dtype: torch.dtype, lowp_path: str, head_cache: str,
     check(q, k, v, dtype, allowed=allowed, kv=(k2, v2), dense_mask=allowed.expand(1, 4, 300, 777))
 
 
+@pytest.mark.parametrize("dtype", LOWP)
+def test_huge_scores_keep_their_softmax(dtype: torch.dtype, lowp_path: str) -> None:
+    """Huge scores (q·k up to 1e30 in bf16, 3.6e9 in fp16): a row's largest gets weight 1
+    and the others theirs (the exponent's shift is rounded as the scores are, so it is exact
+    at the max, not |m| · 2^-23 off: 2^(1e22) at 1e30)."""
+    big = 1e15 if dtype == torch.bfloat16 else 6e4          # (within the dtype's range)
+    q, k, v = qkv(1, 2, 1, 40, 300, 64)
+    q[0, :, 9, 0], k[0, 0, 150, 0] = big, big               # row 9, key 150: big² / 8
+    q[0, 1, 20, 0], k[0, 0, 280, 0] = 3e3, 2e3              # row 20 of head 1: 6e6 / 8
+    check(q, k, v, dtype)
+
+
 # ---------------------------------------------------------------------------- masks
 @pytest.mark.parametrize("dtype", LOWP)
 def test_masks(dtype: torch.dtype, lowp_path: str) -> None:

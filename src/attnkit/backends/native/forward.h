@@ -14,7 +14,7 @@ namespace {
 // L1's sets), filled tile by tile as the thread's items of that head need them. It is
 // allocated (uninitialised) on first use: the dot-product path never needs it.
 template <typename A> struct Buffers {
-  std::vector<A> q, s, acc, v, row, tmp4, m, l, mx;   // mx: the rows' new maxima (rows_pass)
+  std::vector<A> q, s, acc, v, row, tmp4, m, l, mx;   // mx: the rows' largest scores (rows_pass)
   std::vector<at::BFloat16> qh;     // the dot path's q in bf16 (scores_dot_bf16)
   std::unique_ptr<A[]> kt;
   std::vector<char> kt_done;        // (NKP / BK,) tiles of the cached head transposed
@@ -560,7 +560,7 @@ template <typename A> inline bool scale_folds(const Args<A>& a) {
 // rows_pass on the low-precision path, pass by pass over the rows of a span's tiles parts[0
 // : np) (consecutive; all but the last BK keys wide), whose scores S (R, ld) holds side by
 // side: the score terms (with scale_folds, only the mask: the scale is folded into the
-// exponent) and each row's new max into mx (R,), then P rounded to T into p (R, ld) and acc
+// exponent) and each row's largest score into mx (R,), then P rounded to T into p (R, ld), acc
 // rescaled. The float P stays in S only when keep (the tile's V holds inf/NaN: values_axpy
 // reads it).
 template <typename A, typename T>
@@ -580,7 +580,7 @@ void rows_pass_lowp(const Args<A>& a, const Item& it, const TilePart* parts, int
                                           tp.kind == FULL);
         else score_terms(a, x + t * BK, tp.n, tp.npad, it.b, h, qi, tp.k0, tp.kind == FULL);
       }
-      mx[g * it.nr + i] = row_max_lowp(x, width, c, buf.m[g * it.nr + i]);  // (x still in L1)
+      mx[g * it.nr + i] = row_max_lowp(x, width);       // (x still in L1)
     }
   for (i64 r = 0; r < R; ++r) {
     A* x = s + r * ld;

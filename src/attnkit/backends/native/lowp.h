@@ -258,12 +258,23 @@ inline void store_rounded2(float* dst, vf lo, vf hi) {    // float: as they are
   store(dst + W, hi);
 }
 
+// v as it is, opaque to the compiler: a product passed through it is rounded before the
+// next operation (no fused multiply-add across it).
+inline vf rounded(vf v) {
+#if defined(__AVX512F__)
+  asm("" : "+v"(v));
+#else
+  asm("" : "+x"(v));
+#endif
+  return v;
+}
+
 // The low-precision path's online softmax step, in two passes over a tile's rows so that
 // rows overlap in the core (one row's max -> exponentials -> sum is a long serial chain).
 // x (npad,) holds a row's scores s in units of c (c = scale when the max and the exponent
 // take the raw scores, else 1; c > 0); m (scaled units) and l are its running max and sum.
-// The first pass: the row's new max, max(m, c * max s).
-inline float row_max_lowp(const float* x, i64 npad, float c, float m) {
+// The first pass: the row's largest s (NaN lanes skipped: vmax; -inf if none).
+inline float row_max_lowp(const float* x, i64 npad) {
   vf m0 = splat(NEG_INF), m1 = m0;                        // two chains of maxima
   i64 j = 0;
   for (; j + 2 * W <= npad; j += 2 * W) {                 // keys [j, j + 2W)
@@ -271,20 +282,28 @@ inline float row_max_lowp(const float* x, i64 npad, float c, float m) {
     m1 = vmax(m1, load(x + j + W));
   }
   if (j < npad) m0 = vmax(m0, load(x + j));
-  return std::max(m, hmax(vmax(m0, m1)) * c);  // (NaN lanes skipped: vmax)
+  return hmax(vmax(m0, m1));
 }
 
-// The second: P = e^(c s - m_new) rounded to T into p (with Keep also as float in x: the
-// exact values path reads it); l and m updated; returns alpha = e^(m - m_new), acc's factor.
+// The second, given the row's largest s, top: P = e^(c s - m_new) rounded to T into p (with
+// Keep also as float in x: the exact values path reads it); l and m updated; returns alpha
+// = e^(m - m_new), acc's factor. The exponent is round(s * c log2e) - shift, shift rounded
+// the same way from the same s where this tile holds the new max: its key gets 2^0 = 1
+// exactly and every exponent's error is that of its own product, as when scores are scaled
+// first (one FMA against a shift rounded apart leaves ~|m| 2^-23 in every exponent: at a
+// score of 1e30, 2^(1e22)).
 template <bool Keep, typename T>
-inline float row_exp_lowp(float* x, i64 npad, float c, float m_new, float& m, float& l, T* p) {
+inline float row_exp_lowp(float* x, i64 npad, float c, float top, float& m, float& l, T* p) {
   constexpr float LOG2E = 1.44269504088896341f;
-  const float shift = m_new == NEG_INF ? 0.f : m_new;     // a row with no key yet: P = 0
-  const vf vc = splat(c * LOG2E), vs = splat(-shift * LOG2E);
+  const float cl = c * LOG2E, m_new = std::max(m, top * c);
+  const float shift = m_new == NEG_INF ? 0.f                // a row with no key yet: P = 0
+                      : top * c >= m ? top * cl : m_new * LOG2E;
+  const vf vc = splat(cl), vs = splat(shift);
   vf s0 = splat(0.f), s1 = s0;                            // two chains of sums
   i64 j = 0;
   for (; j + 2 * W <= npad; j += 2 * W) {                 // keys [j, j + 2W): 2^(s c log2e - ..)
-    const vf p0 = exp2_neg(load(x + j) * vc + vs), p1 = exp2_neg(load(x + j + W) * vc + vs);
+    const vf p0 = exp2_neg(rounded(load(x + j) * vc) - vs);
+    const vf p1 = exp2_neg(rounded(load(x + j + W) * vc) - vs);
     if constexpr (Keep) {
       store(x + j, p0);
       store(x + j + W, p1);
@@ -294,12 +313,12 @@ inline float row_exp_lowp(float* x, i64 npad, float c, float m_new, float& m, fl
     s1 += p1;
   }
   if (j < npad) {                                         // keys [j, j + W)
-    const vf pj = exp2_neg(load(x + j) * vc + vs);
+    const vf pj = exp2_neg(rounded(load(x + j) * vc) - vs);
     if constexpr (Keep) store(x + j, pj);
     store_rounded(p + j, pj);
     s0 += pj;
   }
-  const float alpha = m == NEG_INF ? 0.f : exp2_neg(splat((m - shift) * LOG2E))[0];
+  const float alpha = m == NEG_INF ? 0.f : exp2_neg(splat((m - m_new) * LOG2E))[0];
   l = l * alpha + hsum(s0 + s1);
   m = m_new;
   return alpha;
@@ -319,7 +338,7 @@ constexpr int SPAN = 2;
 template <typename T> struct LowpBuffers {
   i64 DKE, DVB, kt_tile, vps;                             // Kᵀ tile size; V plane stride / NB
   std::unique_ptr<T[]> q, p, kt, v, stage;
-  std::unique_ptr<float[]> s, mx;                         // S of a span; (R,) the new maxima
+  std::unique_ptr<float[]> s, mx;                         // S of a span; (R,) rows' largest s
   std::vector<char> done;                                 // (tiles,) packed yet
   std::vector<i64> v_bad;                                 // (tiles,) first non-finite V row
   i64 cb = -1, ch = -1;                                   // the cached head
