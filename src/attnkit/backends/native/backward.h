@@ -241,7 +241,7 @@ constexpr int BQL = 128;  // queries per tile on this path (the K of the dKᵀ, 
 // one of L1's sets, for the transpose's stores and the GEMMs' reads alike).
 template <typename T> struct LowpQD {
   i64 NQP, DKE, DVE;
-  std::unique_ptr<T[]> qr, qt, dor, dot;
+  AlignedArray<T> qr, qt, dor, dot;
 };
 
 // rows (NQP, DE) and transposed (D, NQP) of one head's rows src + i * ld (i < N, D values);
@@ -263,10 +263,10 @@ template <typename A, typename T>
 LowpQD<T> prepare_qd(const Args<A>& a, const T* q, const T* dout, const i64* sdo) {
   LowpQD<T> x{round_up(a.Nq, 64) + 32, round_up(a.Dk, 2), round_up(a.Dv, 2), {}, {}, {}, {}};
   const i64 heads = a.B * a.Hq;
-  x.qr.reset(new T[heads * x.NQP * x.DKE]);
-  x.qt.reset(new T[heads * a.Dk * x.NQP]);
-  x.dor.reset(new T[heads * x.NQP * x.DVE]);
-  x.dot.reset(new T[heads * a.Dv * x.NQP]);
+  x.qr = aligned_array<T>(heads * x.NQP * x.DKE);
+  x.qt = aligned_array<T>(heads * a.Dk * x.NQP);
+  x.dor = aligned_array<T>(heads * x.NQP * x.DVE);
+  x.dot = aligned_array<T>(heads * a.Dv * x.NQP);
   at::parallel_for(0, heads, 1, [&](i64 begin, i64 end) {
     for (i64 hh = begin; hh < end; ++hh) {                 // hh = b * H_q + h
       const i64 b = hh / a.Hq, h = hh % a.Hq;
@@ -283,16 +283,18 @@ LowpQD<T> prepare_qd(const Args<A>& a, const T* q, const T* dout, const i64* sdo
 template <typename T> struct BackLowp {
   i64 DKE, DVE, DKB;
   bool onednn_pack, emulate;
-  std::unique_ptr<T[]> kt, vt, kp, stage, pp, dsp, dsr, qtt, dott, dkt_t, dvt_t;
-  std::vector<float> dkt, dvt;
+  AlignedArray<T> kt, vt, kp, stage, pp, dsp, dsr, qtt, dott, dkt_t, dvt_t;
+  avector<float> dkt, dvt;
   template <typename A> explicit BackLowp(const Args<A>& a)
       : DKE(round_up(a.Dk, 2)), DVE(round_up(a.Dv, 2)), DKB(round_up(a.Dk, NB)),
         onednn_pack(a.lowp_onednn_pack), emulate(a.lowp_emulate),
-        kt(new T[DKE * BK]), vt(new T[DVE * BK]), kp(new T[BK * DKB]),
-        stage(new T[std::max<i64>(BK, std::max(DKE, DVE)) * BK]), pp(new T[BQL * BK]),
-        dsp(new T[BQL * BK]), dsr(new T[BQL * BK]), qtt(new T[a.Dk * BQL]),
-        dott(new T[a.Dv * BQL]), dkt_t(new T[a.Dk * BK]), dvt_t(new T[a.Dv * BK]),
-        dkt(a.Dk * BK), dvt(a.Dv * BK) {}
+        kt(aligned_array<T>(DKE * BK)), vt(aligned_array<T>(DVE * BK)),
+        kp(aligned_array<T>(BK * DKB)),
+        stage(aligned_array<T>(std::max<i64>(BK, std::max(DKE, DVE)) * BK)),
+        pp(aligned_array<T>(BQL * BK)), dsp(aligned_array<T>(BQL * BK)),
+        dsr(aligned_array<T>(BQL * BK)), qtt(aligned_array<T>(a.Dk * BQL)),
+        dott(aligned_array<T>(a.Dv * BQL)), dkt_t(aligned_array<T>(a.Dk * BK)),
+        dvt_t(aligned_array<T>(a.Dv * BK)), dkt(a.Dk * BK), dvt(a.Dv * BK) {}
 };
 
 // dkt_t, dvt_t (D, BK) <- the block's dKᵀ, dVᵀ rounded to T (then written out transposed).

@@ -14,7 +14,7 @@ namespace {
 // L1's sets), filled tile by tile as the thread's items of that head need them. It is
 // allocated (uninitialised) on first use: the dot-product path never needs it.
 template <typename A> struct Buffers {
-  std::vector<A> q, s, acc, v, row, tmp4, m, l, mx;   // mx: the rows' largest scores (rows_pass)
+  avector<A> q, s, acc, v, row, tmp4, m, l, mx;   // mx: the rows' largest scores (rows_pass)
   std::vector<at::BFloat16> qh;     // the dot path's q in bf16 (scores_dot_bf16)
   std::unique_ptr<A[]> kt;
   std::vector<char> kt_done;        // (NKP / BK,) tiles of the cached head transposed

@@ -337,21 +337,21 @@ constexpr int SPAN = 2;
 // rows are consecutive in each plane (one brgemm reads a span's V).
 template <typename T> struct LowpBuffers {
   i64 DKE, DVB, kt_tile, vps;                             // Kᵀ tile size; V plane stride / NB
-  std::unique_ptr<T[]> q, p, kt, v, stage;
-  std::unique_ptr<float[]> s, mx;                         // S of a span; (R,) rows' largest s
+  AlignedArray<T> q, p, kt, v, stage;
+  AlignedArray<float> s, mx;                             // S of a span; (R,) rows' largest s
   std::vector<char> done;                                 // (tiles,) packed yet
   std::vector<i64> v_bad;                                 // (tiles,) first non-finite V row
   i64 cb = -1, ch = -1;                                   // the cached head
   bool cache, onednn_pack;
   template <typename A> LowpBuffers(const Args<A>& a, i64 R)
       : DKE(round_up(a.Dk, 2)), DVB(round_up(a.Dv, NB)), kt_tile(BK * round_up(a.Dk, 2)),
-        vps(BK * (a.cache_kt ? a.NKP / BK : SPAN)), q(new T[R * round_up(a.Dk, 2)]),
-        p(new T[R * SPAN * BK]), stage(new T[BK * NB]),
-        s(new float[R * SPAN * BK]), mx(new float[R]), cache(a.cache_kt),
+        vps(BK * (a.cache_kt ? a.NKP / BK : SPAN)), q(aligned_array<T>(R * round_up(a.Dk, 2))),
+        p(aligned_array<T>(R * SPAN * BK)), stage(aligned_array<T>(BK * NB)),
+        s(aligned_array<float>(R * SPAN * BK)), mx(aligned_array<float>(R)), cache(a.cache_kt),
         onednn_pack(a.lowp_onednn_pack) {
     const i64 tiles = cache ? a.NKP / BK : SPAN;
-    kt.reset(new T[tiles * kt_tile]);
-    v.reset(new T[vps * DVB]);
+    kt = aligned_array<T>(tiles * kt_tile);
+    v = aligned_array<T>(vps * DVB);
     done.assign(tiles, 0);
     v_bad.assign(tiles, 0);
   }
