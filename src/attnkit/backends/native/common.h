@@ -647,13 +647,14 @@ template <typename A> inline void mask_row(const bool* m, i64 s, A* x, i64 n) {
 }
 
 // x (npad,) of row (head h, query qi) against keys [k0, k0+n): ALiBi, the relative bias
-// table, bias, then the mask (skipped on FULL tiles); x[n:npad] = -inf.
+// table, bias, then the mask (skipped on FULL tiles); x[n:npad] = -inf. x in units of unit
+// (the low-precision row pass's raw scores: unit = scale; ALiBi's slope divided by it).
 template <typename A>
 inline void position_terms_and_mask(const Args<A>& a, A* x, i64 n, i64 npad, i64 b, i64 h,
-                                    i64 qi, i64 k0, bool full) {
+                                    i64 qi, i64 k0, bool full, A unit = A(1)) {
   using V = vec<A>;
   if (a.alibi) {                                    // x -= slope * |qi + off - (k0 + j)|
-    const V slope = splat(a.alibi[h]);
+    const V slope = splat(unit == A(1) ? a.alibi[h] : a.alibi[h] / unit);  // (x in units)
     V d = splat(A(qi - k0) + a.alibi_offset) - iota<A>();  // signed distances of keys [0, L)
     for (i64 j = 0; j < npad; j += lanes<A>, d -= A(lanes<A>))  // (whole numbers: exact)
       store(x + j, load(x + j) - slope * vabs(d));

@@ -556,18 +556,25 @@ template <typename A> inline bool scale_folds(const Args<A>& a) {
   return a.scale > A(0) && std::isfinite(a.scale) && !(a.softcap > A(0)) && !a.mod &&
          !a.alibi && !a.rel && !a.bias;
 }
+// The same with ALiBi allowed, in the low-precision row pass: its term goes in raw units,
+// slope / scale (x - (slope / scale) |d| is x scale - slope |d| before the scale), which
+// saves that pass its separate scaling of S.
+template <typename A> inline bool scale_folds_alibi(const Args<A>& a) {
+  return a.scale > A(0) && std::isfinite(a.scale) && !(a.softcap > A(0)) && !a.mod && !a.rel &&
+         !a.bias;
+}
 
 // rows_pass on the low-precision path, pass by pass over the rows of a span's tiles parts[0
 // : np) (consecutive; all but the last BK keys wide), whose scores S (R, ld) holds side by
-// side: the score terms (with scale_folds, only the mask: the scale is folded into the
-// exponent) and each row's largest score into mx (R,), then P rounded to T into p (R, ld), acc
+// side: the score terms (with scale_folds_alibi, only ALiBi and the mask: the scale is
+// folded into the exponent) and each row's largest score into mx (R,), then P rounded to T into p (R, ld), acc
 // rescaled. The float P stays in S only when keep (the tile's V holds inf/NaN: values_axpy
 // reads it).
 template <typename A, typename T>
 void rows_pass_lowp(const Args<A>& a, const Item& it, const TilePart* parts, int np, A* s,
                     i64 ld, bool keep, Buffers<A>& buf, T* p, A* mx) {
   const i64 R = a.G * it.nr, width = (np - 1) * BK + parts[np - 1].npad;
-  const bool fold = scale_folds(a);
+  const bool fold = scale_folds_alibi(a);
   const A c = fold ? a.scale : A(1);
   for (i64 g = 0; g < a.G; ++g)
     for (i64 i = 0; i < it.nr; ++i) {                      // row g * nr + i: head h, query qi
@@ -575,9 +582,9 @@ void rows_pass_lowp(const Args<A>& a, const Item& it, const TilePart* parts, int
       A* x = s + (g * it.nr + i) * ld;
       for (int t = 0; t < np; ++t) {                       // tile t's keys, from x + t * BK
         const TilePart& tp = parts[t];
-        if (fold && tp.kind == FULL && tp.n == tp.npad) continue;  // nothing to add or mask
+        if (fold && !a.alibi && tp.kind == FULL && tp.n == tp.npad) continue;  // nothing to do
         if (fold) position_terms_and_mask(a, x + t * BK, tp.n, tp.npad, it.b, h, qi, tp.k0,
-                                          tp.kind == FULL);
+                                          tp.kind == FULL, c);
         else score_terms(a, x + t * BK, tp.n, tp.npad, it.b, h, qi, tp.k0, tp.kind == FULL);
       }
       mx[g * it.nr + i] = row_max_lowp(x, width);       // (x still in L1)
