@@ -17,10 +17,11 @@ Cases (B=1, H_q=8, D=64; GQA with H_kv=2 for decode):
 and through ``ak.attention``), ``decode_mask`` (what a transformers decoder step passes with
 a left-padded batch: q (4,4,1,16) over 40 keys of 2 K/V heads with a (4,1,1,40) bool padding
 mask, fp32, the same mask tensor twice in a row as a model's layers pass it),
-``decode4096`` (1 query × 4096 keys, fp32), ``prefill``
+``decode4096`` (1 query × 4096 keys, fp32), ``decode4096_bf16`` (issue 21's row: (1,8,1,64)
+bf16 over 4096 keys of 8 K/V heads), ``prefill``
 ((1,8,128,64) causal, fp32), ``hf`` (a tiny transformers Llama — hidden 64, 3 layers, 4/2
 heads — one forward of an 8-token prompt, ``attn_implementation="attnkit"`` vs ``"sdpa"``;
-skipped without transformers).
+skipped without transformers). ``--threads N`` sets torch's threads (default 1).
 
 ``--trees OLD NEW``: one process per tree and round, alternating (OLD, NEW, OLD, NEW, …), each
 importing attnkit from ``TREE/src``; every process prints its own lines (and its own SDPA
@@ -38,7 +39,7 @@ import sys
 import time
 from collections.abc import Callable
 
-CASES = ("decode", "decode_mask", "decode4096", "prefill", "hf")
+CASES = ("decode", "decode_mask", "decode4096", "decode4096_bf16", "prefill", "hf")
 
 
 def cpu_name() -> str:
@@ -96,20 +97,20 @@ def _hf_case() -> tuple[Callable[[], object], Callable[[], object]] | str:
             lambda: theirs(input_ids=ids, use_cache=False))
 
 
-def one_process(cases: list[str], reps: int) -> None:
+def one_process(cases: list[str], reps: int, threads: int = 1) -> None:
     import torch
     import torch.nn.functional as F
 
     import attnkit as ak
     from attnkit.backends import native
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     torch.manual_seed(0)
     print(f"CPU {cpu_name()}; torch {torch.__version__} "
           f"(capability {torch.backends.cpu.get_cpu_capability()}); attnkit "
           f"{getattr(ak, '__version__', '?')} from {os.path.dirname(ak.__file__)}; native "
           f"kernel {native.loader.cpu_flags()[0] if native.available() else 'unavailable'}; "
-          f"1 thread; medians of {reps} interleaved calls", flush=True)
+          f"{threads} thread(s); medians of {reps} interleaved calls", flush=True)
     print(f"  {'case':<56} {'attnkit':>10} {'SDPA':>10} {'SDPA/attnkit':>13}")
 
     def line(name: str, ours: Callable[[], object], theirs: Callable[[], object]) -> None:
@@ -150,6 +151,9 @@ def one_process(cases: list[str], reps: int) -> None:
             elif c == "decode4096":
                 sdpa_pair("decode fp32 (1,8,1,64) x 4096 keys GQA 8/2, ak.sdpa",
                           qkv(1, 4096, 2, torch.float32), enable_gqa=True)
+            elif c == "decode4096_bf16":
+                sdpa_pair("decode bf16 (1,8,1,64) x 4096 keys, 8 K/V heads, ak.sdpa",
+                          qkv(1, 4096, 8, torch.bfloat16))
             elif c == "prefill":
                 sdpa_pair("prefill fp32 (1,8,128,64) causal, ak.sdpa",
                           qkv(128, 128, 8, torch.float32), is_causal=True)
@@ -166,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default=",".join(CASES),
                     help=f"comma-separated cases, from {', '.join(CASES)}")
     ap.add_argument("--reps", type=int, default=3000, help="timed calls per case (median)")
+    ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     ap.add_argument("--trees", nargs="+", default=None,
                     help="A/B: two (or more) source trees, each with src/attnkit")
     ap.add_argument("--rounds", type=int, default=3, help="with --trees: processes per tree")
@@ -177,12 +182,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.reps < 1 or args.rounds < 1:
         ap.error("--reps and --rounds must be at least 1")
     if args.trees is None:
-        one_process(cases, args.reps)
+        one_process(cases, args.reps, args.threads)
         return 0
     from ab_trees import alternating  # (this folder is on sys.path when run as a script)
 
     for r, tree, out in alternating(ap, args.trees, args.rounds, __file__,
-                                    ["--only", ",".join(cases), "--reps", str(args.reps)]):
+                                    ["--only", ",".join(cases), "--reps", str(args.reps),
+                                     "--threads", str(args.threads)]):
         print(f"round {r}, tree {tree}:", flush=True)
         print(out.stdout.rstrip() if out.returncode == 0 else out.stderr.rstrip(), flush=True)
     return 0
