@@ -179,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(cases) - set(CASES))
     if unknown:
         ap.error(f"unknown case(s) {', '.join(unknown)}; choose from {', '.join(CASES)}")
-    if args.reps < 1 or args.rounds < 1:
-        ap.error("--reps and --rounds must be at least 1")
+    if args.reps < 1 or args.rounds < 1 or args.threads < 1:
+        ap.error("--reps, --rounds and --threads must be at least 1")
     if args.trees is None:
         one_process(cases, args.reps, args.threads)
         return 0

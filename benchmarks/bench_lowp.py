@@ -35,6 +35,18 @@ def seconds(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
+def medians(calls: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
+    """Each call's median time over ``reps`` rounds, the calls alternating within a round
+    (after one warm-up call each)."""
+    for f in calls.values():
+        f()
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(reps):
+        for name, f in calls.items():
+            times[name].append(seconds(f))
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
 def gemm_flops(dtype: torch.dtype, n: int = 2048, reps: int = 5) -> float:
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
     a @ b
@@ -64,14 +76,8 @@ def case(name: str, dtype: torch.dtype, causal: bool, n: int, reps: int,
     impls = {"gemm": attnkit("1"), "widen": attnkit("0"),
              "sdpa": run(lambda: torch.nn.functional.scaled_dot_product_attention(
                  q, k, v, is_causal=causal))}
-    for f in impls.values():
-        f()
-    times: dict[str, list[float]] = {name: [] for name in impls}
-    for _ in range(reps):
-        for key, f in impls.items():
-            times[key].append(seconds(f))
+    med = medians(impls, reps)
     os.environ.pop(SWITCH, None)
-    med = {key: statistics.median(ts) for key, ts in times.items()}
     print(f"{name:34s} attnkit {med['gemm'] * 1e3:8.1f} ms | widening {med['widen'] * 1e3:8.1f}"
           f" ms | SDPA {med['sdpa'] * 1e3:8.1f} ms | SDPA/attnkit {med['sdpa'] / med['gemm']:5.2f}x"
           f" | widening/attnkit {med['widen'] / med['gemm']:5.2f}x", flush=True)
@@ -100,13 +106,7 @@ def terms(n: int, reps: int) -> None:
     calls["sliding SDPA"] = lambda: torch.nn.functional.scaled_dot_product_attention(
         qs, ks, vs, attn_mask=dense)
     with torch.no_grad():
-        for f in calls.values():
-            f()
-        times: dict[str, list[float]] = {name: [] for name in calls}
-        for _ in range(reps):
-            for name, f in calls.items():
-                times[name].append(seconds(f))
-    med = {name: statistics.median(ts) for name, ts in times.items()}
+        med = medians(calls, reps)
     for name in ("softcap=30", "ALiBi", "score_mod"):
         print(f"bf16 {name + ' causal fwd':28s} (1,8,{n},64) attnkit {med[name] * 1e3:8.1f} ms | "
               f"plain causal {med['plain'] * 1e3:8.1f} ms | "

@@ -28,6 +28,8 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=11)
     args = ap.parse_args()
+    if args.heads < 1 or args.n < 1 or args.reps < 1:
+        ap.error("--heads, --n and --reps must be at least 1")
     dt = getattr(torch, args.dtype)
     h = args.heads
     q2, k2, v2 = (torch.randn(1, 2 * h, args.n, 64).to(dt) for _ in range(3))

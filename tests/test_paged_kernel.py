@@ -369,6 +369,16 @@ def test_nan_in_a_key_outside_the_window_stays_out_on_the_gemm_loop(block_q):
     torch.testing.assert_close(out[3:], want[3:], rtol=1e-10, atol=1e-10)          # finite
 
 
+
+def _poison_values(v_pages: torch.Tensor, vs: list[torch.Tensor], table: torch.Tensor,
+                   keys: tuple[int, ...], dim: int, bad: str) -> None:
+    """``bad`` (nan / inf) at dim ``dim`` of sequence 0's V rows ``keys``, in the pool (pages
+    of 7 slots, block table ``table``) and in the gathered copy ``vs[0]``."""
+    for key in keys:
+        page, slot = table[0, key // 7], key % 7
+        v_pages[page, slot, :, dim] = float(bad)
+        vs[0][key, :, dim] = float(bad)
+
 @pytest.mark.parametrize("dtype", [DT, torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bad", ["nan", "inf"])
 @pytest.mark.parametrize("dim", [3, 19])              # a vector lane, the row's scalar tail
@@ -378,10 +388,7 @@ def test_nonfinite_value_outside_the_window_stays_out_on_the_gemm_loop(dtype, ba
     # not a multiple of the vector) sends the tile to the P == 0-skipping path
     lengths = [300]                                    # 20 queries at 280 .. 299, 8 heads
     k_pages, v_pages, table, ks, vs = _pool(lengths, 7, 2, 16, 20, dtype)
-    for key in (150, 270):                             # in read tiles, outside the window
-        page, slot = table[0, key // 7], key % 7
-        v_pages[page, slot, :, dim] = float(bad)
-        vs[0][key, :, dim] = float(bad)
+    _poison_values(v_pages, vs, table, (150, 270), dim, bad)  # read tiles, outside the window
     q = torch.randn(20, 8, 16).to(dtype)
     out, lse = native.paged_attention(q, k_pages, v_pages, table, [0, 20], lengths,
                                       window=(8, 0), split_len=128)
@@ -460,10 +467,7 @@ def test_lowp_nonfinite_value_outside_the_window_stays_out(dtype, lowp_path, bad
     # then the tail of D_v = 36); such a tile takes the P == 0-skipping path for P . V
     lengths = [300]                                    # 20 queries at 280 .. 299, 8 heads
     k_pages, v_pages, table, ks, vs = _pool(lengths, 7, 2, 16, 36, dtype)
-    for key in (150, 271):                             # in read tiles, outside the window
-        page, slot = table[0, key // 7], key % 7
-        v_pages[page, slot, :, dim] = float(bad)
-        vs[0][key, :, dim] = float(bad)
+    _poison_values(v_pages, vs, table, (150, 271), dim, bad)  # read tiles, outside the window
     q = torch.randn(20, 8, 16).to(dtype)
     for block_q in (4, 32):                            # cached packed tiles, packed per use
         out, lse = native.paged_attention(q, k_pages, v_pages, table, [0, 20], lengths,

@@ -24,7 +24,12 @@ from attnkit.api import prepare
 from attnkit.backends import native
 from attnkit.backends.native import loader
 from attnkit.scores import alibi, alibi_slopes
-from helpers.native_checks import check, check_grads
+from helpers.native_checks import (
+    check,
+    check_grads,
+    check_score_term_grads,
+    masked_rows_grad_case,
+)
 from helpers.oracle import naive_low_precision, oracle
 from helpers.tolerance import assert_low_precision_close
 
@@ -544,13 +549,7 @@ def test_gradients_match_reference(B: int, hq: int, hkv: int, nq: int, nk: int, 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gradients_with_score_terms_and_masks(dtype: torch.dtype) -> None:
     q, k, v = qkv(2, 4, 2, 130, 150, 32)
-    tril = torch.ones(130, 150, dtype=torch.bool).tril(20)
-    check_grads(q, k, v, dtype, allowed=tril, oracle_opts={"softcap": 3.0}, softcap=3.0,
-                band=(-20, math.inf))
-    check_grads(q, k, v, dtype, allowed=tril, oracle_opts={"score_mod": alibi(4)},
-                alibi_slopes=alibi_slopes(4), band=(-20, math.inf))
-    bias = torch.randn(4, 130, 150, dtype=torch.float64)
-    check_grads(q, k, v, dtype, oracle_opts={"bias": bias}, bias=bias)
+    check_score_term_grads(q, k, v, dtype)
     ids, kids = torch.arange(130) // 40, torch.arange(150) // 50
     check_grads(q, k, v, dtype, allowed=ids[:, None] == kids, doc_ids=ids, kv_doc_ids=kids)
 
@@ -588,15 +587,7 @@ def test_gradients_by_band_sub_blocks_read_unpadded_rows(band: tuple[float, floa
 @needs_native
 def test_gradients_with_empty_rows_and_nan_in_masked_kv() -> None:
     q, k, v = qkv(2, 2, 2, 97, 120, 16)
-    kvl, ql = torch.tensor([120, 45]), torch.tensor([97, 60])
-    allowed = ((torch.arange(120) < kvl.view(2, 1, 1, 1))
-               & (torch.arange(97)[:, None] < ql.view(2, 1, 1, 1)))
-    dense = torch.rand(97, 120) > 0.2
-    dense[:, 7] = False                                      # key 7 blocked everywhere
-    dense[::9] = False                                       # empty rows
-    nan_rows = (torch.arange(120) >= kvl.view(2, 1, 1)) | (torch.arange(120) == 7)
-    check_grads(q, k, v, torch.float32, allowed=allowed & dense, kv_nan=nan_rows.expand(2, 2, 120),
-                kv_lengths=kvl, q_lengths=ql, dense_mask=dense)
+    check_grads(q, k, v, torch.float32, **masked_rows_grad_case(97, 120, 45, 60))
 
 
 @needs_native

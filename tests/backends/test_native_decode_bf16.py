@@ -23,7 +23,7 @@ import torch
 import attnkit as ak
 from attnkit.backends import native
 from attnkit.backends.native import loader
-from helpers.native_checks import check
+from helpers.native_checks import check, poisoned_kv
 
 NATIVE = native.available()
 pytestmark = pytest.mark.skipif(not NATIVE, reason=f"native kernel unavailable: "
@@ -118,11 +118,7 @@ def test_nan_and_inf_in_masked_kv_rows_stay_out() -> None:
     """NaN / inf in K/V rows past kv_lengths and in a masked key inside a block of 16."""
     q, k, v = qkv(2, 8, 2, 1, 203, 100)
     kvl = torch.tensor([201, 37])
-    allowed = (torch.arange(203) < kvl.view(2, 1, 1, 1)) & (torch.arange(203) != 5)
-    k2, v2 = k.clone(), v.clone()
-    for b, n in enumerate(kvl.tolist()):
-        k2[b, :, n:], v2[b, :, n:] = math.nan, math.inf
-    k2[:, :, 5], v2[:, :, 5] = math.inf, math.nan
+    k2, v2, allowed = poisoned_kv(k, v, kvl, 5)
     mask = allowed.expand(2, 8, 1, 203)
     out, _ = check(q, k, v, BF16, allowed=allowed, kv=(k2, v2), kv_lengths=kvl, dense_mask=mask)
     assert torch.isfinite(out).all()

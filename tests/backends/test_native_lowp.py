@@ -19,7 +19,7 @@ import torch
 
 from attnkit.backends import native
 from attnkit.scores import alibi, alibi_slopes
-from helpers.native_checks import LOWP_SWITCH, check, hardware_lowp_gemm
+from helpers.native_checks import LOWP_SWITCH, check, hardware_lowp_gemm, poisoned_kv
 from helpers.native_checks import qkv64 as qkv
 from helpers.oracle import oracle
 from helpers.tolerance import assert_low_precision_grad_close, max_err, rounding_floor
@@ -181,11 +181,7 @@ def test_nan_in_masked_kv_rows_stays_out(dtype: torch.dtype, lowp_path: str) -> 
     odd-length last tile that the GEMM's even key count would touch — never reach the out."""
     q, k, v = qkv(2, 2, 1, 97, 301, 32)
     kvl = torch.tensor([201, 37])
-    allowed = (torch.arange(301) < kvl.view(2, 1, 1, 1)) & (torch.arange(301) != 5)
-    k2, v2 = k.clone(), v.clone()
-    for b, n in enumerate(kvl.tolist()):
-        k2[b, :, n:], v2[b, :, n:] = math.nan, math.inf
-    k2[:, :, 5], v2[:, :, 5] = math.inf, math.nan
+    k2, v2, allowed = poisoned_kv(k, v, kvl, 5)
     check(q, k, v, dtype, allowed=allowed, kv=(k2, v2), kv_lengths=kvl,
           dense_mask=allowed.expand(2, 2, 97, 301))
     check(q, k, v, dtype, allowed=allowed, kv=(k2, v2), kv_lengths=kvl,

@@ -18,12 +18,13 @@ import pytest
 import torch
 
 from attnkit.backends import native
-from attnkit.scores import alibi, alibi_slopes
 from helpers.native_checks import (
     LOWP_SWITCH,
     check_grads,
+    check_score_term_grads,
     grads_of,
     hardware_lowp_gemm,
+    masked_rows_grad_case,
 )
 from helpers.native_checks import qkv64 as qkv
 from helpers.oracle import oracle
@@ -74,15 +75,7 @@ def test_empty_rows_and_nan_in_masked_kv(dtype: torch.dtype, lowp_path: str) -> 
     """Rows with no key (gradients 0), padded queries and keys, a key masked everywhere: NaN in
     the masked K/V rows never reaches a gradient (dK, dV of those rows are not compared)."""
     q, k, v = qkv(2, 2, 2, 97, 250, 24)
-    kvl, ql = torch.tensor([250, 45]), torch.tensor([97, 61])
-    allowed = ((torch.arange(250) < kvl.view(2, 1, 1, 1))
-               & (torch.arange(97)[:, None] < ql.view(2, 1, 1, 1)))
-    dense = torch.rand(97, 250) > 0.2
-    dense[:, 7] = False                                      # key 7 blocked everywhere
-    dense[::9] = False                                       # empty rows
-    nan_rows = (torch.arange(250) >= kvl.view(2, 1, 1)) | (torch.arange(250) == 7)
-    check_grads(q, k, v, dtype, allowed=allowed & dense, kv_nan=nan_rows.expand(2, 2, 250),
-                kv_lengths=kvl, q_lengths=ql, dense_mask=dense)
+    check_grads(q, k, v, dtype, **masked_rows_grad_case(97, 250, 45, 61))
 
 
 @pytest.mark.parametrize("dtype", LOWP)
@@ -104,13 +97,7 @@ def test_nan_in_masked_kv_with_softcap_and_band(dtype: torch.dtype, lowp_path: s
 @pytest.mark.parametrize("dtype", LOWP)
 def test_softcap_alibi_and_bias(dtype: torch.dtype, lowp_path: str) -> None:
     q, k, v = qkv(2, 4, 2, 130, 150, 32)
-    tril = torch.ones(130, 150, dtype=torch.bool).tril(20)
-    check_grads(q, k, v, dtype, allowed=tril, oracle_opts={"softcap": 3.0}, softcap=3.0,
-                band=(-20, math.inf))
-    check_grads(q, k, v, dtype, allowed=tril, oracle_opts={"score_mod": alibi(4)},
-                alibi_slopes=alibi_slopes(4), band=(-20, math.inf))
-    bias = torch.randn(4, 130, 150, dtype=torch.float64)
-    check_grads(q, k, v, dtype, oracle_opts={"bias": bias}, bias=bias)
+    check_score_term_grads(q, k, v, dtype)
 
 
 # ---------------------------------------------------------------------------- the path runs

@@ -110,3 +110,47 @@ def qkv64(B: int, hq: int, hkv: int, nq: int, nk: int, d: int, dv: int | None = 
     return (torch.randn(B, hq, nq, d, dtype=torch.float64),
             torch.randn(B, hkv, nk, d, dtype=torch.float64),
             torch.randn(B, hkv, nk, dv or d, dtype=torch.float64))
+
+
+def masked_rows_grad_case(n_q: int, n_k: int, kv_len: int, q_len: int) -> dict:
+    """check_grads options for a batch of 2 (2 heads): batch 1's keys padded past ``kv_len``
+    and queries past ``q_len``, a random mask (80% allowed) with key 7 blocked everywhere and
+    every ninth query row empty, NaN in every masked K/V row."""
+    kvl, ql = torch.tensor([n_k, kv_len]), torch.tensor([n_q, q_len])
+    allowed = ((torch.arange(n_k) < kvl.view(2, 1, 1, 1))
+               & (torch.arange(n_q)[:, None] < ql.view(2, 1, 1, 1)))
+    dense = torch.rand(n_q, n_k) > 0.2
+    dense[:, 7] = False                                      # key 7 blocked everywhere
+    dense[::9] = False                                       # empty rows
+    nan_rows = (torch.arange(n_k) >= kvl.view(2, 1, 1)) | (torch.arange(n_k) == 7)
+    return {"allowed": allowed & dense, "kv_nan": nan_rows.expand(2, 2, n_k),
+            "kv_lengths": kvl, "q_lengths": ql, "dense_mask": dense}
+
+
+def poisoned_kv(k: torch.Tensor, v: torch.Tensor, kv_lengths: torch.Tensor, key: int,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """K / V (B, H_kv, N_k, D) with NaN / inf in each batch's rows past ``kv_lengths`` and inf
+    / NaN at ``key`` everywhere, and the keys allowed around them: (k2, v2, (B, 1, 1, N_k))."""
+    n_k = k.shape[2]
+    allowed = (torch.arange(n_k) < kv_lengths.view(-1, 1, 1, 1)) & (torch.arange(n_k) != key)
+    k2, v2 = k.clone(), v.clone()
+    for b, n in enumerate(kv_lengths.tolist()):
+        k2[b, :, n:], v2[b, :, n:] = math.nan, math.inf
+    k2[:, :, key], v2[:, :, key] = math.inf, math.nan
+    return k2, v2, allowed
+
+
+def check_score_term_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           dtype: torch.dtype) -> None:
+    """check_grads under soft-cap 3, ALiBi and an additive bias, the first two with a causal
+    band 20 keys wide of the diagonal (q (B, 4, N_q, D), k / v (B, H_kv, N_k, D), N_k >= N_q)."""
+    from attnkit.scores import alibi, alibi_slopes
+
+    n_q, n_k = q.shape[2], k.shape[2]
+    tril = torch.ones(n_q, n_k, dtype=torch.bool).tril(20)
+    check_grads(q, k, v, dtype, allowed=tril, oracle_opts={"softcap": 3.0}, softcap=3.0,
+                band=(-20, math.inf))
+    check_grads(q, k, v, dtype, allowed=tril, oracle_opts={"score_mod": alibi(4)},
+                alibi_slopes=alibi_slopes(4), band=(-20, math.inf))
+    bias = torch.randn(4, n_q, n_k, dtype=torch.float64)
+    check_grads(q, k, v, dtype, oracle_opts={"bias": bias}, bias=bias)

@@ -549,19 +549,17 @@ inline void rescale_acc_row(const Args<A>& a, Buffers<A>& buf, i64 r, A alpha) {
   for (i64 d = 0; d < a.DVP; ++d) ar[d] *= alpha;
 }
 
-// Whether the low-precision row pass may take the max and the exponent on raw scores (scale
-// folded into the exponent's one FMA): no score term needs the scaled value first, and scale
-// is positive (the max of scaled scores is scale times the raw max).
-template <typename A> inline bool scale_folds(const Args<A>& a) {
-  return a.scale > A(0) && std::isfinite(a.scale) && !(a.softcap > A(0)) && !a.mod &&
-         !a.alibi && !a.rel && !a.bias;
-}
-// The same with ALiBi allowed, in the low-precision row pass: its term goes in raw units,
-// slope / scale (x - (slope / scale) |d| is x scale - slope |d| before the scale), which
-// saves that pass its separate scaling of S.
+// Whether the row pass may take the max and the exponent on raw scores (the scale folded
+// into the exponent): scale positive (the max of scaled scores is scale times the raw max)
+// and no score term that needs the scaled value first. ALiBi does not (the low-precision
+// pass applies it in raw units, slope / scale: x - (slope / scale) |d| is x scale - slope |d|
+// before the scale); scale_folds, for the float32 pass, leaves it out too.
 template <typename A> inline bool scale_folds_alibi(const Args<A>& a) {
   return a.scale > A(0) && std::isfinite(a.scale) && !(a.softcap > A(0)) && !a.mod && !a.rel &&
          !a.bias;
+}
+template <typename A> inline bool scale_folds(const Args<A>& a) {
+  return scale_folds_alibi(a) && !a.alibi;
 }
 
 // rows_pass on the low-precision path, pass by pass over the rows of a span's tiles parts[0
