@@ -33,6 +33,10 @@ Caution
 -------
 - The machine may be shared: compare ratios measured in one run, not times across runs;
   the noise verdict says how far the ratios of this run can be trusted.
+- A decode case reads its K/V once per call, from memory: before each timed call (every
+  implementation's) an untimed pass over the read yardstick's buffer evicts them, so no
+  implementation finds them in cache because another one has just read them (the call
+  timed right after another one on the same K/V ran ~25% faster here).
 - Peak memory comes from RSS sampling: a spike shorter than 0.5 ms can be missed.
 - The time left is an estimate from the cases' FLOPs and the speed seen so far.
 - A user Python score_mod's first call (the warm-up) may compile it: that time is shown
@@ -429,6 +433,8 @@ def run_case(c: Case, bw: float, flex: tuple[Callable | None, str],
     per: dict[str, list[float]] = {n: [] for n in impls}
     for _ in range(c.repeat):
         for name, fn_ in impls.items():
+            if decode and not name.startswith("_"):
+                xr.sum()                  # every decode call starts with K/V out of cache
             per[name].append(_time_once(fn_))
     timings = {n: Timing(statistics.median(per[n]), peaks.get(n, 0.0), c.repeat)
                for n in impls}
