@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_hf_generate.py                 # 7 rounds (~1 minute)
     .venv/bin/python benchmarks/bench_hf_generate.py --rounds 15 --threads 2
+    .venv/bin/python benchmarks/bench_hf_generate.py --dtype bfloat16   # the model in bf16
     .venv/bin/python benchmarks/bench_hf_generate.py --trees OLD NEW --ab-rounds 3   # A/B
 
 The model is built from a config (random weights, nothing downloaded): hidden 64, 3 layers,
@@ -15,6 +16,12 @@ machine hits both); the script checks that both produce the same tokens and prin
 medians and the ratio ``sdpa time / attnkit time`` (> 1 = attnkit faster), with the CPU
 (lscpu's model name and ``torch.backends.cpu.get_cpu_capability()``). Target (issue 20):
 ≥ 0.95×. Skipped (exit 0, one line) without transformers.
+
+``--dtype bfloat16`` / ``float16``: the model's weights (and so every attention call) in that
+dtype, as models are served. Two kernels rounding differently may then pick a different
+token where two logits tie in that precision, after which the continuations differ: the
+script prints how many of the batch's sequences came out the same instead of failing
+(float32 still requires all of them equal).
 
 ``--trees OLD NEW``: one process per tree and A/B round, alternating (OLD, NEW, OLD, …),
 each importing attnkit from ``TREE/src`` (``benchmarks/ab_trees.py``); compare the ratios
@@ -39,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=7, help="generate() calls per side (median)")
     ap.add_argument("--new-tokens", type=int, default=64, help="tokens generated per call")
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                    help="the model's dtype (default float32)")
     ap.add_argument("--trees", nargs="+", default=None,
                     help="A/B: two (or more) source trees, each with src/attnkit")
     ap.add_argument("--ab-rounds", type=int, default=3, help="with --trees: processes per tree")
@@ -51,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         for r, tree, out in alternating(ap, args.trees, args.ab_rounds, __file__,
                                         ["--rounds", str(args.rounds), "--new-tokens",
                                          str(args.new_tokens), "--threads",
-                                         str(args.threads)]):
+                                         str(args.threads), "--dtype", args.dtype]):
             print(f"round {r}, tree {tree}:", flush=True)
             print(out.stdout.rstrip() if out.returncode == 0 else out.stderr.rstrip(),
                   flush=True)
@@ -74,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
                       num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                       max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
                       eos_token_id=2)
-    model = LlamaForCausalLM(cfg).eval()
+    model = LlamaForCausalLM(cfg).eval().to(getattr(torch, args.dtype))
     name = akt.register()
     n = max(PROMPTS)
     ids = torch.zeros(len(PROMPTS), n, dtype=torch.long)
@@ -96,25 +105,27 @@ def main(argv: list[str] | None = None) -> int:
           f"torch {torch.__version__}, transformers {transformers.__version__}, attnkit "
           f"{getattr(ak, '__version__', '?')} from {os.path.dirname(ak.__file__)}; native kernel "
           f"{native.loader.cpu_flags()[0] if native.available() else 'unavailable'}; "
-          f"{args.threads} thread(s)", flush=True)
+          f"{args.threads} thread(s); model in {args.dtype}", flush=True)
     print(f"tiny Llama (hidden 64, 3 layers, 4/2 heads), batch {len(PROMPTS)} left-padded "
           f"prompts of {', '.join(map(str, PROMPTS))} tokens, generate {args.new_tokens} "
           f"tokens; medians of {args.rounds} alternating rounds", flush=True)
     run(name)                                             # warm-up (first-call costs)
     run("sdpa")
     ours, theirs = [], []
-    same = True
+    same_rows = len(PROMPTS)                              # sequences equal in every round
     for _ in range(args.rounds):
         t_ours, out_ours = run(name)
         t_theirs, out_theirs = run("sdpa")
         ours.append(t_ours)
         theirs.append(t_theirs)
-        same = same and torch.equal(out_ours, out_theirs)
+        same_rows = min(same_rows, int((out_ours == out_theirs).all(dim=1).sum()))
     a, b = statistics.median(ours), statistics.median(theirs)
+    same = same_rows == len(PROMPTS)
+    verdict = ("yes" if same else f"{same_rows} of {len(PROMPTS)} sequences"
+               if args.dtype != "float32" else "NO")
     print(f"  attnkit {a * 1e3:8.1f} ms   sdpa {b * 1e3:8.1f} ms   sdpa/attnkit "
-          f"{b / a:5.2f}x   (target >= 0.95x; same tokens: {'yes' if same else 'NO'})",
-          flush=True)
-    return 0 if same else 1
+          f"{b / a:5.2f}x   (target >= 0.95x; same tokens: {verdict})", flush=True)
+    return 0 if same or args.dtype != "float32" else 1
 
 
 if __name__ == "__main__":
