@@ -116,6 +116,49 @@ def test_free_returns_pages_once_no_fork_holds_them():
         cache.length(b)
 
 
+def _refused(cache, table, lens, written) -> bool:
+    """Whether check_block_table refuses, on its full (row by row) checks."""
+    fast = cache._table_ok
+    cache._table_ok = lambda *a: False               # the full checks only
+    try:
+        cache.check_block_table(table, lens, written)
+        return False
+    except ValueError:
+        return True
+    finally:
+        cache._table_ok = fast
+
+
+def test_block_table_fast_check_agrees_with_the_full_checks():
+    # random tables over a cache with forks, freed pages and shared pages (some with rows
+    # writing into them): the one-pass check accepts exactly the tables the full checks do
+    gen = torch.Generator().manual_seed(0)
+    cache = ak.PagedKVCache(24, 2, 1, 2, dtype=DT)
+    root = cache.new_sequence()
+    cache.append(root, *_kv(5, 1, 2))
+    seqs = [root, cache.fork(root), cache.fork(root)]
+    cache.append(seqs[1], *_kv(2, 1, 2))
+    gone = cache.new_sequence()
+    cache.append(gone, *_kv(4, 1, 2))
+    cache.free(gone)                                # its pages are free again
+    seen = {True: 0, False: 0}
+    for _ in range(300):
+        rows = int(torch.randint(1, 4, (), generator=gen))
+        pick = [seqs[int(i)] for i in torch.randint(0, 3, (rows,), generator=gen)]
+        table = cache.block_table(pick)
+        lens = [cache.length(s) for s in pick]
+        if torch.rand((), generator=gen) < 0.5:     # one entry replaced by a random page
+            b = int(torch.randint(0, rows, (), generator=gen))
+            j = int(torch.randint(0, -(-lens[b] // 2), (), generator=gen))
+            table[b, j] = int(torch.randint(0, 24, (), generator=gen))
+        written = [(b, max(0, lens[b] - 1)) for b in range(rows)
+                   if torch.rand((), generator=gen) < 0.3]
+        ok = cache._table_ok(table, lens, written)
+        assert ok == (not _refused(cache, table, lens, written)), (table, lens, written)
+        seen[ok] += 1
+    assert min(seen.values()) > 30                  # both outcomes well covered
+
+
 def test_capacity_error_says_free_and_needed_and_changes_nothing():
     cache = ak.PagedKVCache(4, 2, 1, 2, dtype=DT)
     a, b = cache.new_sequence(), cache.new_sequence()
