@@ -172,6 +172,35 @@ def test_band_edge_tiles_by_sub_blocks(band: tuple[float, float], terms: str,
 
 
 @needs_native
+@pytest.mark.parametrize("head_cache", ["1", "0"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_window_v_finiteness_read_once_per_head(head_cache: str, dtype: torch.dtype,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GEMM loop in float32 / float64 reads a V tile's finiteness once per head and
+    thread when it caches the head (``v_seen``), and the items after the first (a 300-key
+    window over 100-row blocks: three or four per tile) reuse it. K/V head 0 is clean, head 1
+    holds NaN / inf in keys the mask blocks for every query, inside the tiles those items
+    visit: a mark carried over from head 0 would let NaN through P = 0. Batch 1's keys past
+    its length (500, inside tile [384, 512)) are NaN too: the tile is marked non-finite, yet
+    its first 116 rows, all an item reads, are clean (the exact path need not run).
+    ATTNKIT_NATIVE_HEAD_CACHE=0: every item reads the rows itself."""
+    monkeypatch.setenv("ATTNKIT_NATIVE_HEAD_CACHE", head_cache)
+    nq, nk, d, band = 700, 1025, 59, (0, 299)
+    q, k, v = qkv(2, 4, 2, nq, nk, d)
+    kvl = torch.tensor([1025, 500])
+    poison = torch.zeros(nk, dtype=torch.bool)
+    poison[[7, 300, 301, 640]] = True                     # blocked for every query
+    dist = torch.arange(nq)[:, None] - torch.arange(nk)[None, :]
+    allowed = ((dist >= band[0]) & (dist <= band[1]) & ~poison
+               & (torch.arange(nk) < kvl.view(2, 1, 1, 1)))
+    k2, v2 = k.clone(), v.clone()
+    k2[:, 1, poison], v2[:, 1, poison] = math.inf, math.nan
+    k2[1, :, 500:], v2[1, :, 500:] = math.nan, math.inf
+    check(q, k, v, dtype, allowed=allowed, kv=(k2, v2), band=band, kv_lengths=kvl,
+          dense_mask=~poison.view(1, 1, 1, nk), block_q=100)
+
+
+@needs_native
 @pytest.mark.parametrize("band", [(-0.5, 0.5), (0.0, 31.5), (-7.25, 40.75)])
 def test_band_bounds_need_not_be_whole(band: tuple[float, float]) -> None:
     """lo <= q - k <= hi with fractional bounds: the kernel rounds them inwards (it used to

@@ -18,6 +18,8 @@ template <typename A> struct Buffers {
   std::vector<at::BFloat16> qh;     // the dot path's q in bf16 (scores_dot_bf16)
   std::unique_ptr<A[]> kt;
   std::vector<char> kt_done;        // (NKP / BK,) tiles of the cached head transposed
+  std::vector<char> v_seen;         // (NKP / BK,) its V tiles: 0 not read yet, 1 all finite,
+                                    // 2 holding inf/NaN (values_gemm)
   i64 kt_b = -1, kt_h = -1;         // the cached head
   Buffers(const Args<A>& a, i64 R)
       : q(R * a.DKP), s(R * BK), acc(R * a.DVP), v(R >= 16 ? BK * a.DVP : 0),
@@ -26,8 +28,18 @@ template <typename A> struct Buffers {
     if (!kt) {
       kt.reset(new A[a.Dk * (a.cache_kt ? a.NKP : BK)]);
       kt_done.assign(a.cache_kt ? a.NKP / BK : 0, 0);
+      v_seen.assign(kt_done.size(), 0);
     }
     return kt.get();
+  }
+  // The head cache's tiles now for head h of batch b (cleared when the head changes).
+  void use_head(i64 b, i64 h) {
+    if (kt_b != b || kt_h != h) {
+      std::fill(kt_done.begin(), kt_done.end(), 0);
+      std::fill(v_seen.begin(), v_seen.end(), 0);
+      kt_b = b;
+      kt_h = h;
+    }
   }
 };
 
@@ -61,11 +73,7 @@ void scores_gemm(const Args<A>& a, const T* kh, const Item& it, i64 k0, i64 n,
                  const Sub* subs, int count, Buffers<A>& buf) {
   A* kt = buf.kt_buffer(a);
   if (a.cache_kt) {                                      // k0 is a multiple of BK here
-    if (buf.kt_b != it.b || buf.kt_h != it.kvh) {
-      std::fill(buf.kt_done.begin(), buf.kt_done.end(), 0);
-      buf.kt_b = it.b;
-      buf.kt_h = it.kvh;
-    }
+    buf.use_head(it.b, it.kvh);
     kt += k0 / BK * (a.Dk * BK);                         // the tile's (D_k, BK) block
     if (!buf.kt_done[k0 / BK]) {
       transpose_tile(a, kh, k0, std::min<i64>(BK, a.Nk - k0), kt, buf);
@@ -468,6 +476,24 @@ template <typename A> inline bool rows_finite(const A* x, i64 ld, i64 n, i64 D) 
   return hsum(z) + t == A(0);
 }
 
+// Whether V rows [k0, k0 + n) of the item's head vh (in A) hold no inf/NaN. With the head
+// cache a tile's rows are read once per head and thread (a tile whose rows do hold inf/NaN
+// is checked on the item's n rows each time): a 512-key window's five items per tile read
+// them five times, ~3 ms of its 85 at N = 8192 on one core.
+template <typename A>
+inline bool v_tile_finite(const Args<A>& a, const A* vh, const Item& it, i64 k0, i64 n,
+                          Buffers<A>& buf) {
+  if (a.cache_kt) {                                        // k0 is a multiple of BK here
+    buf.kt_buffer(a);
+    buf.use_head(it.b, it.kvh);
+    char& seen = buf.v_seen[k0 / BK];
+    if (seen == 0)
+      seen = rows_finite(vh + k0 * a.sv[2], a.sv[2], std::min<i64>(BK, a.Nk - k0), a.Dv) ? 1 : 2;
+    if (seen == 1) return true;
+  }
+  return rows_finite(vh + k0 * a.sv[2], a.sv[2], n, a.Dv);
+}
+
 // acc (R, D_v) += P (R, n) . V_tile through brgemm (gemm; V converted to A when needed),
 // by the tile's sub-blocks (the rows a sub-block skips have P = 0 there); a tile holding
 // inf/NaN takes the exact P == 0-skipping path instead.
@@ -480,7 +506,7 @@ void values_gemm(const Args<A>& a, const T* vh, const Item& it, i64 k0, i64 n,
   if constexpr (std::is_same_v<T, A>) {
     vt = vh + k0 * a.sv[2];
     ldv = a.sv[2];
-    if (!rows_finite(vt, ldv, n, a.Dv)) return values_axpy(a, vh, k0, n, R, buf);
+    if (!v_tile_finite(a, vh, it, k0, n, buf)) return values_axpy(a, vh, k0, n, R, buf);
   } else {
     for (i64 j = 0; j < n; ++j)
       row_to_compute(vh + (k0 + j) * a.sv[2], buf.v.data() + j * a.DVP, a.Dv, a.DVP);
@@ -540,6 +566,74 @@ void values_span_lowp(const Args<A>& a, const Item& it, const TilePart* parts, i
     });
 }
 
+// ------------------------------------------------------------------ reading ahead
+// The rows the next item reads first that this one leaves out of the caches: its query rows,
+// the K / V rows of its tiles not yet in the thread's head cache, and its output rows (to be
+// written). The float32 GEMM loop asks for them into L2 a few lines per row of the row pass
+// while it computes: one core, a 512-key window at N = 8192 waited on memory ~9 ms of 85 at
+// the first read of each (K's transposes, V's finiteness check, Q's gather, the output's
+// stores), a tile of K and V being new to one item in five and a query row to one; 1.5-2%
+// faster with it (prefetches asked in bursts, a share per tile, stalled the core instead).
+struct RowsAhead {
+  struct Group { const char* p; i64 rows, stride, bytes; bool write; };
+  static constexpr int MAX = 24;                   // groups
+  static constexpr i64 MAX_LINES = (256 << 10) / 64;  // 256 KB of L2 at most
+  Group g[MAX];
+  int n = 0, at = 0;                // groups; the group asked for next
+  i64 row = 0, byte = 0;            // its next line: row, byte offset in the row
+  i64 lines = 0;                    // lines in all groups
+  // rows rows of bytes bytes, stride bytes apart, from p (groups past MAX or MAX_LINES are
+  // dropped)
+  void add(const void* p, i64 rows, i64 stride, i64 bytes, bool write = false) {
+    if (n == MAX || rows <= 0 || lines + rows * ((bytes + 63) / 64) > MAX_LINES) return;
+    g[n++] = Group{static_cast<const char*>(p), rows, stride, bytes, write};
+    lines += rows * ((bytes + 63) / 64);
+  }
+  void ask(i64 count) {                                    // the next `count` lines, into L2
+    for (; count > 0 && at < n; --count) {
+      const Group& x = g[at];
+      const char* r = x.p + row * x.stride + byte;
+      if (x.write) __builtin_prefetch(r, 1, 2);
+      else __builtin_prefetch(r, 0, 2);
+      if ((byte += 64) < x.bytes) continue;
+      byte = 0;
+      if (++row == x.rows) {
+        ++at;
+        row = 0;
+      }
+    }
+  }
+};
+
+// ahead <- the rows item nx (the thread's next) reads first on the GEMM loop in A (float32 /
+// float64 inputs) that buf does not hold: its Q rows, the K and V rows of its tiles not yet
+// in the head cache (without the cache, none), its output rows (out: C == 1), in that order.
+template <typename A, typename T>
+void rows_ahead(const Args<A>& a, const T* q, const T* k, const T* v, const T* out,
+                const Item& nx, const Buffers<A>& buf, RowsAhead& ahead) {
+  ahead = RowsAhead{};
+  if (!std::is_same_v<T, A> || a.G * nx.nr < 16 || nx.ke <= nx.kb) return;
+  for (i64 g = 0; g < a.G; ++g)
+    ahead.add(q + nx.b * a.sq[0] + (nx.kvh * a.G + g) * a.sq[1] + nx.q0 * a.sq[2], nx.nr,
+              a.sq[2] * i64(sizeof(T)), a.Dk * i64(sizeof(T)));
+  if (a.cache_kt) {
+    const bool same = buf.kt_b == nx.b && buf.kt_h == nx.kvh;
+    const T* kh = k + nx.b * a.sk[0] + nx.kvh * a.sk[1];
+    const T* vh = v + nx.b * a.sv[0] + nx.kvh * a.sv[1];
+    for (i64 k0 = nx.kb / BK * BK; k0 < nx.ke; k0 += BK) {   // tile k0 / BK
+      const i64 t = k0 / BK, rows = std::min<i64>(BK, a.Nk - k0);
+      if (!same || !buf.kt_done[t])
+        ahead.add(kh + k0 * a.sk[2], rows, a.sk[2] * i64(sizeof(T)), a.Dk * i64(sizeof(T)));
+      if (!same || !buf.v_seen[t])
+        ahead.add(vh + k0 * a.sv[2], rows, a.sv[2] * i64(sizeof(T)), a.Dv * i64(sizeof(T)));
+    }
+  }
+  if (out)
+    for (i64 g = 0; g < a.G; ++g)
+      ahead.add(out + ((nx.b * a.Hq + nx.kvh * a.G + g) * a.Nq + nx.q0) * a.Dv, nx.nr,
+                a.Dv * i64(sizeof(T)), a.Dv * i64(sizeof(T)), true);
+}
+
 // ------------------------------------------------------------------ one work item
 // acc row r (DVP,) *= alpha, the online softmax's correction for a new running max.
 template <typename A>
@@ -570,7 +664,8 @@ template <typename A> inline bool scale_folds(const Args<A>& a) {
 // reads it).
 template <typename A, typename T>
 void rows_pass_lowp(const Args<A>& a, const Item& it, const TilePart* parts, int np, A* s,
-                    i64 ld, bool keep, Buffers<A>& buf, T* p, A* mx) {
+                    i64 ld, bool keep, Buffers<A>& buf, T* p, A* mx, RowsAhead* ahead = nullptr,
+                    i64 share = 0) {
   const i64 R = a.G * it.nr, width = (np - 1) * BK + parts[np - 1].npad;
   const bool fold = scale_folds_alibi(a);
   const A c = fold ? a.scale : A(1);
@@ -588,6 +683,7 @@ void rows_pass_lowp(const Args<A>& a, const Item& it, const TilePart* parts, int
       mx[g * it.nr + i] = row_max_lowp(x, width);       // (x still in L1)
     }
   for (i64 r = 0; r < R; ++r) {
+    if (ahead) ahead->ask(share);                          // (the next item's rows: ahead)
     A* x = s + r * ld;
     const A alpha = keep ? row_exp_lowp<true>(x, width, c, mx[r], buf.m[r], buf.l[r], p + r * ld)
                          : row_exp_lowp<false>(x, width, c, mx[r], buf.m[r], buf.l[r], p + r * ld);
@@ -597,9 +693,10 @@ void rows_pass_lowp(const Args<A>& a, const Item& it, const TilePart* parts, int
 // The same for one tile [k0, k0 + n) whose scores are in buf.s (R, BK).
 template <typename A, typename T>
 void rows_pass_lowp(const Args<A>& a, const Item& it, i64 k0, i64 n, i64 npad, TileKind kind,
-                    bool keep, Buffers<A>& buf, T* p, A* mx) {
+                    bool keep, Buffers<A>& buf, T* p, A* mx, RowsAhead* ahead = nullptr,
+                    i64 share = 0) {
   const TilePart tp{k0, n, npad, kind, 1, {}};
-  rows_pass_lowp(a, it, &tp, 1, buf.s.data(), BK, keep, buf, p, mx);
+  rows_pass_lowp(a, it, &tp, 1, buf.s.data(), BK, keep, buf, p, mx, ahead, share);
 }
 
 // Each row r (head h, query qi) of the tile's scores S (R, BK): the fused score terms, the
@@ -613,12 +710,14 @@ void rows_pass_lowp(const Args<A>& a, const Item& it, i64 k0, i64 n, i64 npad, T
 // soft-capped row's LSE past 4 ulp.
 template <typename A>
 void rows_pass(const Args<A>& a, const Item& it, i64 k0, i64 n, i64 npad, TileKind kind,
-               Buffers<A>& buf) {
+               Buffers<A>& buf, RowsAhead* ahead = nullptr, i64 share = 0) {
   if constexpr (std::is_same_v<A, float>) {
     if (a.G * it.nr >= 16 && scale_folds(a))
-      return rows_pass_lowp(a, it, k0, n, npad, kind, false, buf, buf.s.data(), buf.mx.data());
+      return rows_pass_lowp(a, it, k0, n, npad, kind, false, buf, buf.s.data(), buf.mx.data(),
+                            ahead, share);
   }
   for (i64 r = 0; r < a.G * it.nr; ++r) {                  // row r: head h, query qi
+    if (ahead) ahead->ask(share);
     const i64 h = it.kvh * a.G + r / it.nr, qi = it.q0 + r % it.nr;
     A* x = buf.s.data() + r * BK;
     score_terms(a, x, n, npad, it.b, h, qi, k0, kind == FULL);
@@ -683,10 +782,11 @@ void attend_item_lowp(const Args<A>& a, const T* q, const T* k, const T* v, cons
 }
 
 // Rows of the item over its keys: acc, m, l in buf (R = G * nr rows). lb (T GEMMs, lowp.h)
-// is null on the widening path.
+// is null on the widening path. The GEMM loops ask for ahead's rows (the next item's), a
+// share per tile.
 template <typename A, typename T>
 void attend_item(const Args<A>& a, const T* q, const T* k, const T* v, const Item& it,
-                 Buffers<A>& buf, LowpBuffers<T>* lb) {
+                 Buffers<A>& buf, LowpBuffers<T>* lb, RowsAhead& ahead) {
   const i64 R = a.G * it.nr;
   const bool by_gemm = R >= 16;                            // brgemm pays off from 16 rows
   std::fill(buf.acc.begin(), buf.acc.begin() + R * a.DVP, A(0));
@@ -699,11 +799,13 @@ void attend_item(const Args<A>& a, const T* q, const T* k, const T* v, const Ite
   gather_q(a, q, it, buf);
   const T* kh = k + it.b * a.sk[0] + it.kvh * a.sk[1];
   const T* vh = v + it.b * a.sv[0] + it.kvh * a.sv[1];
+  const i64 tiles = (it.ke - it.kb / BK * BK + BK - 1) / BK;
+  const i64 share = (ahead.lines + tiles * R - 1) / (tiles * R);  // lines per row of a tile
   for_each_tile(a, it, by_gemm, [&](i64 k0, i64 n, i64 npad, TileKind kind, const Sub* subs,
                                      int count) {
     if (by_gemm) scores_gemm(a, kh, it, k0, n, subs, count, buf);
     else scores_dot(a, head_rows(a, kh, vh, k0), n, R, buf);
-    rows_pass(a, it, k0, n, npad, kind, buf);
+    rows_pass(a, it, k0, n, npad, kind, buf, by_gemm ? &ahead : nullptr, share);
     if (by_gemm) values_gemm(a, vh, it, k0, n, subs, count, buf);
     else values_axpy(a, vh, k0, n, R, buf);
   });
@@ -767,6 +869,23 @@ void merge_splits(const Args<A>& a, const A* po, const A* pl, O* out, A* lse) {
   });
 }
 
+// Work item t -> (b, kv head, query block (zig-zag), split): its rows and keys; q_end: the
+// block's end (rows from q0 + nr on are past the batch's q_len).
+template <typename A> Item item_of(const Args<A>& a, i64 t, i64& q_end) {
+  const i64 C = a.splits, NQB = a.n_qblocks;
+  const i64 c = t % C, zq = (t / C) % NQB, kvh = (t / (C * NQB)) % a.Hkv;
+  const i64 b = t / (C * NQB * a.Hkv);
+  // zig-zag over query blocks: contiguous thread ranges mix early (cheap, causal)
+  // and late (dear) blocks
+  const i64 qb = (zq % 2 == 0) ? zq / 2 : NQB - 1 - zq / 2;
+  Item it{b, kvh, qb * a.rows, 0, 0, 0};
+  q_end = std::min(a.Nq, it.q0 + a.rows);
+  const i64 valid = a.q_len ? std::min(q_end, a.q_len[b * a.sql]) : q_end;
+  it.nr = std::max<i64>(0, valid - it.q0);
+  key_range(a, it, c * a.split_len, std::min(a.Nk, (c + 1) * a.split_len));
+  return it;
+}
+
 // All items in parallel: item -> (b, kv head, query block (zig-zag), split).
 template <typename A, typename T>
 void run(const Args<A>& a, const T* q, const T* k, const T* v, T* out, A* lse) {
@@ -782,18 +901,15 @@ void run(const Args<A>& a, const T* q, const T* k, const T* v, T* out, A* lse) {
     std::unique_ptr<LowpBuffers<T>> lb;                    // T GEMMs: packed K/V, Q, P in T
     if constexpr (is_lowp<T>)
       if (a.lowp) lb.reset(new LowpBuffers<T>(a, a.G * a.rows));
+    RowsAhead ahead;
     for (i64 t = begin; t < end; ++t) {
-      const i64 c = t % C, zq = (t / C) % NQB, kvh = (t / (C * NQB)) % a.Hkv;
-      const i64 b = t / (C * NQB * a.Hkv);
-      // zig-zag over query blocks: contiguous thread ranges mix early (cheap, causal)
-      // and late (dear) blocks
-      const i64 qb = (zq % 2 == 0) ? zq / 2 : NQB - 1 - zq / 2;
-      Item it{b, kvh, qb * a.rows, 0, 0, 0};
-      i64 q_end = std::min(a.Nq, it.q0 + a.rows);
-      i64 valid = a.q_len ? std::min(q_end, a.q_len[b * a.sql]) : q_end;
-      it.nr = std::max<i64>(0, valid - it.q0);
-      key_range(a, it, c * a.split_len, std::min(a.Nk, (c + 1) * a.split_len));
-      attend_item(a, q, k, v, it, buf, lb.get());
+      i64 q_end, nx_end;
+      const Item it = item_of(a, t, q_end);
+      if (t + 1 < end) rows_ahead(a, q, k, v, C == 1 ? out : nullptr, item_of(a, t + 1, nx_end),
+                                  buf, ahead);
+      else ahead = RowsAhead{};
+      const i64 c = t % C, b = it.b, kvh = it.kvh;
+      attend_item(a, q, k, v, it, buf, lb.get(), ahead);
       for (i64 g = 0; g < a.G; ++g)                        // rows [q0, q_end) of each head
         for (i64 i = 0; i < q_end - it.q0; ++i) {
           const i64 h = kvh * a.G + g, qi = it.q0 + i, r = g * it.nr + i;

@@ -292,8 +292,10 @@ inline float row_max_lowp(const float* x, i64 npad) {
 // exactly and every exponent's error is that of its own product, as when scores are scaled
 // first (one FMA against a shift rounded apart leaves ~|m| 2^-23 in every exponent: at a
 // score of 1e30, 2^(1e22)).
+// (always inlined: rows_pass_lowp called it out of line once it asked for rows ahead)
 template <bool Keep, typename T>
-inline float row_exp_lowp(float* x, i64 npad, float c, float top, float& m, float& l, T* p) {
+__attribute__((always_inline)) inline float row_exp_lowp(float* x, i64 npad, float c, float top,
+                                                         float& m, float& l, T* p) {
   constexpr float LOG2E = 1.44269504088896341f;
   const float cl = c * LOG2E, m_new = std::max(m, top * c);
   const float shift = m_new == NEG_INF ? 0.f                // a row with no key yet: P = 0
