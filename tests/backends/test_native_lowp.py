@@ -198,6 +198,42 @@ def test_softcap_and_alibi(dtype: torch.dtype, lowp_path: str) -> None:
           alibi_slopes=alibi_slopes(4), band=(-636, math.inf))
 
 
+# Soft-cap with no other score term: capped inside the exponent pass on tiles without mask or
+# padding (each row in one of three forms, by its largest |score * scale / cap|: the Taylor
+# series' first terms below 0.18, the odd polynomial below 0.625, else tanh through e^x), in
+# place before the mask on the others. (cap, q's scale): forms 3 (exponents bounded, c < 43),
+# 3 unbounded (c = 60), 5 and 0 mixed, 0, and a huge cap (tiny ratio).
+@pytest.mark.parametrize("dtype", LOWP)
+@pytest.mark.parametrize(("cap", "q_scale"), [(30.0, 1.0), (60.0, 3.0), (5.0, 1.0), (2.0, 2.0),
+                                              (1e8, 1.0)])
+def test_softcap_in_the_exponent_pass(dtype: torch.dtype, lowp_path: str, cap: float,
+                                      q_scale: float) -> None:
+    q, k, v = qkv(2, 4, 2, 97, 301, 59)
+    q = q * q_scale
+    opts = {"oracle_opts": {"softcap": cap}, "softcap": cap}
+    check(q, k, v, dtype, **opts)                                           # no mask
+    i, j = torch.arange(97)[:, None], torch.arange(301)
+    check(q, k, v, dtype, allowed=j <= i + 204, band=(-204, math.inf), **opts)   # causal
+    # rows 76.. see no key (q - k <= -225 needs k >= q + 225 > 300): output 0, LSE -inf
+    check(q, k, v, dtype, allowed=i - j <= -225, band=(-math.inf, -225), **opts)
+    kvl = torch.tensor([301, 150])
+    k2, v2, allowed = poisoned_kv(k, v, kvl, 5)                 # NaN / inf in masked K/V rows
+    check(q, k, v, dtype, allowed=allowed, kv=(k2, v2), kv_lengths=kvl,
+          dense_mask=allowed.expand(2, 4, 97, 301), **opts)
+
+
+@pytest.mark.parametrize("dtype", LOWP)
+def test_softcap_huge_scores(dtype: torch.dtype, lowp_path: str) -> None:
+    """Huge scores under a soft-cap (tanh's e^x form, capped at ±c): the row's largest gets
+    weight e^(c tanh(...)) as the oracle's."""
+    big = 1e15 if dtype == torch.bfloat16 else 6e4
+    q, k, v = qkv(1, 2, 1, 40, 300, 64)
+    q[0, :, 9, 0], k[0, 0, 150, 0] = big, big
+    q[0, 1, 20, 0], k[0, 0, 280, 0] = -3e3, 2e3
+    for cap in (5.0, 50.0):
+        check(q, k, v, dtype, oracle_opts={"softcap": cap}, softcap=cap)
+
+
 # ---------------------------------------------------------------------------- vs torch SDPA
 @pytest.mark.parametrize("dtype", LOWP)
 @pytest.mark.parametrize("causal", [False, True])

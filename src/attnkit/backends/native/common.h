@@ -105,6 +105,8 @@ inline vf vabs(vf x) { return (vf)((vi)x & 0x7fffffff); }
 inline vd vabs(vd x) { return (vd)((vl)x & 0x7fffffffffffffffLL); }
 // The larger of a, b lane by lane; where b is NaN, a.
 template <typename V> inline V vmax(V a, V b) { return b > a ? b : a; }
+// The smaller of a, b lane by lane; where b is NaN, a.
+template <typename V> inline V vmin(V a, V b) { return b < a ? b : a; }
 
 // Horizontal sum / max by halving the vector (log2 W shuffles; values stay in registers).
 typedef float v4f __attribute__((vector_size(16)));
