@@ -198,6 +198,17 @@ def test_softcap_and_alibi(dtype: torch.dtype, lowp_path: str) -> None:
           alibi_slopes=alibi_slopes(4), band=(-636, math.inf))
 
 
+def assert_lse_float32(lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       dtype: torch.dtype, **oracle_opts: object) -> None:
+    """The kernel's LSE (float32) within 5e-7 · (1 + |LSE|) of the oracle's on the same
+    ``dtype``-rounded inputs in float64: the score terms and the softmax in float32, to a few
+    ulp (the soft-cap's forms to 2^-25 of tanh; one coefficient off by 1/15 gives 1e-6)."""
+    _, ref, _ = oracle(*(t.to(dtype).double() for t in (q, k, v)), **oracle_opts)
+    fin = torch.isfinite(ref)
+    err = ((lse.double() - ref).abs() / (1 + ref.abs()))[fin]
+    assert err.numel() == 0 or err.max().item() <= 5e-7, err.max().item()
+
+
 # Soft-cap with no other score term: capped inside the exponent pass on tiles without mask or
 # padding (each row in one of three forms, by its largest |score * scale / cap|: the Taylor
 # series' first terms below 0.18, the odd polynomial below 0.625, else tanh through e^x), in
@@ -211,9 +222,12 @@ def test_softcap_in_the_exponent_pass(dtype: torch.dtype, lowp_path: str, cap: f
     q, k, v = qkv(2, 4, 2, 97, 301, 59)
     q = q * q_scale
     opts = {"oracle_opts": {"softcap": cap}, "softcap": cap}
-    check(q, k, v, dtype, **opts)                                           # no mask
+    _, lse = check(q, k, v, dtype, **opts)                                  # no mask
+    assert_lse_float32(lse, q, k, v, dtype, softcap=cap)
     i, j = torch.arange(97)[:, None], torch.arange(301)
-    check(q, k, v, dtype, allowed=j <= i + 204, band=(-204, math.inf), **opts)   # causal
+    causal = j <= i + 204
+    _, lse = check(q, k, v, dtype, allowed=causal, band=(-204, math.inf), **opts)
+    assert_lse_float32(lse, q, k, v, dtype, allowed=causal, softcap=cap)
     # rows 76.. see no key (q - k <= -225 needs k >= q + 225 > 300): output 0, LSE -inf
     check(q, k, v, dtype, allowed=i - j <= -225, band=(-math.inf, -225), **opts)
     kvl = torch.tensor([301, 150])
