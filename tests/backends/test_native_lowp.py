@@ -248,6 +248,38 @@ def test_softcap_huge_scores(dtype: torch.dtype, lowp_path: str) -> None:
         check(q, k, v, dtype, oracle_opts={"softcap": cap}, softcap=cap)
 
 
+def _distance_mod(s, b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202 — reads h, q_idx, kv_idx
+    return s + (0.01 * (h + 1) * (q_idx - kv_idx)).to(s.dtype)
+
+
+@pytest.mark.parametrize("dtype", LOWP)
+def test_score_mod_on_the_raw_scores(dtype: torch.dtype, lowp_path: str) -> None:
+    """A compiled score_mod on the low-precision path: called once per row over a span's
+    keys (two tiles), on the raw scores with the scale (score_mod.h), or after the soft-cap
+    with scale 1; against the oracle with masks cutting tiles, rows without keys, NaN in
+    masked K/V, GQA, N_q != N_k, and its LSE to float32 precision."""
+    from attnkit.backends.native import score_mod as sm
+    mod = sm.compile_score_mod(_distance_mod)
+    q, k, v = qkv(2, 4, 2, 97, 700, 59)
+    i, j = torch.arange(97)[:, None], torch.arange(700)
+    opts = {"oracle_opts": {"score_mod": _distance_mod}, "score_mod": mod}
+    _, lse = check(q, k, v, dtype, **opts)
+    assert_lse_float32(lse, q, k, v, dtype, score_mod=_distance_mod)
+    causal = j <= i + 603
+    _, lse = check(q, k, v, dtype, allowed=causal, band=(-603, math.inf), **opts)
+    assert_lse_float32(lse, q, k, v, dtype, allowed=causal, score_mod=_distance_mod)
+    # rows 77.. see no key (q - k <= -620 needs k >= q + 620 > 699): output 0, LSE -inf
+    check(q, k, v, dtype, allowed=i - j <= -620, band=(-math.inf, -620), **opts)
+    kvl = torch.tensor([700, 333])
+    k2, v2, allowed = poisoned_kv(k, v, kvl, 5)                 # NaN / inf in masked K/V rows
+    check(q, k, v, dtype, allowed=allowed, kv=(k2, v2), kv_lengths=kvl,
+          dense_mask=allowed.expand(2, 4, 97, 700), **opts)
+    capped = {"oracle_opts": {"score_mod": _distance_mod, "softcap": 5.0}, "score_mod": mod,
+              "softcap": 5.0}
+    _, lse = check(q, k, v, dtype, allowed=causal, band=(-603, math.inf), **capped)
+    assert_lse_float32(lse, q, k, v, dtype, allowed=causal, score_mod=_distance_mod, softcap=5.0)
+
+
 # ---------------------------------------------------------------------------- vs torch SDPA
 @pytest.mark.parametrize("dtype", LOWP)
 @pytest.mark.parametrize("causal", [False, True])

@@ -1,7 +1,7 @@
 """Every op and dtype the score_mod compiler accepts, against torch on the same function.
 
 The compiled C function (``CompiledScoreMod.bind()``: ``attnkit_mod(x, dx, n, b, h, q, k0,
-caps)``) is called directly through ctypes over one row of keys and compared elementwise with
+caps, scale)``, scale 1) is called directly through ctypes over one row of keys and compared elementwise with
 torch running the op on the same values. One build holds many ops: the score_mod is a chain
 ``where(h == i, op_i(...), ...)``, called once per ``h``. Operands are edge values (zero, ±0,
 negatives, NaN, ±inf, overflow, huge and tiny magnitudes, halfway cases) read from captured
@@ -237,7 +237,7 @@ def call(mod: sm.CompiledScoreMod, x: torch.Tensor, h: int, grad: bool = True,
     c = mod.bind() if hasattr(mod, "bind") else mod          # (before 0.x: one shared binding)
     y, dy = x.clone().to(mod.dtype), torch.zeros(len(x), dtype=mod.dtype)
     ROW_FN(c.address)(y.data_ptr(), dy.data_ptr() if grad else None, len(x), 0, h, 0, 0,
-                   c.caps_address)
+                   c.caps_address, 1.0)
     c.check()
     return y, dy
 

@@ -725,7 +725,17 @@ void rows_pass_lowp(const Args<A>& a, const Item& it, const TilePart* parts, int
     for (i64 i = 0; i < it.nr; ++i) {                      // row g * nr + i: head h, query qi
       const i64 h = it.kvh * a.G + g, qi = it.q0 + i;
       A* x = s + (g * it.nr + i) * ld;
-      for (int t = 0; t < np; ++t) {                       // tile t's keys, from x + t * BK
+      if (!fold && mod_takes_scale(a)) {                   // the mod on the span's raw scores
+        apply_score_mod(a, x, nullptr, (np - 1) * BK + parts[np - 1].n, it.b, h, qi, parts[0].k0,
+                        double(a.scale));                  // (its keys consecutive, from x)
+        for (int t = 0; t < np; ++t) {
+          const TilePart& tp = parts[t];
+          if (has_position_terms(a, tp.n, tp.npad, tp.kind == FULL))
+            position_terms_and_mask(a, x + t * BK, tp.n, tp.npad, it.b, h, qi, tp.k0,
+                                    tp.kind == FULL);
+        }
+      }
+      for (int t = 0; t < np && !(!fold && mod_takes_scale(a)); ++t) {  // tile t, from x + t * BK
         const TilePart& tp = parts[t];
         if (fold && !a.alibi && tp.kind == FULL && tp.n == tp.npad) continue;  // nothing to do
         if (fold) position_terms_and_mask(a, x + t * BK, tp.n, tp.npad, it.b, h, qi, tp.k0,
