@@ -210,10 +210,10 @@ def assert_lse_float32(lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
 
 
 # Soft-cap with no other score term: capped inside the exponent pass on tiles without mask or
-# padding (each row in one of three forms, by its largest |score * scale / cap|: the Taylor
+# padding (in one of three forms, by a span's largest |score * scale / cap|: the Taylor
 # series' first terms below 0.18, the odd polynomial below 0.625, else tanh through e^x), in
 # place before the mask on the others. (cap, q's scale): forms 3 (exponents bounded, c < 43),
-# 3 unbounded (c = 60), 5 and 0 mixed, 0, and a huge cap (tiny ratio).
+# 3 and 5 unbounded (c = 60), 5 and 0, 0, and a huge cap (tiny ratio).
 @pytest.mark.parametrize("dtype", LOWP)
 @pytest.mark.parametrize(("cap", "q_scale"), [(30.0, 1.0), (60.0, 3.0), (5.0, 1.0), (2.0, 2.0),
                                               (1e8, 1.0)])

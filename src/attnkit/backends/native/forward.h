@@ -16,7 +16,6 @@ namespace {
 template <typename A> struct Buffers {
   avector<A> q, s, acc, v, row, tmp4, m, l, mx;   // mx: the rows' largest scores (rows_pass)
   avector<A> top, top2;             // (R rounded to W,) rows_pass_capped's per-row values
-  std::vector<char> small;          // (R,) per row: its soft-cap's form (cap_form)
   std::vector<at::BFloat16> qh;     // the dot path's q in bf16 (scores_dot_bf16)
   std::unique_ptr<A[]> kt;
   std::vector<char> kt_done;        // (NKP / BK,) tiles of the cached head transposed
@@ -24,7 +23,7 @@ template <typename A> struct Buffers {
   Buffers(const Args<A>& a, i64 R)
       : q(R * a.DKP), s(R * BK), acc(R * a.DVP), v(R >= 16 ? BK * a.DVP : 0),
         row(std::max(a.DKP, a.DVP)), tmp4(4 * std::max(a.DKP, a.DVP)), m(R), l(R),
-        mx(round_up(R, W)), top(round_up(R, W)), top2(round_up(R, W)), small(R) {}
+        mx(R), top(round_up(R, W)), top2(round_up(R, W)) {}
   A* kt_buffer(const Args<A>& a) {
     if (!kt) {
       kt.reset(new A[a.Dk * (a.cache_kt ? a.NKP : BK)]);
@@ -595,37 +594,69 @@ inline void raw_range(const float* x, i64 n, vf& hi, vf& lo) {
   lo = vmin(lo, vmin(l0, l1));
 }
 
-// The three forms of CapExponent (cap_form).
-struct CapForms {
-  CapExponent<3> f3;
-  CapExponent<5> f5;
-  CapExponent<0> f0;
-  CapForms(float scale, float cap) : f3(scale, cap), f5(scale, cap), f0(scale, cap) {}
-  vf of(vf y, vf s) const {                               // s in each lane's form (y: |s r| max)
-    return select(y < 0.18f, f3(s), select(y < 0.625f, f5(s), f0(s)));
-  }
-};
-
-// The rows' largest logits this step, W rows at a time: from the raw max hr of their
-// unmasked tiles (the capped max, tanh rising; -inf where raw is false: none), in each row's
-// form (y: its largest |s r|), and the largest capped score mt of their masked tiles.
-// Exponent top2 (log2 units, as the exponent pass computes it for that key) and top = top2 /
-// log2e.
-inline void capped_tops(vf hr, vf mt, vf y, bool raw, const CapForms& forms, vf& top, vf& top2) {
+// The rows' largest logits this step, W rows at a time, in form f: from the raw max hr of
+// their unmasked tiles (the capped max, tanh rising; -inf where raw is false: none) and the
+// largest capped score mt of their masked tiles. Exponent top2 (log2 units, as the exponent
+// pass computes it for that key) and top = top2 / log2e.
+template <typename F>
+inline void capped_tops(vf hr, vf mt, bool raw, const F& f, vf& top, vf& top2) {
   constexpr float LOG2E = 1.44269504088896341f;
-  top2 = raw ? forms.of(y, hr) : splat(NEG_INF);
+  top2 = raw ? f(hr) : splat(NEG_INF);
   top = top2 * (1.f / LOG2E);
   const vi masked_wins = mt > top;
   top = select(masked_wins, mt, top);
   top2 = select(masked_wins, rounded(mt * LOG2E), top2);  // (as exp_keys rounds it)
 }
 
+// rows_pass_capped's last two passes, the span's rows in form f: their largest logits
+// (capped_tops; hr, mt (R,) -> top, top2 in place), then per row the exponents (raw tiles
+// in form f, masked tiles already capped) and the online softmax's step.
+template <typename A, typename T, typename F>
+void capped_exponents(const Args<A>& a, const Item& it, const TilePart* parts, int np, A* s,
+                      i64 ld, bool keep, bool raw, bool bounded, Buffers<A>& buf, T* p,
+                      const F& f) {
+  constexpr float LOG2E = 1.44269504088896341f;
+  const i64 R = a.G * it.nr;
+  A *hr = buf.top.data(), *mt = buf.top2.data();
+  for (i64 r0 = 0; r0 < R; r0 += W) {                      // rows [r0, r0 + W) (buffers padded)
+    vf top, top2;
+    capped_tops(load(hr + r0), load(mt + r0), raw, f, top, top2);
+    store(hr + r0, top);
+    store(mt + r0, top2);
+  }
+  const vf vl = splat(LOG2E);
+  const auto capped = [vl](vf v) { return rounded(v * vl); };
+  for (i64 row = 0; row < R; ++row) {
+    A* x = s + row * ld;
+    T* pr = p + row * ld;
+    float m_new;
+    const vf vs = splat(exp_shift(hr[row], mt[row], buf.m[row], m_new));
+    vf sum = splat(0.f);
+    for (int t = 0; t < np;) {                             // tiles [t, u): from x + t * BK
+      const bool masked = tile_masked(parts[t]);
+      int u = t + 1;
+      while (!masked && u < np && !tile_masked(parts[u])) ++u;   // raw tiles together
+      const i64 n = (u - 1 - t) * BK + parts[u - 1].npad;
+      A* xt = x + t * BK;
+      T* pt = pr + t * BK;
+      if (masked)
+        sum += keep ? exp_keys<true>(xt, n, vs, pt, capped) : exp_keys<false>(xt, n, vs, pt, capped);
+      else if (keep)
+        sum += bounded ? exp_keys<true, true>(xt, n, vs, pt, f) : exp_keys<true>(xt, n, vs, pt, f);
+      else
+        sum += bounded ? exp_keys<false, true>(xt, n, vs, pt, f) : exp_keys<false>(xt, n, vs, pt, f);
+      t = u;
+    }
+    rescale_acc_row(a, buf, row, exp_finish(sum, m_new, buf.m[row], buf.l[row]));
+  }
+}
+
 // rows_pass_lowp with a soft-cap and no other score term (cap_folds): the tiles that need no
 // mask are capped inside the exponent pass (CapExponent on their raw scores), the others in
-// place first (cap_row, then the mask), as score_terms does. Three passes: per row, its raw
-// range (over every lane, before the mask: its largest |s r| picks the form, cap_form; the
-// odd polynomial alone below 0.625, as scale_and_cap) and its masked tiles capped and
-// masked; the rows' largest logits W at a time (capped_tops); per row, the exponents.
+// place first (cap_row, then the mask), as score_terms does. Passes: the rows' raw ranges
+// (over every lane, before the mask: the span's largest |s r| picks the form for all its
+// rows, cap_form; the odd polynomial alone below 0.625, as scale_and_cap) and raw maxima;
+// the masked tiles capped and masked, and their maxima; then capped_exponents.
 template <typename A, typename T>
 void rows_pass_capped(const Args<A>& a, const Item& it, const TilePart* parts, int np, A* s,
                       i64 ld, bool keep, Buffers<A>& buf, T* p) {
@@ -633,76 +664,54 @@ void rows_pass_capped(const Args<A>& a, const Item& it, const TilePart* parts, i
     constexpr float LOG2E = 1.44269504088896341f;
     const i64 R = a.G * it.nr;
     const float r = a.scale / a.softcap;
-    const CapForms forms(a.scale, a.softcap);
-    const vf vr = splat(r);
-    const auto y_of = [vr](vf v) { return v * vr; };
-    bool raw = false;                                      // a tile without mask or padding
-    for (int t = 0; t < np; ++t) raw = raw || !tile_masked(parts[t]);
-    const bool bounded = 2.f * a.softcap * LOG2E < 124.f;  // exponents >= -2 c log2e > -125
-    A *hr = buf.top.data(), *mt = buf.top2.data(), *yb = buf.mx.data();   // (R,) each
-    for (i64 g = 0; g < a.G; ++g)
-      for (i64 i = 0; i < it.nr; ++i) {                    // row g * nr + i: head h, query qi
-        const i64 h = it.kvh * a.G + g, qi = it.q0 + i, row = g * it.nr + i;
-        A* x = s + row * ld;
-        vf hi = splat(NEG_INF), lo = splat(-NEG_INF), hi_raw = hi;   // hi_raw: unmasked tiles'
-        for (int t = 0; t < np; ++t) {
-          vf th = splat(NEG_INF);
-          raw_range(x + t * BK, parts[t].npad, th, lo);
-          hi = vmax(hi, th);
-          if (!tile_masked(parts[t])) hi_raw = vmax(hi_raw, th);
-        }
-        yb[row] = hmax(vmax(vabs(hi), vabs(lo))) * r;      // the largest |s r| (inf, NaN: big)
-        buf.small[row] = char(cap_form(yb[row]));
-        hr[row] = raw ? hmax(hi_raw) : NEG_INF;
-        mt[row] = NEG_INF;
-        for (int t = 0; t < np; ++t) {                     // the masked tiles, capped first
-          const TilePart& tp = parts[t];
-          if (!tile_masked(tp)) continue;
-          A* xt = x + t * BK;
-          if (buf.small[row]) cap_row<true>(xt, tp.npad, static_cast<A*>(nullptr), a.scale, a.softcap, y_of);
-          else cap_row<false>(xt, tp.npad, static_cast<A*>(nullptr), a.scale, a.softcap, y_of);
-          position_terms_and_mask(a, xt, tp.n, tp.npad, it.b, h, qi, tp.k0, tp.kind == FULL);
-          mt[row] = std::max(mt[row], row_max_lowp(xt, tp.npad));
-        }
-      }
-    for (i64 r0 = 0; r0 < R; r0 += W) {                    // rows [r0, r0 + W) (buffers padded)
-      vf top, top2;
-      capped_tops(load(hr + r0), load(mt + r0), load(yb + r0), raw, forms, top, top2);
-      store(hr + r0, top);
-      store(mt + r0, top2);
+    bool raw = false, masked = false;                      // tiles without / with mask or padding
+    for (int t = 0; t < np; ++t) {
+      raw = raw || !tile_masked(parts[t]);
+      masked = masked || tile_masked(parts[t]);
     }
-    const vf vl = splat(LOG2E);
-    const auto capped = [vl](vf v) { return rounded(v * vl); };
-    // the exponents of n raw scores from xt in form f (P into pt)
-    const auto raw_exp = [&](const auto& f, A* xt, i64 n, vf vs, T* pt) -> vf {
-      if (keep) return bounded ? exp_keys<true, true>(xt, n, vs, pt, f) : exp_keys<true>(xt, n, vs, pt, f);
-      return bounded ? exp_keys<false, true>(xt, n, vs, pt, f) : exp_keys<false>(xt, n, vs, pt, f);
-    };
+    const bool bounded = 2.f * a.softcap * LOG2E < 124.f;  // exponents >= -2 c log2e > -125
+    A *hr = buf.top.data(), *mt = buf.top2.data();         // (R,) each
+    vf big = splat(0.f);                                   // the span's largest |s|
     for (i64 row = 0; row < R; ++row) {
       A* x = s + row * ld;
-      T* pr = p + row * ld;
-      float m_new;
-      const vf vs = splat(exp_shift(hr[row], mt[row], buf.m[row], m_new));
-      vf sum = splat(0.f);
-      for (int t = 0; t < np;) {                           // tiles [t, u): from x + t * BK
-        const bool masked = tile_masked(parts[t]);
-        int u = t + 1;
-        while (!masked && u < np && !tile_masked(parts[u])) ++u;   // raw tiles together
-        const i64 n = (u - 1 - t) * BK + parts[u - 1].npad;
-        A* xt = x + t * BK;
-        T* pt = pr + t * BK;
-        if (masked)
-          sum += keep ? exp_keys<true>(xt, n, vs, pt, capped) : exp_keys<false>(xt, n, vs, pt, capped);
-        else if (buf.small[row] == 3)
-          sum += raw_exp(forms.f3, xt, n, vs, pt);
-        else if (buf.small[row] == 5)
-          sum += raw_exp(forms.f5, xt, n, vs, pt);
-        else
-          sum += raw_exp(forms.f0, xt, n, vs, pt);
-        t = u;
+      vf lo = splat(-NEG_INF), hi_raw = splat(NEG_INF);    // hi_raw: the unmasked tiles'
+      for (int t = 0; t < np; ++t) {
+        vf th = splat(NEG_INF);
+        raw_range(x + t * BK, parts[t].npad, th, lo);
+        big = vmax(big, vabs(th));
+        if (!tile_masked(parts[t])) hi_raw = vmax(hi_raw, th);
       }
-      rescale_acc_row(a, buf, row, exp_finish(sum, m_new, buf.m[row], buf.l[row]));
+      big = vmax(big, vabs(lo));
+      hr[row] = raw ? hmax(hi_raw) : NEG_INF;
+      mt[row] = NEG_INF;
     }
+    const int form = cap_form(hmax(big) * r);              // (inf, NaN: 0)
+    if (masked) {
+      const vf vr = splat(r);
+      const auto y_of = [vr](vf v) { return v * vr; };
+      for (i64 g = 0; g < a.G; ++g)
+        for (i64 i = 0; i < it.nr; ++i) {                  // row g * nr + i: head h, query qi
+          const i64 h = it.kvh * a.G + g, qi = it.q0 + i, row = g * it.nr + i;
+          for (int t = 0; t < np; ++t) {                   // the masked tiles, capped first
+            const TilePart& tp = parts[t];
+            if (!tile_masked(tp)) continue;
+            A* xt = s + row * ld + t * BK;
+            if (form) cap_row<true>(xt, tp.npad, static_cast<A*>(nullptr), a.scale, a.softcap, y_of);
+            else cap_row<false>(xt, tp.npad, static_cast<A*>(nullptr), a.scale, a.softcap, y_of);
+            position_terms_and_mask(a, xt, tp.n, tp.npad, it.b, h, qi, tp.k0, tp.kind == FULL);
+            mt[row] = std::max(mt[row], row_max_lowp(xt, tp.npad));
+          }
+        }
+    }
+    if (form == 3)
+      capped_exponents(a, it, parts, np, s, ld, keep, raw, bounded, buf, p,
+                       CapExponent<3>(a.scale, a.softcap));
+    else if (form == 5)
+      capped_exponents(a, it, parts, np, s, ld, keep, raw, bounded, buf, p,
+                       CapExponent<5>(a.scale, a.softcap));
+    else
+      capped_exponents(a, it, parts, np, s, ld, keep, raw, bounded, buf, p,
+                       CapExponent<0>(a.scale, a.softcap));
   }
 }
 

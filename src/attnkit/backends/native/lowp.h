@@ -364,7 +364,7 @@ inline float row_exp_lowp(float* x, i64 npad, float c, float top, float& m, floa
 // The soft-capped logit c tanh(s r) of raw scores s (r = scale / c > 0; c tanh(s scale / c)
 // of the scaled score) in log2 units, as the exponent pass takes it (round(... log2e): no
 // separate pass scales and caps the row). K > 0: |s r| below cap_form(K)'s bound over the
-// row, so tanh's odd polynomial alone, tanh y = y + y z P(z) (z = y^2), written as
+// rows, so tanh's odd polynomial alone, tanh y = y + y z P(z) (z = y^2), written as
 // u + u (z P(z)) with u = s scale log2e (c tanh(y) log2e = u (1 + z P(z))): P of degree 4
 // (K = 5: vtanh_small's, Cephes' minimax below 0.625) or the Taylor series' first K terms
 // (whose next term, the error, stays below 2^-25 of tanh there). K = 0: vtanh (e^x, a
@@ -405,7 +405,7 @@ template <int K> struct CapExponent {
   }
 };
 
-// The form CapExponent takes for a row whose largest |s r| is y: the Taylor series' first
+// The form CapExponent takes for rows whose largest |s r| is y: the Taylor series' first
 // three terms below 0.18 (the fourth, 62/2835 y^8, < 2^-25), vtanh_small's polynomial below
 // 0.625, else 0 (vtanh). inf / NaN: 0.
 inline int cap_form(float y) { return y < 0.18f ? 3 : y < 0.625f ? 5 : 0; }
