@@ -703,7 +703,10 @@ void rows_pass_capped(const Args<A>& a, const Item& it, const TilePart* parts, i
           }
         }
     }
-    if (form == 3)
+    if (form == 3 && CapTaylor3::fits(a.scale, a.softcap))
+      capped_exponents(a, it, parts, np, s, ld, keep, raw, bounded, buf, p,
+                       CapTaylor3(a.scale, a.softcap));
+    else if (form == 3)
       capped_exponents(a, it, parts, np, s, ld, keep, raw, bounded, buf, p,
                        CapExponent<3>(a.scale, a.softcap));
     else if (form == 5)

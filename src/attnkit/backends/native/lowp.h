@@ -405,6 +405,33 @@ template <int K> struct CapExponent {
   }
 };
 
+// CapExponent<3> with its powers of r folded into the coefficients: u + (s w) Q(w), w = s^2,
+// Q(w) = k r^2 (-1/3 + 2/15 r^2 w - 17/315 r^4 w^2) (one product fewer per lane). fits(r):
+// every coefficient a normal float and, for |s r| < 0.18, s w finite (r in [1e-6, 1e6]).
+struct CapTaylor3 {
+  vf k, q0, q1, q2;
+  CapTaylor3(float scale, float cap) {
+    constexpr double LOG2E = 1.44269504088896341;
+    const double r2 = double(scale / cap) * double(scale / cap), kd = double(scale) * LOG2E;
+    k = splat(float(kd));
+    q0 = splat(float(-kd * r2 / 3));
+    q1 = splat(float(kd * r2 * r2 * 2 / 15));
+    q2 = splat(float(-kd * r2 * r2 * r2 * 17 / 315));
+  }
+  static bool fits(float scale, float cap) {
+    const float r = scale / cap;
+    if (!(r >= 1e-6f && r <= 1e6f)) return false;
+    const CapTaylor3 f(scale, cap);
+    return std::isnormal(f.q0[0]) && std::isnormal(f.q1[0]) && std::isnormal(f.q2[0]);
+  }
+  vf operator()(vf s) const {
+    const vf w = s * s;
+    vf q = q2 * w + q1;
+    q = q * w + q0;
+    return rounded((s * w) * q + s * k);
+  }
+};
+
 // The form CapExponent takes for rows whose largest |s r| is y: the Taylor series' first
 // three terms below 0.18 (the fourth, 62/2835 y^8, < 2^-25), vtanh_small's polynomial below
 // 0.625, else 0 (vtanh). inf / NaN: 0.
