@@ -718,38 +718,12 @@ void rows_pass_capped(const Args<A>& a, const Item& it, const TilePart* parts, i
   }
 }
 
-// The score terms of row x (head h, query qi) of a span's tiles parts[0 : np), side by side
-// from x: with fold (scale_folds_alibi) only ALiBi and the mask, in units of c = scale; a
-// score_mod that takes the raw scores and the scale (mod_takes_scale) once over the span's
-// keys (consecutive from x), then the position terms and the mask where a tile has any;
-// else score_terms tile by tile.
-template <typename A>
-inline void span_score_terms(const Args<A>& a, const Item& it, const TilePart* parts, int np,
-                             A* x, i64 h, i64 qi, bool fold, A c) {
-  if (!fold && mod_takes_scale(a))
-    apply_score_mod(a, x, nullptr, (np - 1) * BK + parts[np - 1].n, it.b, h, qi, parts[0].k0,
-                    double(a.scale));
-  for (int t = 0; t < np; ++t) {                           // tile t's keys, from x + t * BK
-    const TilePart& tp = parts[t];
-    const bool full = tp.kind == FULL;
-    if (fold) {
-      if (a.alibi || !full || tp.n != tp.npad)
-        position_terms_and_mask(a, x + t * BK, tp.n, tp.npad, it.b, h, qi, tp.k0, full, c);
-    } else if (mod_takes_scale(a)) {
-      if (has_position_terms(a, tp.n, tp.npad, full))
-        position_terms_and_mask(a, x + t * BK, tp.n, tp.npad, it.b, h, qi, tp.k0, full);
-    } else {
-      score_terms(a, x + t * BK, tp.n, tp.npad, it.b, h, qi, tp.k0, full);
-    }
-  }
-}
-
 // rows_pass on the low-precision path, pass by pass over the rows of a span's tiles parts[0
 // : np) (consecutive; all but the last BK keys wide), whose scores S (R, ld) holds side by
-// side: the score terms (span_score_terms; with scale_folds_alibi the scale is folded into
-// the exponent; a soft-cap alone: rows_pass_capped) and each row's largest score into mx
-// (R,), then P rounded to T into p (R, ld), acc rescaled. The float P stays in S only when
-// keep (the tile's V holds inf/NaN: values_axpy reads it).
+// side: the score terms (with scale_folds_alibi, only ALiBi and the mask: the scale is
+// folded into the exponent) and each row's largest score into mx (R,), then P rounded to T into p (R, ld), acc
+// rescaled. The float P stays in S only when keep (the tile's V holds inf/NaN: values_axpy
+// reads it).
 template <typename A, typename T>
 void rows_pass_lowp(const Args<A>& a, const Item& it, const TilePart* parts, int np, A* s,
                     i64 ld, bool keep, Buffers<A>& buf, T* p, A* mx) {
@@ -761,8 +735,25 @@ void rows_pass_lowp(const Args<A>& a, const Item& it, const TilePart* parts, int
   const A c = fold ? a.scale : A(1);
   for (i64 g = 0; g < a.G; ++g)
     for (i64 i = 0; i < it.nr; ++i) {                      // row g * nr + i: head h, query qi
+      const i64 h = it.kvh * a.G + g, qi = it.q0 + i;
       A* x = s + (g * it.nr + i) * ld;
-      span_score_terms(a, it, parts, np, x, it.kvh * a.G + g, it.q0 + i, fold, c);
+      if (!fold && mod_takes_scale(a)) {                   // the mod on the span's raw scores
+        apply_score_mod(a, x, nullptr, (np - 1) * BK + parts[np - 1].n, it.b, h, qi, parts[0].k0,
+                        double(a.scale));                  // (its keys consecutive, from x)
+        for (int t = 0; t < np; ++t) {
+          const TilePart& tp = parts[t];
+          if (has_position_terms(a, tp.n, tp.npad, tp.kind == FULL))
+            position_terms_and_mask(a, x + t * BK, tp.n, tp.npad, it.b, h, qi, tp.k0,
+                                    tp.kind == FULL);
+        }
+      }
+      for (int t = 0; t < np && !(!fold && mod_takes_scale(a)); ++t) {  // tile t, from x + t * BK
+        const TilePart& tp = parts[t];
+        if (fold && !a.alibi && tp.kind == FULL && tp.n == tp.npad) continue;  // nothing to do
+        if (fold) position_terms_and_mask(a, x + t * BK, tp.n, tp.npad, it.b, h, qi, tp.k0,
+                                          tp.kind == FULL, c);
+        else score_terms(a, x + t * BK, tp.n, tp.npad, it.b, h, qi, tp.k0, tp.kind == FULL);
+      }
       mx[g * it.nr + i] = row_max_lowp(x, width);       // (x still in L1)
     }
   for (i64 r = 0; r < R; ++r) {
