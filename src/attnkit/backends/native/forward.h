@@ -721,9 +721,10 @@ void rows_pass_capped(const Args<A>& a, const Item& it, const TilePart* parts, i
 // rows_pass on the low-precision path, pass by pass over the rows of a span's tiles parts[0
 // : np) (consecutive; all but the last BK keys wide), whose scores S (R, ld) holds side by
 // side: the score terms (with scale_folds_alibi, only ALiBi and the mask: the scale is
-// folded into the exponent) and each row's largest score into mx (R,), then P rounded to T into p (R, ld), acc
-// rescaled. The float P stays in S only when keep (the tile's V holds inf/NaN: values_axpy
-// reads it).
+// folded into the exponent; a score_mod that takes the raw scores and the scale
+// (mod_takes_scale), once over the span's keys; a soft-cap alone: rows_pass_capped) and each
+// row's largest score into mx (R,), then P rounded to T into p (R, ld), acc rescaled. The
+// float P stays in S only when keep (the tile's V holds inf/NaN: values_axpy reads it).
 template <typename A, typename T>
 void rows_pass_lowp(const Args<A>& a, const Item& it, const TilePart* parts, int np, A* s,
                     i64 ld, bool keep, Buffers<A>& buf, T* p, A* mx) {
@@ -731,13 +732,13 @@ void rows_pass_lowp(const Args<A>& a, const Item& it, const TilePart* parts, int
     if (cap_folds(a)) return rows_pass_capped(a, it, parts, np, s, ld, keep, buf, p);
   }
   const i64 R = a.G * it.nr, width = (np - 1) * BK + parts[np - 1].npad;
-  const bool fold = scale_folds_alibi(a);
+  const bool fold = scale_folds_alibi(a), mod_raw = !fold && mod_takes_scale(a);
   const A c = fold ? a.scale : A(1);
   for (i64 g = 0; g < a.G; ++g)
     for (i64 i = 0; i < it.nr; ++i) {                      // row g * nr + i: head h, query qi
       const i64 h = it.kvh * a.G + g, qi = it.q0 + i;
       A* x = s + (g * it.nr + i) * ld;
-      if (!fold && mod_takes_scale(a)) {                   // the mod on the span's raw scores
+      if (mod_raw) {                                       // the mod on the span's raw scores
         apply_score_mod(a, x, nullptr, (np - 1) * BK + parts[np - 1].n, it.b, h, qi, parts[0].k0,
                         double(a.scale));                  // (its keys consecutive, from x)
         for (int t = 0; t < np; ++t) {
@@ -747,7 +748,7 @@ void rows_pass_lowp(const Args<A>& a, const Item& it, const TilePart* parts, int
                                     tp.kind == FULL);
         }
       }
-      for (int t = 0; t < np && !(!fold && mod_takes_scale(a)); ++t) {  // tile t, from x + t * BK
+      for (int t = 0; t < np && !mod_raw; ++t) {          // tile t's keys, from x + t * BK
         const TilePart& tp = parts[t];
         if (fold && !a.alibi && tp.kind == FULL && tp.n == tp.npad) continue;  // nothing to do
         if (fold) position_terms_and_mask(a, x + t * BK, tp.n, tp.npad, it.b, h, qi, tp.k0,
