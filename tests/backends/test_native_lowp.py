@@ -198,6 +198,88 @@ def test_softcap_and_alibi(dtype: torch.dtype, lowp_path: str) -> None:
           alibi_slopes=alibi_slopes(4), band=(-636, math.inf))
 
 
+def assert_lse_float32(lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       dtype: torch.dtype, **oracle_opts: object) -> None:
+    """The kernel's LSE (float32) within 5e-7 · (1 + |LSE|) of the oracle's on the same
+    ``dtype``-rounded inputs in float64: the score terms and the softmax in float32, to a few
+    ulp (the soft-cap's forms to 2^-25 of tanh; one coefficient off by 1/15 gives 1e-6)."""
+    _, ref, _ = oracle(*(t.to(dtype).double() for t in (q, k, v)), **oracle_opts)
+    fin = torch.isfinite(ref)
+    err = ((lse.double() - ref).abs() / (1 + ref.abs()))[fin]
+    assert err.numel() == 0 or err.max().item() <= 5e-7, err.max().item()
+
+
+# Soft-cap with no other score term: capped inside the exponent pass on tiles without mask or
+# padding (in one of three forms, by a span's largest |score * scale / cap|: the Taylor
+# series' first terms below 0.18, the odd polynomial below 0.625, else tanh through e^x), in
+# place before the mask on the others. (cap, q's scale): forms 3 (exponents bounded, c < 43),
+# 3 and 5 unbounded (c = 60), 5 and 0, 0, and a huge cap (tiny ratio).
+@pytest.mark.parametrize("dtype", LOWP)
+@pytest.mark.parametrize(("cap", "q_scale"), [(30.0, 1.0), (60.0, 3.0), (5.0, 1.0), (2.0, 2.0),
+                                              (1e8, 1.0)])
+def test_softcap_in_the_exponent_pass(dtype: torch.dtype, lowp_path: str, cap: float,
+                                      q_scale: float) -> None:
+    q, k, v = qkv(2, 4, 2, 97, 301, 59)
+    q = q * q_scale
+    opts = {"oracle_opts": {"softcap": cap}, "softcap": cap}
+    _, lse = check(q, k, v, dtype, **opts)                                  # no mask
+    assert_lse_float32(lse, q, k, v, dtype, softcap=cap)
+    i, j = torch.arange(97)[:, None], torch.arange(301)
+    causal = j <= i + 204
+    _, lse = check(q, k, v, dtype, allowed=causal, band=(-204, math.inf), **opts)
+    assert_lse_float32(lse, q, k, v, dtype, allowed=causal, softcap=cap)
+    # rows 76.. see no key (q - k <= -225 needs k >= q + 225 > 300): output 0, LSE -inf
+    check(q, k, v, dtype, allowed=i - j <= -225, band=(-math.inf, -225), **opts)
+    kvl = torch.tensor([301, 150])
+    k2, v2, allowed = poisoned_kv(k, v, kvl, 5)                 # NaN / inf in masked K/V rows
+    check(q, k, v, dtype, allowed=allowed, kv=(k2, v2), kv_lengths=kvl,
+          dense_mask=allowed.expand(2, 4, 97, 301), **opts)
+
+
+@pytest.mark.parametrize("dtype", LOWP)
+def test_softcap_huge_scores(dtype: torch.dtype, lowp_path: str) -> None:
+    """Huge scores under a soft-cap (tanh's e^x form, capped at ±c): the row's largest gets
+    weight e^(c tanh(...)) as the oracle's."""
+    big = 1e15 if dtype == torch.bfloat16 else 6e4
+    q, k, v = qkv(1, 2, 1, 40, 300, 64)
+    q[0, :, 9, 0], k[0, 0, 150, 0] = big, big
+    q[0, 1, 20, 0], k[0, 0, 280, 0] = -3e3, 2e3
+    for cap in (5.0, 50.0):
+        check(q, k, v, dtype, oracle_opts={"softcap": cap}, softcap=cap)
+
+
+def _distance_mod(s, b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202 — reads h, q_idx, kv_idx
+    return s + (0.01 * (h + 1) * (q_idx - kv_idx)).to(s.dtype)
+
+
+@pytest.mark.parametrize("dtype", LOWP)
+def test_score_mod_on_the_raw_scores(dtype: torch.dtype, lowp_path: str) -> None:
+    """A compiled score_mod on the low-precision path: called once per row over a span's
+    keys (two tiles), on the raw scores with the scale (score_mod.h), or after the soft-cap
+    with scale 1; against the oracle with masks cutting tiles, rows without keys, NaN in
+    masked K/V, GQA, N_q != N_k, and its LSE to float32 precision."""
+    from attnkit.backends.native import score_mod as sm
+    mod = sm.compile_score_mod(_distance_mod)
+    q, k, v = qkv(2, 4, 2, 97, 700, 59)
+    i, j = torch.arange(97)[:, None], torch.arange(700)
+    opts = {"oracle_opts": {"score_mod": _distance_mod}, "score_mod": mod}
+    _, lse = check(q, k, v, dtype, **opts)
+    assert_lse_float32(lse, q, k, v, dtype, score_mod=_distance_mod)
+    causal = j <= i + 603
+    _, lse = check(q, k, v, dtype, allowed=causal, band=(-603, math.inf), **opts)
+    assert_lse_float32(lse, q, k, v, dtype, allowed=causal, score_mod=_distance_mod)
+    # rows 77.. see no key (q - k <= -620 needs k >= q + 620 > 699): output 0, LSE -inf
+    check(q, k, v, dtype, allowed=i - j <= -620, band=(-math.inf, -620), **opts)
+    kvl = torch.tensor([700, 333])
+    k2, v2, allowed = poisoned_kv(k, v, kvl, 5)                 # NaN / inf in masked K/V rows
+    check(q, k, v, dtype, allowed=allowed, kv=(k2, v2), kv_lengths=kvl,
+          dense_mask=allowed.expand(2, 4, 97, 700), **opts)
+    capped = {"oracle_opts": {"score_mod": _distance_mod, "softcap": 5.0}, "score_mod": mod,
+              "softcap": 5.0}
+    _, lse = check(q, k, v, dtype, allowed=causal, band=(-603, math.inf), **capped)
+    assert_lse_float32(lse, q, k, v, dtype, allowed=causal, score_mod=_distance_mod, softcap=5.0)
+
+
 # ---------------------------------------------------------------------------- vs torch SDPA
 @pytest.mark.parametrize("dtype", LOWP)
 @pytest.mark.parametrize("causal", [False, True])

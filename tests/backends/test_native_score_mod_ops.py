@@ -1,17 +1,15 @@
 """Every op and dtype the score_mod compiler accepts, against torch on the same function.
 
 The compiled C function (``CompiledScoreMod.bind()``: ``attnkit_mod(x, dx, n, b, h, q, k0,
-caps)``) is called directly through ctypes over one row of keys and compared elementwise with
-torch running the op on the same values. One build holds many ops: the score_mod is a chain
-``where(h == i, op_i(...), ...)``, called once per ``h``. Operands are edge values (zero, ±0,
-negatives, NaN, ±inf, overflow, huge and tiny magnitudes, halfway cases) read from captured
-tables by ``kv_idx`` (the row holds the float operand itself, so derivatives by the score are
-checked too). Exact ops must agree bit for bit (NaN with NaN); functions torch computes with
-its own approximations (``exp``, ``sin``, float32 ``sqrt``, general ``pow``, ...) within a few
-ulp of the result's dtype. Integer results come back as two float64 channels (the value, and
-its low 16 bits: int64 beyond 2^53 is checked too).
-
-Shape legend: x, dx (n,) one row; tables (n,) edge values, one per key.
+caps, scale)``, scale 1) is called directly through ctypes over one row of keys and compared
+elementwise with torch running the op on the same values. One build holds many ops: the
+score_mod is a chain ``where(h == i, op_i(...), ...)``, called once per ``h``. Operands are
+edge values (zero, ±0, negatives, NaN, ±inf, overflow, huge and tiny magnitudes, halfway
+cases) read from captured tables by ``kv_idx`` (the row holds the float operand itself, so
+derivatives by the score are checked too). Exact ops must agree bit for bit (NaN with NaN);
+functions torch computes with its own approximations (``exp``, ``sin``, float32 ``sqrt``,
+general ``pow``, ...) within a few ulp of the result's dtype. Integer results come back as two
+float64 channels (the value, and its low 16 bits: int64 beyond 2^53 is checked too).
 """
 
 from __future__ import annotations
@@ -237,7 +235,7 @@ def call(mod: sm.CompiledScoreMod, x: torch.Tensor, h: int, grad: bool = True,
     c = mod.bind() if hasattr(mod, "bind") else mod          # (before 0.x: one shared binding)
     y, dy = x.clone().to(mod.dtype), torch.zeros(len(x), dtype=mod.dtype)
     ROW_FN(c.address)(y.data_ptr(), dy.data_ptr() if grad else None, len(x), 0, h, 0, 0,
-                   c.caps_address)
+                   c.caps_address, 1.0)
     c.check()
     return y, dy
 

@@ -9,16 +9,16 @@ from collections.abc import Callable
 
 import torch
 
-#: The generated loop's C signature: (scores, d/d score, n, b, h, q, k0, captures).
+#: The generated loop's C signature: (scores, d/d score, n, b, h, q, k0, captures, scale).
 ROW_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 5,
-                          ctypes.c_void_p)
+                          ctypes.c_void_p, ctypes.c_double)
 
 
 def call_row(address: int, caps_address: int, y: torch.Tensor, dy: torch.Tensor, b: int,
-             h: int, q: int, k0: int) -> None:
-    """The loop at ``address`` on row ``y`` (in place) of keys k0 .. k0 + len(y) - 1,
-    d / d score into ``dy``."""
-    ROW_FN(address)(y.data_ptr(), dy.data_ptr(), len(y), b, h, q, k0, caps_address)
+             h: int, q: int, k0: int, scale: float = 1.0) -> None:
+    """The loop at ``address`` on row ``y`` (in place, its scores times ``scale`` first) of
+    keys k0 .. k0 + len(y) - 1, d / d score into ``dy``."""
+    ROW_FN(address)(y.data_ptr(), dy.data_ptr(), len(y), b, h, q, k0, caps_address, scale)
 
 
 def torch_row(fn: Callable, x: torch.Tensor, b: int, h: int, q: int, k0: int,

@@ -1152,13 +1152,13 @@ def _rows(gen: Gen, out: _Val, fn: str) -> str:
             tail.append(f"dx[j] = {f'({S})(' + out.tan + ')' if out.tan else f'({S})0'};")
         return "".join(f"      {s}\n" for s in lines + tail)
 
-    head = f"    const {P} kv = k0 + j;\n    const {S} s = x[j];\n"
+    head = f"    const {P} kv = k0 + j;\n    const {S} s = x[j] * sc;\n"   # (scaled here)
     simd = "#pragma omp simd reduction(|:bad, big)\n"          # with -fopenmp-simd
     loop = f"    for ({P} j = 0; j < ({P})n; ++j) {{\n"            # (narrow: n <= the limit)
     return ("template <bool E>\n"
             f"static inline int {fn}({S}* __restrict x, {S}* __restrict dx, int64_t n,\n"
             f"                       {P} b, {P} h, {P} q, {P} k0,\n"
-            "                       const void* const* caps, int& big_out) {\n"
+            f"                       const void* const* caps, {S} sc, int& big_out) {{\n"
             f"{caps}  int bad = 0, big = 0;\n  (void)b; (void)h; (void)q;\n"
             f"  if (dx) {{\n    const {S} ts = ({S})1; (void)ts;\n"
             f"{simd}{loop}{head}{body(True)}    }}\n"
@@ -1175,7 +1175,8 @@ def _run(gen: Gen, fn: str) -> str:
     pos = "" if gen.limit is None else "(int32_t)"
 
     def call(e: str, k0: str, x: str, dx: str, m: str) -> str:
-        return (f"{fn}<{e}>({x}, {dx}, {m}, {pos}b, {pos}h, {pos}q, {pos}({k0}), caps, big)")
+        return (f"{fn}<{e}>({x}, {dx}, {m}, {pos}b, {pos}h, {pos}q, {pos}({k0}), caps, "
+                f"({S})scale, big)")
 
     if not gen.exact:
         return f"    int big = 0;\n    bad = {call('false', 'k0', 'x', 'dx', 'n')};\n"
@@ -1224,7 +1225,7 @@ def source(gen: Gen, out: _Val, narrow: tuple[Gen, _Val] | None = None, *,
     return (_PRELUDE + rows +
             f'extern "C" void attnkit_mod({S}* __restrict x, {S}* __restrict dx, int64_t n,\n'
             "                            int64_t b, int64_t h, int64_t q, int64_t k0,\n"
-            "                            const void* const* caps) {\n"
+            "                            const void* const* caps, double scale) {\n"
             f"  int bad = 0;\n{run}"
             f"  if (bad) __atomic_fetch_or({flag}, 1, __ATOMIC_RELAXED);\n}}\n")
 

@@ -105,6 +105,8 @@ inline vf vabs(vf x) { return (vf)((vi)x & 0x7fffffff); }
 inline vd vabs(vd x) { return (vd)((vl)x & 0x7fffffffffffffffLL); }
 // The larger of a, b lane by lane; where b is NaN, a.
 template <typename V> inline V vmax(V a, V b) { return b > a ? b : a; }
+// The smaller of a, b lane by lane; where b is NaN, a.
+template <typename V> inline V vmin(V a, V b) { return b < a ? b : a; }
 
 // Horizontal sum / max by halving the vector (log2 W shuffles; values stay in registers).
 typedef float v4f __attribute__((vector_size(16)));
@@ -685,14 +687,30 @@ inline void position_terms_and_mask(const Args<A>& a, A* x, i64 n, i64 npad, i64
   for (i64 j = n; j < npad; ++j) x[j] = NEG_INF;
 }
 
+// Whether position_terms_and_mask has anything to do on a tile: a mask (not FULL), padding
+// lanes (n < npad) or a position term.
+template <typename A> inline bool has_position_terms(const Args<A>& a, i64 n, i64 npad, bool full) {
+  return !full || n != npad || a.alibi || a.rel || a.bias;
+}
+
+// Whether the score_mod takes the raw scores and the scale (apply_score_mod's scale): no
+// soft-cap between them.
+template <typename A> inline bool mod_takes_scale(const Args<A>& a) {
+  return a.mod && !(a.softcap > A(0));
+}
+
 // The whole fused pass on one row of scores: scale, softcap, score_mod (or ALiBi, relative
 // bias), bias, mask.
 template <typename A>
 inline void score_terms(const Args<A>& a, A* x, i64 n, i64 npad, i64 b, i64 h, i64 qi, i64 k0,
                         bool full) {
-  scale_and_cap(a, x, npad, static_cast<A*>(nullptr));
-  apply_score_mod(a, x, nullptr, n, b, h, qi, k0);
-  position_terms_and_mask(a, x, n, npad, b, h, qi, k0, full);
+  if (mod_takes_scale(a)) {
+    apply_score_mod(a, x, nullptr, n, b, h, qi, k0, double(a.scale));
+  } else {
+    scale_and_cap(a, x, npad, static_cast<A*>(nullptr));
+    apply_score_mod(a, x, nullptr, n, b, h, qi, k0);
+  }
+  if (has_position_terms(a, n, npad, full)) position_terms_and_mask(a, x, n, npad, b, h, qi, k0, full);
 }
 
 // Online softmax step on one row: x (npad,) -> P = e^(x - m_new) in place; updates the

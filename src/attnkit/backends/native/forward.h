@@ -15,6 +15,7 @@ namespace {
 // allocated (uninitialised) on first use: the dot-product path never needs it.
 template <typename A> struct Buffers {
   avector<A> q, s, acc, v, row, tmp4, m, l, mx;   // mx: the rows' largest scores (rows_pass)
+  avector<A> top, top2;             // (R rounded to W,) rows_pass_capped's per-row values
   std::vector<at::BFloat16> qh;     // the dot path's q in bf16 (scores_dot_bf16)
   std::unique_ptr<A[]> kt;
   std::vector<char> kt_done;        // (NKP / BK,) tiles of the cached head transposed
@@ -23,7 +24,8 @@ template <typename A> struct Buffers {
   i64 kt_b = -1, kt_h = -1;         // the cached head
   Buffers(const Args<A>& a, i64 R)
       : q(R * a.DKP), s(R * BK), acc(R * a.DVP), v(R >= 16 ? BK * a.DVP : 0),
-        row(std::max(a.DKP, a.DVP)), tmp4(4 * std::max(a.DKP, a.DVP)), m(R), l(R), mx(R) {}
+        row(std::max(a.DKP, a.DVP)), tmp4(4 * std::max(a.DKP, a.DVP)), m(R), l(R),
+        mx(R), top(round_up(R, W)), top2(round_up(R, W)) {}
   A* kt_buffer(const Args<A>& a) {
     if (!kt) {
       kt.reset(new A[a.Dk * (a.cache_kt ? a.NKP : BK)]);
@@ -656,24 +658,196 @@ template <typename A> inline bool scale_folds(const Args<A>& a) {
   return scale_folds_alibi(a) && !a.alibi;
 }
 
+// Whether the low-precision row pass may soft-cap inside its exponent pass (rows_pass_capped):
+// the soft-cap is the only score term besides the mask, scale positive and scale / c finite.
+template <typename A> inline bool cap_folds(const Args<A>& a) {
+  return a.softcap > A(0) && a.scale > A(0) && std::isfinite(a.scale / a.softcap) && !a.mod &&
+         !a.alibi && !a.rel && !a.bias;
+}
+
+// Whether tile part tp needs its mask (or holds padding lanes): else its raw scores are all
+// the row pass reads.
+inline bool tile_masked(const TilePart& tp) { return tp.kind != FULL || tp.n != tp.npad; }
+
+// The largest and smallest raw score of x (n,) (NaN skipped), two chains each.
+inline void raw_range(const float* x, i64 n, vf& hi, vf& lo) {
+  vf h0 = splat(NEG_INF), h1 = h0, l0 = splat(-NEG_INF), l1 = l0;
+  i64 j = 0;
+  for (; j + 2 * W <= n; j += 2 * W) {                    // keys [j, j + 2W)
+    const vf v0 = load(x + j), v1 = load(x + j + W);
+    h0 = vmax(h0, v0);
+    h1 = vmax(h1, v1);
+    l0 = vmin(l0, v0);
+    l1 = vmin(l1, v1);
+  }
+  if (j < n) {
+    h0 = vmax(h0, load(x + j));
+    l0 = vmin(l0, load(x + j));
+  }
+  hi = vmax(hi, vmax(h0, h1));
+  lo = vmin(lo, vmin(l0, l1));
+}
+
+// The rows' largest logits this step, W rows at a time, in form f: from the raw max hr of
+// their unmasked tiles (the capped max, tanh rising; -inf where raw is false: none) and the
+// largest capped score mt of their masked tiles. Exponent top2 (log2 units, as the exponent
+// pass computes it for that key) and top = top2 / log2e.
+template <typename F>
+inline void capped_tops(vf hr, vf mt, bool raw, const F& f, vf& top, vf& top2) {
+  constexpr float LOG2E = 1.44269504088896341f;
+  top2 = raw ? f(hr) : splat(NEG_INF);
+  top = top2 * (1.f / LOG2E);
+  const vi masked_wins = mt > top;
+  top = select(masked_wins, mt, top);
+  top2 = select(masked_wins, rounded(mt * LOG2E), top2);  // (as exp_keys rounds it)
+}
+
+// rows_pass_capped's last two passes, the span's rows in form f: their largest logits
+// (capped_tops; hr, mt (R,) -> top, top2 in place), then per row the exponents (raw tiles
+// in form f, masked tiles already capped) and the online softmax's step.
+template <typename A, typename T, typename F>
+void capped_exponents(const Args<A>& a, const Item& it, const TilePart* parts, int np, A* s,
+                      i64 ld, bool keep, bool raw, bool bounded, Buffers<A>& buf, T* p,
+                      const F& f) {
+  constexpr float LOG2E = 1.44269504088896341f;
+  const i64 R = a.G * it.nr;
+  A *hr = buf.top.data(), *mt = buf.top2.data();
+  for (i64 r0 = 0; r0 < R; r0 += W) {                      // rows [r0, r0 + W) (buffers padded)
+    vf top, top2;
+    capped_tops(load(hr + r0), load(mt + r0), raw, f, top, top2);
+    store(hr + r0, top);
+    store(mt + r0, top2);
+  }
+  const vf vl = splat(LOG2E);
+  const auto capped = [vl](vf v) { return rounded(v * vl); };
+  for (i64 row = 0; row < R; ++row) {
+    A* x = s + row * ld;
+    T* pr = p + row * ld;
+    float m_new;
+    const vf vs = splat(exp_shift(hr[row], mt[row], buf.m[row], m_new));
+    vf sum = splat(0.f);
+    for (int t = 0; t < np;) {                             // tiles [t, u): from x + t * BK
+      const bool masked = tile_masked(parts[t]);
+      int u = t + 1;
+      while (!masked && u < np && !tile_masked(parts[u])) ++u;   // raw tiles together
+      const i64 n = (u - 1 - t) * BK + parts[u - 1].npad;
+      A* xt = x + t * BK;
+      T* pt = pr + t * BK;
+      if (masked)
+        sum += keep ? exp_keys<true>(xt, n, vs, pt, capped) : exp_keys<false>(xt, n, vs, pt, capped);
+      else if (keep)
+        sum += bounded ? exp_keys<true, true>(xt, n, vs, pt, f) : exp_keys<true>(xt, n, vs, pt, f);
+      else
+        sum += bounded ? exp_keys<false, true>(xt, n, vs, pt, f) : exp_keys<false>(xt, n, vs, pt, f);
+      t = u;
+    }
+    rescale_acc_row(a, buf, row, exp_finish(sum, m_new, buf.m[row], buf.l[row]));
+  }
+}
+
+// rows_pass_lowp with a soft-cap and no other score term (cap_folds): the tiles that need no
+// mask are capped inside the exponent pass (CapExponent on their raw scores), the others in
+// place first (cap_row, then the mask), as score_terms does. Passes: the rows' raw ranges
+// (over every lane, before the mask: the span's largest |s r| picks the form for all its
+// rows, cap_form; the odd polynomial alone below 0.625, as scale_and_cap) and raw maxima;
+// the masked tiles capped and masked, and their maxima; then capped_exponents.
+template <typename A, typename T>
+void rows_pass_capped(const Args<A>& a, const Item& it, const TilePart* parts, int np, A* s,
+                      i64 ld, bool keep, Buffers<A>& buf, T* p) {
+  if constexpr (std::is_same_v<A, float>) {
+    constexpr float LOG2E = 1.44269504088896341f;
+    const i64 R = a.G * it.nr;
+    const float r = a.scale / a.softcap;
+    bool raw = false, masked = false;                      // tiles without / with mask or padding
+    for (int t = 0; t < np; ++t) {
+      raw = raw || !tile_masked(parts[t]);
+      masked = masked || tile_masked(parts[t]);
+    }
+    const bool bounded = 2.f * a.softcap * LOG2E < 124.f;  // exponents >= -2 c log2e > -125
+    A *hr = buf.top.data(), *mt = buf.top2.data();         // (R,) each
+    vf big = splat(0.f);                                   // the span's largest |s|
+    for (i64 row = 0; row < R; ++row) {
+      A* x = s + row * ld;
+      vf lo = splat(-NEG_INF), hi_raw = splat(NEG_INF);    // hi_raw: the unmasked tiles'
+      for (int t = 0; t < np; ++t) {
+        vf th = splat(NEG_INF);
+        raw_range(x + t * BK, parts[t].npad, th, lo);
+        big = vmax(big, vabs(th));
+        if (!tile_masked(parts[t])) hi_raw = vmax(hi_raw, th);
+      }
+      big = vmax(big, vabs(lo));
+      hr[row] = raw ? hmax(hi_raw) : NEG_INF;
+      mt[row] = NEG_INF;
+    }
+    const int form = cap_form(hmax(big) * r);              // (inf, NaN: 0)
+    if (masked) {
+      const vf vr = splat(r);
+      const auto y_of = [vr](vf v) { return v * vr; };
+      for (i64 g = 0; g < a.G; ++g)
+        for (i64 i = 0; i < it.nr; ++i) {                  // row g * nr + i: head h, query qi
+          const i64 h = it.kvh * a.G + g, qi = it.q0 + i, row = g * it.nr + i;
+          for (int t = 0; t < np; ++t) {                   // the masked tiles, capped first
+            const TilePart& tp = parts[t];
+            if (!tile_masked(tp)) continue;
+            A* xt = s + row * ld + t * BK;
+            if (form) cap_row<true>(xt, tp.npad, static_cast<A*>(nullptr), a.scale, a.softcap, y_of);
+            else cap_row<false>(xt, tp.npad, static_cast<A*>(nullptr), a.scale, a.softcap, y_of);
+            position_terms_and_mask(a, xt, tp.n, tp.npad, it.b, h, qi, tp.k0, tp.kind == FULL);
+            mt[row] = std::max(mt[row], row_max_lowp(xt, tp.npad));
+          }
+        }
+    }
+    if (form == 3 && CapTaylor3::fits(a.scale, a.softcap))
+      capped_exponents(a, it, parts, np, s, ld, keep, raw, bounded, buf, p,
+                       CapTaylor3(a.scale, a.softcap));
+    else if (form == 3)
+      capped_exponents(a, it, parts, np, s, ld, keep, raw, bounded, buf, p,
+                       CapExponent<3>(a.scale, a.softcap));
+    else if (form == 5)
+      capped_exponents(a, it, parts, np, s, ld, keep, raw, bounded, buf, p,
+                       CapExponent<5>(a.scale, a.softcap));
+    else
+      capped_exponents(a, it, parts, np, s, ld, keep, raw, bounded, buf, p,
+                       CapExponent<0>(a.scale, a.softcap));
+  }
+}
+
 // rows_pass on the low-precision path, pass by pass over the rows of a span's tiles parts[0
 // : np) (consecutive; all but the last BK keys wide), whose scores S (R, ld) holds side by
 // side: the score terms (with scale_folds_alibi, only ALiBi and the mask: the scale is
-// folded into the exponent) and each row's largest score into mx (R,), then P rounded to T into p (R, ld), acc
-// rescaled. The float P stays in S only when keep (the tile's V holds inf/NaN: values_axpy
-// reads it).
+// folded into the exponent; a score_mod that takes the raw scores and the scale
+// (mod_takes_scale), once over the span's keys; a soft-cap alone: rows_pass_capped) and each
+// row's largest score into mx (R,), then P rounded to T into p (R, ld), acc rescaled. The
+// float P stays in S only when keep (the tile's V holds inf/NaN: values_axpy reads it).
 template <typename A, typename T>
 void rows_pass_lowp(const Args<A>& a, const Item& it, const TilePart* parts, int np, A* s,
                     i64 ld, bool keep, Buffers<A>& buf, T* p, A* mx, RowsAhead* ahead = nullptr,
                     i64 share = 0) {
+  if constexpr (std::is_same_v<A, float>) {
+    if (cap_folds(a)) {
+      rows_pass_capped(a, it, parts, np, s, ld, keep, buf, p);
+      if (ahead) ahead->ask(share);                        // (the next item's rows: ahead)
+      return;
+    }
+  }
   const i64 R = a.G * it.nr, width = (np - 1) * BK + parts[np - 1].npad;
-  const bool fold = scale_folds_alibi(a);
+  const bool fold = scale_folds_alibi(a), mod_raw = !fold && mod_takes_scale(a);
   const A c = fold ? a.scale : A(1);
   for (i64 g = 0; g < a.G; ++g)
     for (i64 i = 0; i < it.nr; ++i) {                      // row g * nr + i: head h, query qi
       const i64 h = it.kvh * a.G + g, qi = it.q0 + i;
       A* x = s + (g * it.nr + i) * ld;
-      for (int t = 0; t < np; ++t) {                       // tile t's keys, from x + t * BK
+      if (mod_raw) {                                       // the mod on the span's raw scores
+        apply_score_mod(a, x, nullptr, (np - 1) * BK + parts[np - 1].n, it.b, h, qi, parts[0].k0,
+                        double(a.scale));                  // (its keys consecutive, from x)
+        for (int t = 0; t < np; ++t) {
+          const TilePart& tp = parts[t];
+          if (has_position_terms(a, tp.n, tp.npad, tp.kind == FULL))
+            position_terms_and_mask(a, x + t * BK, tp.n, tp.npad, it.b, h, qi, tp.k0,
+                                    tp.kind == FULL);
+        }
+      }
+      for (int t = 0; t < np && !mod_raw; ++t) {          // tile t's keys, from x + t * BK
         const TilePart& tp = parts[t];
         if (fold && !a.alibi && tp.kind == FULL && tp.n == tp.npad) continue;  // nothing to do
         if (fold) position_terms_and_mask(a, x + t * BK, tp.n, tp.npad, it.b, h, qi, tp.k0,

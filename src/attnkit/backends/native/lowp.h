@@ -240,6 +240,18 @@ inline vf exp2_neg(vf t) {
 #endif
 }
 
+// 2^t for -125 <= t <= 0 (or NaN): exp2_neg without its underflow mask, which no lane
+// needs there (a soft-capped row's exponents: t >= -2 c log2e).
+inline vf exp2_bounded(vf t) {
+#if defined(__AVX512F__)
+  const __m512 n = _mm512_roundscale_ps((__m512)t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  return (vf)_mm512_scalef_ps((__m512)exp2_reduced(t - (vf)n), n);
+#else
+  return exp2_neg(t);
+#endif
+}
+template <bool Bounded> inline vf exp2_of(vf t) { return Bounded ? exp2_bounded(t) : exp2_neg(t); }
+
 // dst[0 : 2W] = T(lo), T(hi): bfloat16 by one vcvtne2ps2bf16 where the build has it.
 inline void store_rounded2(at::BFloat16* dst, vf lo, vf hi) {
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -285,27 +297,16 @@ inline float row_max_lowp(const float* x, i64 npad) {
   return hmax(vmax(m0, m1));
 }
 
-// The second, given the row's largest s, top: P = e^(c s - m_new) rounded to T into p (with
-// Keep also as float in x: the exact values path reads it); l and m updated; returns alpha
-// = e^(m - m_new), acc's factor. The exponent is round(s * c log2e) - shift, shift rounded
-// the same way from the same s where this tile holds the new max: its key gets 2^0 = 1
-// exactly and every exponent's error is that of its own product, as when scores are scaled
-// first (one FMA against a shift rounded apart leaves ~|m| 2^-23 in every exponent: at a
-// score of 1e30, 2^(1e22)).
-// (always inlined: rows_pass_lowp called it out of line once it asked for rows ahead)
-template <bool Keep, typename T>
-__attribute__((always_inline)) inline float row_exp_lowp(float* x, i64 npad, float c, float top,
-                                                         float& m, float& l, T* p) {
-  constexpr float LOG2E = 1.44269504088896341f;
-  const float cl = c * LOG2E, m_new = std::max(m, top * c);
-  const float shift = m_new == NEG_INF ? 0.f                // a row with no key yet: P = 0
-                      : top * c >= m ? top * cl : m_new * LOG2E;
-  const vf vc = splat(cl), vs = splat(shift);
+// P = 2^(e(x) - shift) for keys [0, n) of a row (n a multiple of W), e(v) a vector of
+// exponents in log2 units (rounded): P rounded to T into p (with Keep also as float in x);
+// returns the lane sums of P. Bounded: every e(x) - shift is >= -125 or NaN (exp2_bounded).
+template <bool Keep, bool Bounded = false, typename T, typename E>
+__attribute__((always_inline)) inline vf exp_keys(float* x, i64 n, vf vs, T* p, E e) {
   vf s0 = splat(0.f), s1 = s0;                            // two chains of sums
   i64 j = 0;
-  for (; j + 2 * W <= npad; j += 2 * W) {                 // keys [j, j + 2W): 2^(s c log2e - ..)
-    const vf p0 = exp2_neg(rounded(load(x + j) * vc) - vs);
-    const vf p1 = exp2_neg(rounded(load(x + j + W) * vc) - vs);
+  for (; j + 2 * W <= n; j += 2 * W) {                    // keys [j, j + 2W)
+    const vf p0 = exp2_of<Bounded>(e(load(x + j)) - vs);
+    const vf p1 = exp2_of<Bounded>(e(load(x + j + W)) - vs);
     if constexpr (Keep) {
       store(x + j, p0);
       store(x + j + W, p1);
@@ -314,17 +315,129 @@ __attribute__((always_inline)) inline float row_exp_lowp(float* x, i64 npad, flo
     s0 += p0;
     s1 += p1;
   }
-  if (j < npad) {                                         // keys [j, j + W)
-    const vf pj = exp2_neg(rounded(load(x + j) * vc) - vs);
+  if (j < n) {                                            // keys [j, j + W)
+    const vf pj = exp2_of<Bounded>(e(load(x + j)) - vs);
     if constexpr (Keep) store(x + j, pj);
     store_rounded(p + j, pj);
     s0 += pj;
   }
+  return s0 + s1;
+}
+
+// The online softmax's bookkeeping for a row whose largest logit this step is top (natural
+// units; -inf: no key), top2 its exponent in log2 units as the row's exponent pass computes it:
+// returns the shift that pass subtracts — top2 where this step holds the new max (so that its
+// key gets 2^0 = 1 exactly, every exponent's error being that of its own product, as when
+// scores are scaled first: one FMA against a shift rounded apart leaves ~|m| 2^-23 in every
+// exponent, at a score of 1e30 2^(1e22)), 0 for a row with no key yet (P = 0) — and sets
+// m_new = max(m, top).
+inline float exp_shift(float top, float top2, float m, float& m_new) {
+  constexpr float LOG2E = 1.44269504088896341f;
+  m_new = std::max(m, top);
+  return m_new == NEG_INF ? 0.f : top >= m ? top2 : m_new * LOG2E;
+}
+
+// After a row's exponent pass (lane sums sum of its P): l and m updated; returns alpha =
+// e^(m - m_new), acc's factor.
+inline float exp_finish(vf sum, float m_new, float& m, float& l) {
+  constexpr float LOG2E = 1.44269504088896341f;
   const float alpha = m == NEG_INF ? 0.f : exp2_neg(splat((m - m_new) * LOG2E))[0];
-  l = l * alpha + hsum(s0 + s1);
+  l = l * alpha + hsum(sum);
   m = m_new;
   return alpha;
 }
+
+// The second, given the row's largest s, top: P = e^(c s - m_new) rounded to T into p (with
+// Keep also as float in x: the exact values path reads it); l and m updated; returns alpha
+// = e^(m - m_new), acc's factor. The exponent is round(s * c log2e) - shift, shift rounded
+// the same way from the same s where this tile holds the new max (exp_shift).
+// (always inlined: rows_pass_lowp called it out of line once it asked for rows ahead)
+template <bool Keep, typename T>
+__attribute__((always_inline)) inline float row_exp_lowp(float* x, i64 npad, float c, float top,
+                                                         float& m, float& l, T* p) {
+  constexpr float LOG2E = 1.44269504088896341f;
+  const float cl = c * LOG2E;
+  float m_new;
+  const vf vc = splat(cl), vs = splat(exp_shift(top * c, top * cl, m, m_new));
+  const vf sum = exp_keys<Keep>(x, npad, vs, p, [vc](vf v) { return rounded(v * vc); });
+  return exp_finish(sum, m_new, m, l);
+}
+
+// The soft-capped logit c tanh(s r) of raw scores s (r = scale / c > 0; c tanh(s scale / c)
+// of the scaled score) in log2 units, as the exponent pass takes it (round(... log2e): no
+// separate pass scales and caps the row). K > 0: |s r| below cap_form(K)'s bound over the
+// rows, so tanh's odd polynomial alone, tanh y = y + y z P(z) (z = y^2), written as
+// u + u (z P(z)) with u = s scale log2e (c tanh(y) log2e = u (1 + z P(z))): P of degree 4
+// (K = 5: vtanh_small's, Cephes' minimax below 0.625) or the Taylor series' first K terms
+// (whose next term, the error, stays below 2^-25 of tanh there). K = 0: vtanh (e^x, a
+// division) times c log2e. natural(): the same logit in natural units.
+template <int K> struct CapExponent {
+  vf r, k, cl, c;                                         // r; scale log2e; c log2e; c
+  CapExponent(float scale, float cap) {
+    constexpr float LOG2E = 1.44269504088896341f;
+    r = splat(scale / cap);
+    k = splat(scale * LOG2E);
+    cl = splat(cap * LOG2E);
+    c = splat(cap);
+  }
+  static vf zp(vf y) {                                    // z P(z), z = y^2
+    const vf z = y * y;
+    vf p;
+    if constexpr (K == 5) {
+      p = splat(-5.70498872745e-3f);
+      p = p * z + 2.06390887954e-2f;
+      p = p * z - 5.37397155531e-2f;
+      p = p * z + 1.33314422036e-1f;
+      p = p * z - 3.33332819422e-1f;
+    } else {                                              // K = 3: -1/3 + 2/15 z - 17/315 z^2
+      static_assert(K == 3);
+      p = splat(-17.f / 315.f);
+      p = p * z + 2.f / 15.f;
+      p = p * z - 1.f / 3.f;
+    }
+    return p * z;
+  }
+  vf operator()(vf s) const {
+    if constexpr (K > 0) {
+      const vf u = s * k;
+      return rounded(u * zp(s * r) + u);
+    } else {
+      return rounded(cl * vtanh(s * r));
+    }
+  }
+};
+
+// CapExponent<3> with its powers of r folded into the coefficients: u + (s w) Q(w), w = s^2,
+// Q(w) = k r^2 (-1/3 + 2/15 r^2 w - 17/315 r^4 w^2) (one product fewer per lane). fits(r):
+// every coefficient a normal float and, for |s r| < 0.18, s w finite (r in [1e-6, 1e6]).
+struct CapTaylor3 {
+  vf k, q0, q1, q2;
+  CapTaylor3(float scale, float cap) {
+    constexpr double LOG2E = 1.44269504088896341;
+    const double r2 = double(scale / cap) * double(scale / cap), kd = double(scale) * LOG2E;
+    k = splat(float(kd));
+    q0 = splat(float(-kd * r2 / 3));
+    q1 = splat(float(kd * r2 * r2 * 2 / 15));
+    q2 = splat(float(-kd * r2 * r2 * r2 * 17 / 315));
+  }
+  static bool fits(float scale, float cap) {
+    const float r = scale / cap;
+    if (!(r >= 1e-6f && r <= 1e6f)) return false;
+    const CapTaylor3 f(scale, cap);
+    return std::isnormal(f.q0[0]) && std::isnormal(f.q1[0]) && std::isnormal(f.q2[0]);
+  }
+  vf operator()(vf s) const {
+    const vf w = s * s;
+    vf q = q2 * w + q1;
+    q = q * w + q0;
+    return rounded((s * w) * q + s * k);
+  }
+};
+
+// The form CapExponent takes for rows whose largest |s r| is y: the Taylor series' first
+// three terms below 0.18 (the fourth, 62/2835 y^8, < 2^-25), vtanh_small's polynomial below
+// 0.625, else 0 (vtanh). inf / NaN: 0.
+inline int cap_form(float y) { return y < 0.18f ? 3 : y < 0.625f ? 5 : 0; }
 
 // ------------------------------------------------------------------ per-thread buffers
 // Key tiles taken together by the forward's low-precision loop (a span: their scores side

@@ -8,8 +8,10 @@ values (which gives every node its dtype, with torch's type promotion), and writ
 loop over the keys of one row (``codegen.py``)::
 
     extern "C" void attnkit_mod(S* x, S* dx, int64_t n, int64_t b, int64_t h,
-                                int64_t q, int64_t k0, const void* const* caps)
-    // x[j] <- mod(x[j], b, h, q, k0 + j) for j < n; with dx also dx[j] <- d mod / d score
+                                int64_t q, int64_t k0, const void* const* caps, double scale)
+    // x[j] <- mod(x[j] * scale, b, h, q, k0 + j) for j < n (scale: the call's, where the
+    // kernel passes raw scores; 1 for scores it scaled and soft-capped itself); with dx also
+    // dx[j] <- d mod / d score
     // S = float for the kernel's float32 rows (float32 / bfloat16 / float16 inputs), double
     // for float64 inputs (traced with a float64 example score: its own build)
 
