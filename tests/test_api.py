@@ -19,7 +19,7 @@ from attnkit.api import prepare
 from attnkit.scores import alibi, relative_bias
 from helpers.oracle import naive_low_precision, oracle, randn
 from helpers.recorders import OpOutputs
-from helpers.running import run_backend, skip_unless_supported
+from helpers.running import run_backend, skip_unless_supported, spy_on_backend
 from helpers.tolerance import assert_low_precision_close, assert_low_precision_grad_close, max_err
 
 TOL = {"rtol": 1e-10, "atol": 1e-10}
@@ -709,19 +709,11 @@ def test_backend_kv_batch_one_is_never_materialised_per_batch(backend, kind):
     m = _kv_batch_masks(b, nq, nk)[kind]
     skip_unless_supported(backend, q, k1, v1, mask=m)
     seen = []
-    chosen = ak.backends.get(backend)
-    original = chosen.forward
-
-    def spy(p):  # noqa: ANN001, ANN202
-        seen.append((p.k.shape[0], p.k.stride(0), p.k.data_ptr() == k1.data_ptr()))
-        return original(p)
-
-    chosen.forward = spy
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        spy_on_backend(mp, ak.backends.get(backend), lambda p: seen.append(
+            (p.k.shape[0], p.k.stride(0), p.k.data_ptr() == k1.data_ptr())))
         with OpOutputs(big=b * k1.numel()) as mode:
             ak.attention(q, k1, v1, mask=m, backend=backend)
-    finally:
-        del chosen.forward
     assert seen == [(b, 0, True)]
     assert mode.hits == []
 

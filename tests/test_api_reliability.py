@@ -25,11 +25,13 @@ TOL = {"rtol": 1e-10, "atol": 1e-10}
 
 
 def _no_kernel(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
-    """Make every backend's forward fail loudly: a zero-size call must not reach one."""
+    """Make every backend's forward (and forward_screened) fail loudly: a zero-size call must
+    not reach one."""
     for n in ak.backends.names():
         def forward(p, n=n):  # noqa: ANN001, ANN202
             raise AssertionError(f"a zero-size problem reached backend {n!r}: {p.describe()}")
-        monkeypatch.setattr(ak.backends.get(n), "forward", forward)
+        for method in ("forward", "forward_screened"):
+            monkeypatch.setattr(ak.backends.get(n), method, forward)
 
 
 # ================================================================= 1. zero batch / heads

@@ -485,7 +485,13 @@ def _run(p: Problem, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     up_front = p.requires_grad or _may_score_minus_inf(p)
     bad = _non_finite_kv_rows(p) if up_front else None
     if bad is None:
-        out, lse = chosen.forward(p)
+        screened = getattr(chosen, "forward_screened", None)   # (a duck-typed backend:
+        if screened is None:                                    # no such method)
+            out, lse = chosen.forward(p)
+        else:
+            out, lse, finite = screened(p)       # finite: the kernel read out's screen
+            if finite:
+                return out, lse
         # one-pass screen: NaN/inf anywhere make the sum non-finite (an overflowing sum of
         # finite values only sends us to the exact check below); math.isfinite on the sum's
         # value: torch.isfinite is several tensor ops, a cost on every small call. The sum

@@ -678,3 +678,48 @@ def test_size_one_last_dim_with_any_stride() -> None:
     (got,) = torch.autograd.grad(out, q, dout)
     (want,) = torch.autograd.grad(ref, q, dout.double())
     torch.testing.assert_close(got.double(), want.double(), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n_q", [1, 45])             # the dot (decode) loops, the GEMM loops
+def test_screened_operator_reads_the_screens_as_it_goes(dtype, n_q):
+    """``attend_screened`` gives what ``attend`` gives, and says whether every query row it
+    gathered and every output row it wrote is finite: a non-finite query row that attends,
+    or a non-finite V row that is attended, is flagged; one a mask blocks (or past
+    ``q_lengths``) is not; a call whose keys are split does not claim a finite output."""
+    if not native.available():
+        pytest.skip("native kernel unavailable")
+    ops = native.loader.load()
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, n_q, 24).to(dtype), torch.randn(2, 2, 70, 24).to(dtype),
+               torch.randn(2, 2, 70, 20).to(dtype))
+    inf = math.inf
+
+    def call(q_, v_, splits=1, **terms):
+        rec = native.plain_terms(0.3, **terms)
+        want = ops.attend(q_, k, v_, *rec, splits, 64)
+        out, lse, q_ok, out_ok = ops.attend_screened(q_, k, v_, *rec, splits, 64)
+        for got, exp in zip((out, lse), want, strict=True):    # the same, NaN where it is
+            torch.testing.assert_close(got, exp, rtol=0, atol=0, equal_nan=True)
+        return out, q_ok, out_ok
+
+    out, q_ok, out_ok = call(q, v)
+    assert q_ok and out_ok
+    q_bad = q.clone()
+    q_bad[1, 2, n_q - 1, 5] = math.nan
+    out, q_ok, out_ok = call(q_bad, v)
+    assert not q_ok and not out_ok and out[1, 2, n_q - 1].isnan().all()
+    v_bad = v.clone()
+    v_bad[0, 1, 33, 4] = inf                             # K/V head 1: query heads 2, 3
+    out, q_ok, out_ok = call(q, v_bad)
+    assert q_ok and not out_ok and not torch.isfinite(out[0, 2:, :, 4]).any()
+    out, q_ok, out_ok = call(q, v_bad, band=(-inf, -40.0))  # k >= q + 40: not key 33
+    assert q_ok and out_ok and torch.isfinite(out).all()
+    lengths = torch.tensor([n_q, n_q - 1] if n_q > 1 else [1, 0])
+    rec = native.plain_terms(0.3)._replace(q_len=lengths)
+    out, _, q_ok, out_ok = ops.attend_screened(q_bad, k, v, *rec, 1, 64)
+    assert q_ok and out_ok and not out[1, 2, n_q - 1].any()  # past q_len[1]: 0, not read
+    k_long, v_long = torch.randn(2, 2, 400, 24).to(dtype), torch.randn(2, 2, 400, 20).to(dtype)
+    rec = native.plain_terms(0.3)
+    out, _, q_ok, out_ok = ops.attend_screened(q, k_long, v_long, *rec, 3, 64)  # 2 splits
+    assert q_ok and not out_ok and torch.isfinite(out).all()

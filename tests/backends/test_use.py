@@ -1,7 +1,7 @@
 """``attnkit.backends.use``: a scoped backend choice, as ``torch.nn.attention.sdpa_kernel``.
 
-Which backend ran a call is seen by wrapping each backend's ``forward`` (an instance
-attribute, removed by monkeypatch afterwards).
+Which backend ran a call is seen by wrapping each backend's entry points
+(``helpers.running.spy_on_backend``: undone by monkeypatch afterwards).
 
 Shape legend: q (B, H_q, N_q, D), k / v (B, H_kv, N_k, D).
 """
@@ -18,6 +18,7 @@ import torch
 import attnkit as ak
 from attnkit import backends
 from attnkit.api import prepare
+from helpers.running import spy_on_backend
 
 
 @pytest.fixture
@@ -25,13 +26,8 @@ def ran(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[str, str]]]:
     """(thread name, backend name) of every backend forward, in call order."""
     seen: list[tuple[str, str]] = []
     for name in backends.names():
-        b = backends.get(name)
-        real = b.forward
-
-        def spy(p, real=real, name=name):  # noqa: ANN001, ANN202
-            seen.append((threading.current_thread().name, name))
-            return real(p)
-        monkeypatch.setattr(b, "forward", spy)
+        spy_on_backend(monkeypatch, backends.get(name),
+                       lambda p, name=name: seen.append((threading.current_thread().name, name)))
     yield seen
 
 

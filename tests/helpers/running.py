@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -26,3 +28,25 @@ def run_backend(name: str, q: Any, k: Any, v: Any, **opts: Any) -> Any:
     """``ak.attention(q, k, v, backend=name, **opts)``, skipping where ``name`` can't run."""
     skip_unless_supported(name, q, k, v, **opts)
     return ak.attention(q, k, v, backend=name, **opts)
+
+
+def spy_on_backend(monkeypatch: pytest.MonkeyPatch, backend: Any,
+                   on_call: Callable[[Any], None]) -> None:
+    """``on_call(problem)`` once for every call that reaches ``backend`` (an instance): its
+    ``forward`` and ``forward_screened`` are wrapped (instance attributes, undone by
+    monkeypatch), and a call that enters one from the other counts once, at the outer."""
+    inside = threading.local()
+
+    for method in ("forward", "forward_screened"):
+        real = getattr(backend, method)
+
+        def spy(p: Any, real: Callable[[Any], Any] = real) -> Any:
+            if getattr(inside, "on", False):
+                return real(p)
+            on_call(p)
+            inside.on = True
+            try:
+                return real(p)
+            finally:
+                inside.on = False
+        monkeypatch.setattr(backend, method, spy)

@@ -380,3 +380,11 @@ class Backend:
     def forward(self, p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``(out, lse)`` with shapes ``(B, H_q, N_q, D_v)`` and ``(B, H_q, N_q)``."""
         raise NotImplementedError
+
+    def forward_screened(self, p: Problem) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """:meth:`forward` → ``(out, lse, finite)``: ``finite`` True when the backend knows
+        every element of ``out`` to be finite (it read them as it wrote them), so the caller
+        may skip its own pass over ``out`` (the NaN/inf screen); False = not known (the
+        default: the caller screens)."""
+        out, lse = self.forward(p)
+        return out, lse, False

@@ -33,6 +33,7 @@ API (what ``tiled``, ``decode`` and the custom operator ``attnkit::attention`` c
             splits=None) -> (out, lse)
     decode(q, k, v, **the same options) -> (out, lse)        N_q <= 16, keys split
     supports(p: Problem) -> list[str]    forward_problem(p: Problem) -> (out, lse)
+    forward_problem_screened(p) -> (out, lse, q finite, out finite) | None   (no autograd)
     backward_problem(p, out, lse, dout, dlse=None, bias_grad=False)
                                          -> (dq, dk, dv, dbias)  from saved out, lse
     all_finite(t) -> bool | None         every element of a 4-D tensor finite (one pass; the
@@ -107,7 +108,7 @@ import contextlib
 import math
 from collections.abc import Iterator
 from contextvars import ContextVar
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -116,6 +117,7 @@ from . import loader
 from .score_mod import CompiledScoreMod, compile_score_mod, for_problem
 
 __all__ = ["available", "why_unavailable", "forward", "decode", "supports", "forward_problem",
+           "forward_problem_screened",
            "backward_problem", "compile_score_mod", "CompiledScoreMod", "low_precision_paths",
            "paged_attention", "paged_merge_rows", "KernelTerms", "plain_terms", "use_native",
            "native_enabled", "all_finite", "LeanLaunch", "lean_launch", "DTYPES",
@@ -341,11 +343,16 @@ def _forward(ops: object, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              bias: torch.Tensor | None, band: tuple[float, float] | None,
              kv_lengths: object | None, q_lengths: object | None, doc_ids: object | None,
              kv_doc_ids: object | None, dense_mask: torch.Tensor | None, block_q: int | None,
-             splits: int | None, score_mod: CompiledScoreMod | None,
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+             splits: int | None, score_mod: CompiledScoreMod | None, screened: bool = False,
+             ) -> Any:
     """:func:`forward` on inputs whose layout is known to fit (checked by :func:`forward`,
     or a :class:`Problem` that :func:`supports` accepted): the per-call work of a small call
-    is this function's few lines and the operator call."""
+    is this function's few lines and the operator call → ``(out, lse)``.
+
+    ``screened``: → ``(out, lse, q finite, out finite)`` from the operator
+    ``attend_screened``, which reads the eager path's NaN/inf screens as it goes (see
+    :func:`forward_problem_screened`); None, before computing anything, where the call
+    would need autograd (that path screens as before)."""
     B, Hq, Nq, Dk = q.shape
     _, Hkv, Nk, _ = k.shape
     rel = None if rel_table is None and rel_max_distance is None else \
@@ -356,8 +363,9 @@ def _forward(ops: object, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         f"{score_mod.dtype} rows, but {q.dtype} inputs compute in {cdt}: "
                         f"compile_score_mod(fn, dtype={cdt})")
     if Nq == 0 or Nk == 0:                                   # no query, or nothing to see
-        return (q.new_zeros(B, Hq, Nq, v.shape[3]),
-                torch.full((B, Hq, Nq), -math.inf, dtype=cdt))
+        empty = (q.new_zeros(B, Hq, Nq, v.shape[3]),
+                 torch.full((B, Hq, Nq), -math.inf, dtype=cdt))
+        return (*empty, True, True) if screened else empty
     q, k, v = unit_rows(q, k, v)
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be > 0, got {softcap}")
@@ -377,8 +385,12 @@ def _forward(ops: object, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if torch.is_grad_enabled() and (
             q.requires_grad or k.requires_grad or v.requires_grad
             or any(t is not None and t.requires_grad for t in (rel, ali, bias))):
+        if screened:
+            return None
         out = _NativeAttention.apply(q, k, v, rel, ali, bias, common,
                                      (int(n_split), int(rows)), call)
+    elif screened:
+        out = ops.attend_screened(q, k, v, *common, int(n_split), int(rows))  # type: ignore[attr-defined]
     else:
         out = ops.attend(q, k, v, *common, int(n_split), int(rows))  # type: ignore[attr-defined]
     if call is not None:
@@ -744,23 +756,36 @@ def _terms(p: Problem) -> _Terms:
                   parts.kv_doc_ids, dense, mod)  # type: ignore[arg-type]
 
 
-def forward_problem(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
+def forward_problem(p: Problem, screened: bool = False) -> Any:
     """Run a :class:`Problem` that :func:`supports` accepts → ``(out, lse)``.
 
     The Problem's layout was checked where it was made (:func:`attnkit.api.prepare`) and its
     device and dtype by :func:`supports`, so the layout checks of :func:`forward` are not
-    repeated (the mask and score terms: :func:`_terms`)."""
+    repeated (the mask and score terms: :func:`_terms`). ``screened``: see
+    :func:`forward_problem_screened`."""
     ops = _ops()
     n_q = p.q.shape[2]
     block = n_q if n_q <= DECODE_MAX_QUERIES else None          # native.decode's block
     if p.mask is None and p.score_mod is None:     # nothing lowered: no term, no mask part
         return _forward(ops, p.q, p.k, p.v, p.scale, p.softcap, None, 0, None, None, p.bias,
-                        None, None, None, None, None, None, block, None, None)
+                        None, None, None, None, None, None, block, None, None, screened)
     t = _terms(p)
     return _forward(ops, p.q, p.k, p.v, p.scale, p.softcap, t.alibi_slopes, t.alibi_offset,
                     t.rel_table, t.rel_max_distance, p.bias, t.band, t.kv_lengths,
                     t.q_lengths, t.doc_ids, t.kv_doc_ids, t.dense_mask, block, None,
-                    t.score_mod)
+                    t.score_mod, screened)
+
+
+def forward_problem_screened(p: Problem,
+                             ) -> tuple[torch.Tensor, torch.Tensor, bool, bool] | None:
+    """:func:`forward_problem` with the eager path's NaN/inf screens read by the kernel as it
+    goes → ``(out, lse, q finite, out finite)``: whether every query element it gathered
+    holds no inf/NaN (rows past ``q_lengths`` are not gathered: their output is 0 whatever
+    they hold), and whether every output element is finite (False too where the kernel did
+    not see the final output: a call whose keys are split and merged). Each replaces one
+    more pass over the tensor (together ~5% of a float32 sliding-window forward). None,
+    before anything is computed, where the call needs autograd."""
+    return forward_problem(p, screened=True)  # type: ignore[no-any-return]
 
 
 def all_finite(t: torch.Tensor) -> bool | None:

@@ -14,6 +14,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <new>
@@ -372,6 +373,11 @@ template <typename A> struct Args {
   bool lowp, lowp_onednn_pack;      // forward: T GEMMs for bfloat16 / float16 (lowp.h)
   bool lowp_emulate;                // ... computed by emulated_brgemm (the test mode)
   ScoreModFn<A> mod; const void* const* mod_caps;  // a compiled Python score_mod or null
+  // forward, when set: the eager path's NaN/inf screen, read as the kernel goes (a query row
+  // holding inf/NaN as it is gathered, an output row as it is written) instead of one more
+  // pass over q and over out each; set only ever to true, by any thread
+  std::atomic<bool>* q_bad = nullptr;
+  std::atomic<bool>* out_bad = nullptr;
 };
 
 // One work item's rows and key range.

@@ -51,7 +51,9 @@ void gather_q(const Args<A>& a, const T* q, const Item& it, Buffers<A>& buf) {
   for (i64 g = 0; g < a.G; ++g)
     for (i64 i = 0; i < it.nr; ++i) {
       const T* src = q + it.b * a.sq[0] + (it.kvh * a.G + g) * a.sq[1] + (it.q0 + i) * a.sq[2];
-      row_to_compute(src, buf.q.data() + (g * it.nr + i) * a.DKP, a.Dk, a.DKP);
+      A* row = buf.q.data() + (g * it.nr + i) * a.DKP;
+      row_to_compute(src, row, a.Dk, a.DKP);
+      if (a.q_bad && !all_finite(row, a.Dk)) a.q_bad->store(true, std::memory_order_relaxed);
     }
 }
 
@@ -1091,9 +1093,11 @@ void run(const Args<A>& a, const T* q, const T* k, const T* v, T* out, A* lse) {
           const A* acc = buf.acc.data() + (ok ? r : 0) * a.DVP;
           const A m = ok ? buf.m[r] : A(NEG_INF), l = ok ? buf.l[r] : A(0);
           const i64 flat = (b * a.Hq + h) * a.Nq + qi;
-          if (C == 1)
+          if (C == 1) {
             finish_row(acc, m, l, a.Dv, out + flat * a.Dv, lse + flat);
-          else
+            if (a.out_bad && ok && !all_finite(out + flat * a.Dv, a.Dv))   // (in L1 now)
+              a.out_bad->store(true, std::memory_order_relaxed);
+          } else
             finish_row(acc, m, l, a.Dv, po.data() + (flat * C + c) * a.Dv, pl.data() + flat * C + c);
         }
     }

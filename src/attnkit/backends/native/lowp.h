@@ -496,6 +496,7 @@ void gather_q_lowp(const Args<A>& a, const T* q, const Item& it, LowpBuffers<T>&
     for (i64 i = 0; i < it.nr; ++i) {                     // row g * nr + i (DKE,)
       const T* src = q + it.b * a.sq[0] + (it.kvh * a.G + g) * a.sq[1] + (it.q0 + i) * a.sq[2];
       q_row_lowp(src, a.Dk, lb.DKE, lb.q.get() + (g * it.nr + i) * lb.DKE);
+      if (a.q_bad && !all_finite(src, a.Dk)) a.q_bad->store(true, std::memory_order_relaxed);
     }
 }
 

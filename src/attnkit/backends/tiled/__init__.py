@@ -176,6 +176,20 @@ class TiledBackend(Backend):
         :meth:`forward` runs ``p`` on the kernel, else None."""
         return None if native_reasons(p) else native.lean_launch(p, check_q=True)
 
+    def forward_screened(self, p: Problem) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """On the native kernel without autograd, the query and output screens are read by
+        the kernel as it goes (:func:`native.forward_problem_screened`): no pass over q
+        before the call, and none over out after it when it says all are finite. A query
+        row holding inf/NaN takes :meth:`forward`'s screen (the call runs again)."""
+        if not native_reasons(p):
+            res = native.forward_problem_screened(p)
+            if res is not None:
+                count(native=1)
+                out, lse, q_finite, out_finite = res
+                if q_finite:
+                    return out, lse, out_finite
+        return (*self.forward(p), False)
+
     def forward(self, p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
         bad = _nonfinite_query_rows(p.q)
         if bad is None:
