@@ -220,20 +220,31 @@ def assert_lse_float32(lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
 def test_softcap_in_the_exponent_pass(dtype: torch.dtype, lowp_path: str, cap: float,
                                       q_scale: float) -> None:
     q, k, v = qkv(2, 4, 2, 97, 301, 59)
-    q = q * q_scale
-    opts = {"oracle_opts": {"softcap": cap}, "softcap": cap}
+    check_term_masks(q * q_scale, k, v, dtype, {"softcap": cap}, {"softcap": cap}, 204, 225, 150)
+
+
+def check_term_masks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype,
+                     opts: dict, oracle_opts: dict, shift: int, cut: int,
+                     short: int) -> torch.Tensor:
+    """A score term's call (``opts``; the oracle's ``oracle_opts``) against the oracle with
+    no mask and a causal band shifted by ``shift`` (both with the LSE to float32 precision),
+    rows from N_k − cut on seeing no key (output 0, LSE −inf), and NaN / inf in the K/V rows
+    past a second batch's length ``short`` → the causal mask (N_q, N_k)."""
+    n_q, n_k = q.shape[2], k.shape[2]
+    opts = {"oracle_opts": oracle_opts, **opts}
     _, lse = check(q, k, v, dtype, **opts)                                  # no mask
-    assert_lse_float32(lse, q, k, v, dtype, softcap=cap)
-    i, j = torch.arange(97)[:, None], torch.arange(301)
-    causal = j <= i + 204
-    _, lse = check(q, k, v, dtype, allowed=causal, band=(-204, math.inf), **opts)
-    assert_lse_float32(lse, q, k, v, dtype, allowed=causal, softcap=cap)
-    # rows 76.. see no key (q - k <= -225 needs k >= q + 225 > 300): output 0, LSE -inf
-    check(q, k, v, dtype, allowed=i - j <= -225, band=(-math.inf, -225), **opts)
-    kvl = torch.tensor([301, 150])
+    assert_lse_float32(lse, q, k, v, dtype, **oracle_opts)
+    i, j = torch.arange(n_q)[:, None], torch.arange(n_k)
+    causal = j <= i + shift
+    _, lse = check(q, k, v, dtype, allowed=causal, band=(-shift, math.inf), **opts)
+    assert_lse_float32(lse, q, k, v, dtype, allowed=causal, **oracle_opts)
+    # q - k <= -cut needs k >= q + cut: rows from n_k - cut on see no key
+    check(q, k, v, dtype, allowed=i - j <= -cut, band=(-math.inf, -cut), **opts)
+    kvl = torch.tensor([n_k, short])
     k2, v2, allowed = poisoned_kv(k, v, kvl, 5)                 # NaN / inf in masked K/V rows
     check(q, k, v, dtype, allowed=allowed, kv=(k2, v2), kv_lengths=kvl,
-          dense_mask=allowed.expand(2, 4, 97, 301), **opts)
+          dense_mask=allowed.expand(q.shape[0], q.shape[1], n_q, n_k), **opts)
+    return causal
 
 
 @pytest.mark.parametrize("dtype", LOWP)
@@ -261,19 +272,8 @@ def test_score_mod_on_the_raw_scores(dtype: torch.dtype, lowp_path: str) -> None
     from attnkit.backends.native import score_mod as sm
     mod = sm.compile_score_mod(_distance_mod)
     q, k, v = qkv(2, 4, 2, 97, 700, 59)
-    i, j = torch.arange(97)[:, None], torch.arange(700)
-    opts = {"oracle_opts": {"score_mod": _distance_mod}, "score_mod": mod}
-    _, lse = check(q, k, v, dtype, **opts)
-    assert_lse_float32(lse, q, k, v, dtype, score_mod=_distance_mod)
-    causal = j <= i + 603
-    _, lse = check(q, k, v, dtype, allowed=causal, band=(-603, math.inf), **opts)
-    assert_lse_float32(lse, q, k, v, dtype, allowed=causal, score_mod=_distance_mod)
-    # rows 77.. see no key (q - k <= -620 needs k >= q + 620 > 699): output 0, LSE -inf
-    check(q, k, v, dtype, allowed=i - j <= -620, band=(-math.inf, -620), **opts)
-    kvl = torch.tensor([700, 333])
-    k2, v2, allowed = poisoned_kv(k, v, kvl, 5)                 # NaN / inf in masked K/V rows
-    check(q, k, v, dtype, allowed=allowed, kv=(k2, v2), kv_lengths=kvl,
-          dense_mask=allowed.expand(2, 4, 97, 700), **opts)
+    causal = check_term_masks(q, k, v, dtype, {"score_mod": mod}, {"score_mod": _distance_mod},
+                              603, 620, 333)
     capped = {"oracle_opts": {"score_mod": _distance_mod, "softcap": 5.0}, "score_mod": mod,
               "softcap": 5.0}
     _, lse = check(q, k, v, dtype, allowed=causal, band=(-603, math.inf), **capped)

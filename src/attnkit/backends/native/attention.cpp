@@ -144,18 +144,22 @@ template <typename A> void plan_forward(Args<A>& a, int64_t splits, int64_t bloc
 }
 
 // Forward: (out (B, H_q, N_q, D_v) in q's dtype, lse (B, H_q, N_q) in A: float32, or float64
-// for float64 inputs).
-// screen: (q_bad, out_bad) to set where a query row gathered / an output row written holds
-// inf/NaN (out_bad is not read on a call whose keys are split: the merge writes out), or null.
-std::tuple<Tensor, Tensor> attend_impl(
-    const Tensor& q, const Tensor& k, const Tensor& v, double scale, double softcap,
-    const std::optional<Tensor>& alibi, double alibi_offset, const std::optional<Tensor>& rel,
-    int64_t rel_max_distance, const std::optional<Tensor>& bias, double band_lo,
-    double band_hi, const std::optional<Tensor>& kv_len, const std::optional<Tensor>& q_len,
-    const std::optional<Tensor>& q_doc, const std::optional<Tensor>& k_doc,
-    const std::optional<Tensor>& mask, int64_t score_mod, int64_t score_mod_caps, int64_t splits,
-    int64_t block_q, std::atomic<bool>* screen = nullptr, bool* out_read = nullptr) {
+// for float64 inputs). Screened (the operator attend_screened): also whether every query row
+// the kernel gathered and every output row it wrote is finite (the eager path's NaN/inf
+// screens read on the way: Args::q_bad, out_bad); the second is false too where the kernel
+// did not write the final rows (a call whose keys are split: the merge writes out).
+template <bool Screened>
+std::conditional_t<Screened, std::tuple<Tensor, Tensor, bool, bool>, std::tuple<Tensor, Tensor>>
+attend(const Tensor& q, const Tensor& k, const Tensor& v, double scale, double softcap,
+       const std::optional<Tensor>& alibi, double alibi_offset, const std::optional<Tensor>& rel,
+       int64_t rel_max_distance, const std::optional<Tensor>& bias, double band_lo,
+       double band_hi, const std::optional<Tensor>& kv_len, const std::optional<Tensor>& q_len,
+       const std::optional<Tensor>& q_doc, const std::optional<Tensor>& k_doc,
+       const std::optional<Tensor>& mask, int64_t score_mod, int64_t score_mod_caps,
+       int64_t splits, int64_t block_q) {
   Tensor out, lse;
+  std::atomic<bool> bad[2] = {false, false};              // (q_bad, out_bad)
+  bool out_read = false;
   ATTNKIT_DISPATCH(q.scalar_type(), {
     using A = compute_t<T>;
     Args<A> a = make_args<A>(q, k, v, scale, softcap, alibi, alibi_offset, rel,
@@ -166,50 +170,20 @@ std::tuple<Tensor, Tensor> attend_impl(
     a.lowp_onednn_pack = path.onednn_pack;
     a.lowp_emulate = path.emulate;
     plan_forward(a, splits, block_q);
-    if (screen) {
-      a.q_bad = &screen[0];
-      a.out_bad = a.splits == 1 ? &screen[1] : nullptr;
-      *out_read = a.splits == 1;
+    if constexpr (Screened) {
+      out_read = a.splits == 1;
+      a.q_bad = &bad[0];
+      a.out_bad = out_read ? &bad[1] : nullptr;
     }
     out = at::empty({a.B, a.Hq, a.Nq, a.Dv}, q.options());
     lse = at::empty({a.B, a.Hq, a.Nq}, q.options().dtype(c10::CppTypeToScalarType<A>::value));
     run(a, q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), out.data_ptr<T>(),
         lse.data_ptr<A>());
   });
-  return {out, lse};
-}
-
-std::tuple<Tensor, Tensor> attend(
-    const Tensor& q, const Tensor& k, const Tensor& v, double scale, double softcap,
-    const std::optional<Tensor>& alibi, double alibi_offset, const std::optional<Tensor>& rel,
-    int64_t rel_max_distance, const std::optional<Tensor>& bias, double band_lo,
-    double band_hi, const std::optional<Tensor>& kv_len, const std::optional<Tensor>& q_len,
-    const std::optional<Tensor>& q_doc, const std::optional<Tensor>& k_doc,
-    const std::optional<Tensor>& mask, int64_t score_mod, int64_t score_mod_caps, int64_t splits,
-    int64_t block_q) {
-  return attend_impl(q, k, v, scale, softcap, alibi, alibi_offset, rel, rel_max_distance, bias,
-                     band_lo, band_hi, kv_len, q_len, q_doc, k_doc, mask, score_mod,
-                     score_mod_caps, splits, block_q);
-}
-
-// attend, and the eager path's NaN/inf screen read on the way (Args::q_bad, out_bad): (out,
-// lse, whether every query element is finite, whether every output element is — false
-// also where the kernel did not read it: a call whose keys are split).
-std::tuple<Tensor, Tensor, bool, bool> attend_screened(
-    const Tensor& q, const Tensor& k, const Tensor& v, double scale, double softcap,
-    const std::optional<Tensor>& alibi, double alibi_offset, const std::optional<Tensor>& rel,
-    int64_t rel_max_distance, const std::optional<Tensor>& bias, double band_lo,
-    double band_hi, const std::optional<Tensor>& kv_len, const std::optional<Tensor>& q_len,
-    const std::optional<Tensor>& q_doc, const std::optional<Tensor>& k_doc,
-    const std::optional<Tensor>& mask, int64_t score_mod, int64_t score_mod_caps, int64_t splits,
-    int64_t block_q) {
-  std::atomic<bool> bad[2] = {false, false};
-  bool out_read = false;
-  auto [out, lse] = attend_impl(q, k, v, scale, softcap, alibi, alibi_offset, rel,
-                                rel_max_distance, bias, band_lo, band_hi, kv_len, q_len, q_doc,
-                                k_doc, mask, score_mod, score_mod_caps, splits, block_q, bad,
-                                &out_read);
-  return {out, lse, !bad[0].load(), out_read && !bad[1].load()};
+  if constexpr (Screened)
+    return {out, lse, !bad[0].load(), out_read && !bad[1].load()};
+  else
+    return {out, lse};
 }
 
 // t (4-D) with unit stride along its last dim, as the kernel reads rows: copied only when
@@ -260,15 +234,12 @@ std::tuple<Tensor, Tensor, bool> attend_lean(const Tensor& q_in, const Tensor& k
               "attnkit native: mask must be bool (True = may attend)");
   static const std::optional<Tensor> none;
   const Tensor q = unit_rows(q_in), k = unit_rows(k_in), v = unit_rows(v_in);
-  std::atomic<bool> bad[2] = {false, false};              // read as the kernel goes
-  bool out_read = false;
-  auto [out, lse] = attend_impl(q, k, v, scale, softcap, none, 0.0, none, 0, none, band_lo,
-                                band_hi, none, none, none, none, mask, 0, 0, splits, block_q,
-                                bad, &out_read);
-  bool finite = !bad[1].load() && (!check_q || !bad[0].load());
-  if (!out_read)                                           // split keys: the merged output
-    ATTNKIT_DISPATCH(q.scalar_type(), { finite = finite && all_finite(out.data_ptr<T>(), out.numel()); });
-  return {out, lse, finite};
+  auto [out, lse, q_ok, out_ok] = attend<true>(q, k, v, scale, softcap, none, 0.0, none, 0,
+                                               none, band_lo, band_hi, none, none, none, none,
+                                               mask, 0, 0, splits, block_q);
+  if (!out_ok)                        // non-finite, or not read (split keys): one pass
+    ATTNKIT_DISPATCH(q.scalar_type(), { out_ok = all_finite(out.data_ptr<T>(), out.numel()); });
+  return {out, lse, out_ok && (!check_q || q_ok)};
 }
 
 // Backward: (dq, dk, dv) like q, k, v (contiguous), d rel_table (H_q, 2M+1) in A (empty
@@ -526,14 +497,14 @@ TORCH_LIBRARY(attnkit_native, m) {
         "Tensor? k_doc, Tensor? mask, int score_mod, int score_mod_caps, int splits, "
         "int block_q) "
         "-> (Tensor, Tensor)",
-        &attend);
+        &attend<false>);
   m.def("attend_screened(Tensor q, Tensor k, Tensor v, float scale, float softcap, "
         "Tensor? alibi, float alibi_offset, Tensor? rel_table, int rel_max_distance, "
         "Tensor? bias, float band_lo, float band_hi, Tensor? kv_len, Tensor? q_len, "
         "Tensor? q_doc, Tensor? k_doc, Tensor? mask, int score_mod, int score_mod_caps, "
         "int splits, int block_q) "
         "-> (Tensor, Tensor, bool, bool)",
-        &attend_screened);
+        &attend<true>);
   m.def("attend_lean(Tensor q, Tensor k, Tensor v, float scale, float softcap, float band_lo, "
         "float band_hi, Tensor? mask, int splits, int block_q, bool check_q) "
         "-> (Tensor, Tensor, bool)",
