@@ -498,8 +498,11 @@ def _run(p: Problem, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
         # is taken in the output's dtype (float32 accumulation inside; bfloat16 has float32's
         # range) but for float16, whose range a sum of finite outputs can leave; float() of
         # the 0-dim sum costs less than .item()
+        # (detached: a score_mod parameter's gradient makes out require grad, and float() of
+        # a 0-dim tensor that does warns)
+        o = out.detach() if out.requires_grad else out
         if up_front or math.isfinite(float(
-                out.sum(dtype=torch.float32) if out.dtype is torch.float16 else out.sum())):
+                o.sum(dtype=torch.float32) if o.dtype is torch.float16 else o.sum())):
             return out, lse
         bad = _bad_kv_rows(p)
         if not bad.any():
