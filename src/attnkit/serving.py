@@ -199,9 +199,10 @@ def _check_pages(block_table: Any, batch: int, num_blocks: int, block_size: int,
                          f"({batch}, max_pages), got {seen}")
     width = block_table.shape[1]
     need = [-(-n // block_size) for n in lengths]
-    rows = block_table.tolist()
-    if max(need, default=0) <= width and _pages_ok(block_table, need, num_blocks, block_size,
-                                                   lengths, starts):
+    t = block_table.detach().cpu().numpy().astype(np.int64)                # (B, W), read once
+    rows = t.tolist()
+    if max(need, default=0) <= width and _pages_ok(t, need, num_blocks, block_size, lengths,
+                                                   starts):
         return [row[:n] for row, n in zip(rows, need, strict=True)]
     pages: list[list[int]] = []
     for b, n in enumerate(lengths):
@@ -245,14 +246,13 @@ def _check_pages(block_table: Any, batch: int, num_blocks: int, block_size: int,
     return pages
 
 
-def _pages_ok(block_table: torch.Tensor, need: list[int], num_blocks: int, block_size: int,
+def _pages_ok(t: np.ndarray, need: list[int], num_blocks: int, block_size: int,
               lengths: list[int], starts: list[int] | None) -> bool:
     """:func:`_check_pages`' rules on the whole table at once (NumPy on the table's memory:
     16 rows of a 4096-token prefix are 4240 entries, a Python pass over them took 0.27 ms
     a decode step, and torch's small ops cost 10-100 µs each) → whether all hold; False
     sends the caller through its row-by-row checks, which name what is wrong. Row b reads
-    its first ``need[b]`` entries."""
-    t = block_table.detach().cpu().numpy().astype(np.int64)                # (B, W)
+    its first ``need[b]`` entries; ``t`` is the block table (B, W) as int64."""
     col = np.arange(t.shape[1])
     read = col < np.asarray(need, dtype=np.int64)[:, None]                 # (B, W)
     if ((t < 0) | (t >= num_blocks))[read].any():

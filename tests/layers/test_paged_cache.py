@@ -159,6 +159,24 @@ def test_block_table_fast_check_agrees_with_the_full_checks():
     assert min(seen.values()) > 30                  # both outcomes well covered
 
 
+def test_block_table_check_names_bad_lengths_and_pages():
+    # a raw table checked directly: more lengths than rows, or an entry that is no page of
+    # the cache, is one clear error; fewer lengths check only their rows
+    cache = ak.PagedKVCache(6, 2, 1, 2, dtype=DT)
+    a = cache.new_sequence()
+    cache.append(a, *_kv(3, 1, 2))
+    table = cache.block_table([a])
+    with pytest.raises(ValueError, match="2 sequence lengths for a block_table of 1 rows"):
+        cache.check_block_table(table, [3, 3])
+    for bad in (6, -1):
+        t = table.clone()
+        t[0, 1] = bad
+        with pytest.raises(ValueError, match=rf"block_table\[0, 1\] = {bad} is not a page"):
+            cache.check_block_table(t, [3])
+    two = torch.cat([table, torch.full_like(table, 5)])      # row 1: a free page, unread
+    cache.check_block_table(two, [3])
+
+
 def test_capacity_error_says_free_and_needed_and_changes_nothing():
     cache = ak.PagedKVCache(4, 2, 1, 2, dtype=DT)
     a, b = cache.new_sequence(), cache.new_sequence()

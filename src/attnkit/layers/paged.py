@@ -438,21 +438,23 @@ class PagedKVCache:
         refcount allows (a page used by two sequences without a fork), and a write into a
         page another sequence holds (it must be copied first: :meth:`reserve`).
         """
+        if len(seqlens) > block_table.shape[0]:
+            raise ValueError(f"{len(seqlens)} sequence lengths for a block_table of "
+                             f"{block_table.shape[0]} rows: give one length per row (or fewer: "
+                             "the rows past them are not checked)")
         if self._table_ok(block_table, seqlens, written):
             return
         bs = self.block_size
         rows = block_table.tolist()
         read = [rows[b][: -(-int(n) // bs)] for b, n in enumerate(seqlens)]  # pages row b reads
-        t = block_table.detach().cpu().numpy().astype(np.int64)              # (B, W)
-        flat = t[np.arange(t.shape[1]) < np.asarray([len(r) for r in read])[:, None]]
-        if flat.size and flat.min() >= 0 and flat.max() < len(self._refs):
-            # page -> rows, counted by NumPy on the table's memory (a Counter of a 4096-token
-            # prefix's 16 forks, 4240 entries, took 0.15 ms a decode step)
-            counts = np.bincount(flat)
-            used = np.flatnonzero(counts)
-            uses = dict(zip(used.tolist(), counts[used].tolist(), strict=True))
-        else:
-            uses = Counter(itertools.chain.from_iterable(read))
+        for b, r in enumerate(read):
+            for j, p in enumerate(r):
+                if not 0 <= p < len(self._refs):
+                    raise ValueError(f"block_table[{b}, {j}] = {p} is not a page of this "
+                                     f"PagedKVCache (pages 0..{len(self._refs) - 1})")
+        # (the table's fast check, _table_ok, failed: this is the error path, which names
+        # the first offending page in the rows' order)
+        uses = Counter(itertools.chain.from_iterable(read))
         for p, count in uses.items():
             if self._refs[p] == 0 or count > self._refs[p]:
                 bs_rows = [b for b, r in enumerate(read) for q in r if q == p]
@@ -487,7 +489,8 @@ class PagedKVCache:
         which name what is wrong."""
         bs, refs = self.block_size, self._refs
         t = block_table.detach().cpu().numpy().astype(np.int64)             # (B, W)
-        need = np.asarray([-(-int(n) // bs) for n in seqlens], dtype=np.int64)
+        need = np.zeros(t.shape[0], dtype=np.int64)       # rows past seqlens: not read
+        need[:len(seqlens)] = [-(-int(n) // bs) for n in seqlens]
         flat = t[np.arange(t.shape[1]) < need[:, None]]                     # pages read
         if flat.size == 0:
             return True

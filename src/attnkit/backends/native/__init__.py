@@ -38,6 +38,7 @@ API (what ``tiled``, ``decode`` and the custom operator ``attnkit::attention`` c
                                          -> (dq, dk, dv, dbias)  from saved out, lse
     all_finite(t) -> bool | None         every element of a 4-D tensor finite (one pass; the
                                          eager path's NaN/inf screens ask it first)
+    known_finite(t) -> bool              all_finite, else one torch sum
     lean_launch(p: Problem) -> LeanLaunch | None   the eager hot path's launch of a call
                                          with no score term, a band and at most the call's
                                          bool mask tensor on the lean operator
@@ -120,7 +121,7 @@ __all__ = ["available", "why_unavailable", "forward", "decode", "supports", "for
            "forward_problem_screened",
            "backward_problem", "compile_score_mod", "CompiledScoreMod", "low_precision_paths",
            "paged_attention", "paged_merge_rows", "KernelTerms", "plain_terms", "use_native",
-           "native_enabled", "all_finite", "LeanLaunch", "lean_launch", "DTYPES",
+           "native_enabled", "all_finite", "known_finite", "LeanLaunch", "lean_launch", "DTYPES",
            "DECODE_MAX_QUERIES", "DENSE_MASK_LIMIT"]
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -351,8 +352,8 @@ def _forward(ops: object, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     ``screened``: → ``(out, lse, q finite, out finite)`` from the operator
     ``attend_screened``, which reads the eager path's NaN/inf screens as it goes (see
-    :func:`forward_problem_screened`); None, before computing anything, where the call
-    would need autograd (that path screens as before)."""
+    :func:`forward_problem_screened`); None, before the score terms' records are built or
+    the kernel runs, where the call would need autograd (that path screens as before)."""
     B, Hq, Nq, Dk = q.shape
     _, Hkv, Nk, _ = k.shape
     rel = None if rel_table is None and rel_max_distance is None else \
@@ -369,6 +370,12 @@ def _forward(ops: object, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q, k, v = unit_rows(q, k, v)
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be > 0, got {softcap}")
+    ali = alibi_slopes if isinstance(alibi_slopes, torch.Tensor) else None
+    grad = torch.is_grad_enabled() and (
+        q.requires_grad or k.requires_grad or v.requires_grad
+        or any(t is not None and t.requires_grad for t in (rel, ali, bias)))
+    if grad and screened:
+        return None
     rows = block_q or max(1, _rows_per_item(q.dtype, band) // (Hq // Hkv))
     n_split = splits or _auto_splits(B * Hkv * -(-Nq // rows), Nk)
     plain = (alibi_slopes is None and rel is None and bias is None and band is None
@@ -381,12 +388,7 @@ def _forward(ops: object, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         common, call = _common(q, k, v, B, Hq, Nq, Nk, Dk, cdt, scale, softcap, alibi_slopes,
                                alibi_offset, rel, rel_max_distance, bias, band, kv_lengths,
                                q_lengths, doc_ids, kv_doc_ids, dense_mask, score_mod)
-    ali = alibi_slopes if isinstance(alibi_slopes, torch.Tensor) else None
-    if torch.is_grad_enabled() and (
-            q.requires_grad or k.requires_grad or v.requires_grad
-            or any(t is not None and t.requires_grad for t in (rel, ali, bias))):
-        if screened:
-            return None
+    if grad:
         out = _NativeAttention.apply(q, k, v, rel, ali, bias, common,
                                      (int(n_split), int(rows)), call)
     elif screened:
@@ -784,19 +786,31 @@ def forward_problem_screened(p: Problem,
     they hold), and whether every output element is finite (False too where the kernel did
     not see the final output: a call whose keys are split and merged). Each replaces one
     more pass over the tensor (together ~5% of a float32 sliding-window forward). None,
-    before anything is computed, where the call needs autograd."""
+    before the kernel runs, where the call needs autograd (the tiled engine asks only
+    without gradients on q, k, v and bias, so the mask is not lowered twice)."""
     return forward_problem(p, screened=True)  # type: ignore[no-any-return]
 
 
 def all_finite(t: torch.Tensor) -> bool | None:
     """Whether every element of the 4-D CPU tensor ``t`` is finite, in one pass of the
     kernel's vector loop over its rows (any strides); None when the kernel is not loaded
-    or does not take ``t`` (the caller's torch check runs instead)."""
-    ops = loader.load()
-    op = getattr(ops, "all_finite", None)
-    if op is None or t.dim() != 4 or not t.is_cpu or t.dtype not in DTYPES:
+    or does not take ``t`` (a GPU tensor never loads it; see :func:`known_finite`)."""
+    if t.dim() != 4 or not t.is_cpu or t.dtype not in DTYPES:
         return None
-    return bool(op(t))
+    op = getattr(loader.load(), "all_finite", None)
+    return None if op is None else bool(op(t))
+
+
+def known_finite(t: torch.Tensor) -> bool:
+    """Whether every element of the 4-D tensor ``t`` is finite, as one pass can tell: the
+    kernel's (:func:`all_finite`), else one torch sum in the compute dtype (float32, or
+    float64 for float64). False also where a sum of finite values overflows: the callers
+    (the eager path's NaN/inf screens) then run their exact row test."""
+    ok = all_finite(t)
+    if ok is not None:
+        return ok
+    acc = torch.float64 if t.dtype is torch.float64 else torch.float32
+    return math.isfinite(float(t.detach().sum(dtype=acc)))
 
 
 class LeanLaunch(NamedTuple):

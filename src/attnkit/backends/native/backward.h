@@ -290,7 +290,7 @@ template <typename T> struct BackLowp {
         onednn_pack(a.lowp_onednn_pack), emulate(a.lowp_emulate),
         kt(aligned_array<T>(DKE * BK)), vt(aligned_array<T>(DVE * BK)),
         kp(aligned_array<T>(BK * DKB)),
-        stage(aligned_array<T>(std::max<i64>(BK, std::max(DKE, DVE)) * BK)),
+        stage(aligned_array<T>(BK * NB)),      // pack_rows of K rows: (BK, NB)
         pp(aligned_array<T>(BQL * BK)), dsp(aligned_array<T>(BQL * BK)),
         dsr(aligned_array<T>(BQL * BK)), qtt(aligned_array<T>(a.Dk * BQL)),
         dott(aligned_array<T>(a.Dv * BQL)), dkt_t(aligned_array<T>(a.Dk * BK)),

@@ -773,6 +773,9 @@ void rows_pass_capped(const Args<A>& a, const Item& it, const TilePart* parts, i
       vf lo = splat(-NEG_INF), hi_raw = splat(NEG_INF);    // hi_raw: the unmasked tiles'
       for (int t = 0; t < np; ++t) {
         vf th = splat(NEG_INF);
+        // lanes past the tile's keys hold no score yet (the GEMM wrote n): 0, not the
+        // buffer's last contents, so the form chosen does not depend on them
+        std::fill(x + t * BK + parts[t].n, x + t * BK + parts[t].npad, 0.f);
         raw_range(x + t * BK, parts[t].npad, th, lo);
         big = vmax(big, vabs(th));
         if (!tile_masked(parts[t])) hi_raw = vmax(hi_raw, th);
@@ -1078,12 +1081,17 @@ void run(const Args<A>& a, const T* q, const T* k, const T* v, T* out, A* lse) {
     if constexpr (is_lowp<T>)
       if (a.lowp) lb.reset(new LowpBuffers<T>(a, a.G * a.rows));
     RowsAhead ahead;
+    i64 nx_end;
+    Item nx = item_of(a, begin, nx_end);                   // the next item, found once
     for (i64 t = begin; t < end; ++t) {
-      i64 q_end, nx_end;
-      const Item it = item_of(a, t, q_end);
-      if (t + 1 < end) rows_ahead(a, q, k, v, C == 1 ? out : nullptr, item_of(a, t + 1, nx_end),
-                                  buf, ahead);
-      else ahead = RowsAhead{};
+      const i64 q_end = nx_end;
+      const Item it = nx;
+      if (t + 1 < end) {
+        nx = item_of(a, t + 1, nx_end);
+        rows_ahead(a, q, k, v, C == 1 ? out : nullptr, nx, buf, ahead);
+      } else {
+        ahead = RowsAhead{};
+      }
       const i64 c = t % C, b = it.b, kvh = it.kvh;
       attend_item(a, q, k, v, it, buf, lb.get(), ahead);
       for (i64 g = 0; g < a.G; ++g)                        // rows [q0, q_end) of each head

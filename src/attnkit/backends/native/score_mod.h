@@ -28,7 +28,7 @@ inline void apply_score_mod(const Args& a, F* x, typename std::common_type<F>::t
                             double scale = 1.0) {
   if (!a.mod) return;
   if (!fac) return a.mod(x, nullptr, n, b, h, qi, k0, a.mod_caps, scale);
-  F dm[512];                                               // n <= 512 keys (BK = 128)
+  F dm[512];                                  // with fac (the backward): n <= BK = 128 keys
   a.mod(x, dm, n, b, h, qi, k0, a.mod_caps, scale);
   for (int64_t j = 0; j < n; ++j) fac[j] *= dm[j];
 }

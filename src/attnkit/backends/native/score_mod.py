@@ -33,7 +33,7 @@ Shape legend::
 
     score      0-d float32 or float64 (the scaled, soft-capped logit)
     b, h, q_idx, kv_idx  0-d int64
-    x, dx      (n,) one row of a key tile, n <= 128            caps  (C + 1,) data pointers
+    x, dx      (n,) a row of one or two key tiles, n <= 256    caps  (C + 1,) data pointers
     captured   any shape, indexed by integer expressions of b, h, q_idx, kv_idx and constants
 
 Supported: Python scalars; arithmetic, comparisons, logical / bitwise ops, ``where``,

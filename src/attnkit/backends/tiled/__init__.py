@@ -148,7 +148,7 @@ def _nonfinite_query_rows(q: torch.Tensor) -> torch.Tensor | None:
     (one pass over q: the native kernel's, else a reduction; the exact row test only when
     that finds a non-finite value)."""
     with torch.no_grad():
-        if native.all_finite(q) or math.isfinite(q.sum(dtype=compute_dtype(q.dtype)).item()):
+        if native.known_finite(q):
             return None
         bad = ~torch.isfinite(q).all(-1)
     return bad if bool(bad.any()) else None
@@ -181,7 +181,7 @@ class TiledBackend(Backend):
         the kernel as it goes (:func:`native.forward_problem_screened`): no pass over q
         before the call, and none over out after it when it says all are finite. A query
         row holding inf/NaN takes :meth:`forward`'s screen (the call runs again)."""
-        if not native_reasons(p):
+        if not p.requires_grad and not native_reasons(p):
             res = native.forward_problem_screened(p)
             if res is not None:
                 count(native=1)
