@@ -39,6 +39,22 @@ def test_all_finite_agrees_with_torch_at_every_position(dtype, d):
             assert bool(torch.isfinite(u).all()) is False
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_all_finite_reads_bits_every_finite_extreme_passes(dtype):
+    """The test reads the exponent bits: the largest finite values, the smallest subnormal,
+    −0 pass; a bad value at every position of a head's rows read as one span (past the
+    vector part, in the tail, on a row boundary) is found."""
+    info = torch.finfo(dtype)
+    sub = info.smallest_normal / 2 if dtype != torch.bfloat16 else 2.0 ** -130
+    t = torch.tensor([info.max, -info.max, sub, -0.0, info.tiny, 1.0], dtype=dtype)
+    t = t.repeat(3 * 5 * 13 // 6 + 1)[: 3 * 5 * 13].view(1, 3, 5, 13)
+    assert native.all_finite(t) is True
+    for flat in range(t.numel()):
+        u = t.clone()
+        u.view(-1)[flat] = math.nan if flat % 2 else -math.inf
+        assert native.all_finite(u) is False, flat
+
+
 def test_all_finite_splits_large_tensors_over_threads():
     """From 64k elements the rows are split over the threads: a bad value in the first, a
     middle or the last row is found whichever thread reads it."""

@@ -194,16 +194,21 @@ Tensor unit_rows(const Tensor& t) {
 }
 
 // Whether every row of q (B, H, N, D), last dim contiguous, is finite: rows split over the
-// threads from 64k elements on (a decode call's q is read inline).
+// threads from 64k elements on (a decode call's q is read inline); a thread's rows of one
+// head that lie back to back (stride(2) == D: the usual layouts) are tested as one span.
 template <typename T> bool input_finite(const Tensor& q) {
   const T* p = q.data_ptr<T>();
   const i64 H = q.size(1), N = q.size(2), D = q.size(3);
+  const bool packed = q.stride(2) == D;
   std::atomic<bool> ok{true};
   at::parallel_for(0, q.size(0) * H * N, std::max<i64>(1, (i64(1) << 16) / std::max<i64>(D, 1)),
                    [&](i64 r0, i64 r1) {
-    for (i64 r = r0; r < r1 && ok.load(std::memory_order_relaxed); ++r) {  // row (b, h, i)
+    for (i64 r = r0; r < r1 && ok.load(std::memory_order_relaxed);) {  // rows r.. of (b, h)
       const i64 b = r / (H * N), h = r / N % H, i = r % N;
-      if (!all_finite(p + b * q.stride(0) + h * q.stride(1) + i * q.stride(2), D)) ok = false;
+      const i64 run = packed ? std::min(r1 - r, N - i) : 1;           // rows in one span
+      if (!all_finite(p + b * q.stride(0) + h * q.stride(1) + i * q.stride(2), run * D))
+        ok = false;
+      r += run;
     }
   });
   return ok;

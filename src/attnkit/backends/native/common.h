@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <new>
 #include <cstring>
@@ -316,18 +317,44 @@ template <typename T> inline void prefetch_row(const T* row, i64 n) {
   for (i64 b = 0; b < n * i64(sizeof(T)); b += 64) __builtin_prefetch(p + b, 0, 2);
 }
 
-// Whether x (n,) holds no inf/NaN: x * 0 is NaN exactly there; summed lane-wise (a scalar
-// sum is one serial chain of adds, as slow as a GEMM on the tile). Half-precision values are
-// widened in registers (load_vec), lanes<A> at a time.
+// A float format's bits as an unsigned integer and its exponent field: a value is inf or
+// NaN exactly when every exponent bit is set.
+template <typename T> struct FloatBits;
+template <> struct FloatBits<float> { using U = uint32_t; static constexpr U E = 0x7F800000u; };
+template <> struct FloatBits<double> {
+  using U = uint64_t;
+  static constexpr U E = 0x7FF0000000000000ull;
+};
+template <> struct FloatBits<at::BFloat16> { using U = uint16_t; static constexpr U E = 0x7F80; };
+template <> struct FloatBits<at::Half> { using U = uint16_t; static constexpr U E = 0x7C00; };
+
+// Whether x (n,) holds no inf/NaN, from the bits: 64 bytes at a time, two independent
+// chains, no conversion (bf16 / fp16 are tested in their own format: 32 values per load).
+// (It replaced lane sums of x * 0 in float: a chain of FMAs, and a widening per 16 values;
+// a bf16 (1, 8, 2048, 64) K and V took 0.4 ms on one core.)
 template <typename T> inline bool all_finite(const T* x, i64 n) {
-  using A = compute_t<T>;
-  using V = vec<A>;
-  V z = splat(A(0));
+  using U = typename FloatBits<T>::U;
+  constexpr U E = FloatBits<T>::E;
+  constexpr i64 L = 64 / sizeof(U);                        // values per 64-byte vector
+  typedef U VU __attribute__((vector_size(64)));
+  VU bad0 = {}, bad1 = {};
   i64 i = 0;
-  for (; i + lanes<A> <= n; i += lanes<A>) z += load_vec(x + i) * A(0);
-  A t = hsum(z);
-  for (; i < n; ++i) t += A(x[i]) * A(0);
-  return t == A(0);
+  for (; i + 2 * L <= n; i += 2 * L) {                     // values [i, i + 2L)
+    VU u0, u1;
+    std::memcpy(&u0, x + i, 64);
+    std::memcpy(&u1, x + i + L, 64);
+    bad0 |= (VU)((u0 & E) == E);
+    bad1 |= (VU)((u1 & E) == E);
+  }
+  bad0 |= bad1;
+  U any = 0;
+  for (i64 l = 0; l < L; ++l) any |= bad0[l];
+  for (; i < n; ++i) {                                     // the tail, value by value
+    U u;
+    std::memcpy(&u, x + i, sizeof(U));
+    any |= (u & E) == E;
+  }
+  return any == 0;
 }
 
 // C (M, N) (+)= A (M, K) . B (K, N), row-major with leading dims: torch's brgemm for float,
