@@ -246,6 +246,29 @@ def test_trace_reused_only_while_captured_data_is_the_same() -> None:
     assert sm.stats()["traces"] >= before["traces"] + 3
 
 
+def test_trace_keys_nested_arguments_by_their_structure() -> None:
+    """An op taking a list (``torch.stack``) is keyed by the list's length too: a closure
+    that stacks the score n times has another signature when n changes, so it is never
+    answered from the n = 2 trace (flat arguments take a shorter key path than nested
+    ones); the call matches the reference."""
+    state = {"n": 2}
+
+    def mod(score, b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202
+        return torch.stack([score] * state["n"]).sum(0) * 0.5 - 0.01 * (q_idx - kv_idx)
+
+    def key() -> tuple:
+        got = sm._signature(mod, torch.float32)
+        assert got is not None
+        return got[0]
+
+    two = key()
+    assert key() == two                                       # the same run: the same key
+    state["n"] = 3
+    assert key() != two
+    q, k, v = qkv(1, H, 1, 33, 47, 16)
+    check(q, k, v, score_mod=mod, is_causal=True, native_calls=0)   # (stack: Python path)
+
+
 # ---------------------------------------------------------------- float64: the double rows
 @pytest.mark.parametrize("mod", MODS, ids=lambda f: f.__name__)
 def test_float64_runs_the_double_build_to_float64_rounding(mod) -> None:  # noqa: ANN001
