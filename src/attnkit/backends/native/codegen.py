@@ -40,6 +40,12 @@ Caution
   scalar paths, and even its float32 ``sqrt`` is not correctly rounded here): a float64 call
   whose score_mod computes such a function in float32 agrees with the float64 reference to
   float32 precision at that node.
+- Distance tables (:func:`distance_tables`, narrow variant only): a node of the distance
+  ``q_idx − kv_idx`` alone (with b, h and literals) that holds a costly function is read
+  from a per-thread table over the distance, filled by the same statements (so the same
+  values; ``-ffp-contract=off``) as rows ask for distances it lacks. A fill that would read
+  captured data or flag a row (an index, an integer division) is not made: those nodes stay
+  per key.
 - Any op outside ``_UNARY`` / ``_BINARY`` / the casts raises :class:`Unsupported`; so does a
   captured 0-d tensor whose type promotion with a per-score value differs between the 0-d
   trace and torch's batched evaluation (0-d tensors do not promote dimensioned ones there).
@@ -55,7 +61,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-__all__ = ["POSITION_LIMIT", "Gen", "Unsupported", "source", "uses_positions"]
+__all__ = ["POSITION_LIMIT", "Gen", "Unsupported", "distance_tables", "source", "uses_positions"]
 
 
 class Unsupported(Exception):
@@ -385,6 +391,80 @@ def _op_name(node: fx.Node) -> str:
     return {"and_": "and", "or_": "or"}.get(name, name)
 
 
+# ---------------------------------------------------------------- distance tables
+# A node that reads the positions only through q_idx − kv_idx (with b, h, literals: no score,
+# no captured data) has one value per distance t = kv − q. In the narrow variant such nodes
+# whose computation holds a costly function (sqrt, log, exp, ...) are read from per-thread
+# tables over t, computed as rows ask for distances not in them yet: a causal call over 4096
+# keys asks ~8k distances per thread for its 16.8M scores, and later calls none. The table
+# runs the same C statements, so it holds the same values (the build contracts no FMA).
+_COSTLY = {"exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sqrt", "rsqrt", "tanh",
+           "sigmoid", "sin", "cos", "erf", "pow"}
+
+
+@dataclass
+class _Tables:
+    """The graph's distance tables (:func:`distance_tables`): ``sign`` each ``q_idx −
+    kv_idx`` node (−1: it is −t) or ``kv_idx − q_idx`` (+1); ``local`` the nodes of t, b, h
+    and literals alone (computed by the tables' fill); ``tabled`` those read from a table
+    (costly, and used by a node outside ``local``); ``skip`` the nodes of t that only tabled
+    ones need (not computed per key); ``keyed`` whether the tables depend on (b, h)."""
+
+    sign: dict[fx.Node, int]
+    local: set[fx.Node]
+    tabled: list[fx.Node]
+    skip: set[fx.Node]
+    keyed: tuple[bool, bool]
+
+
+def distance_tables(gm: fx.GraphModule) -> _Tables | None:
+    """The distance tables worth having in ``gm`` (a traced score_mod), or None."""
+    ph = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(ph) != 5:
+        return None
+    q, kv = ph[3], ph[4]
+    deps: dict[fx.Node, frozenset[str]] = dict(zip(ph, map(frozenset, "sbhqk"), strict=True))
+    sign: dict[fx.Node, int] = {}
+    costly: set[fx.Node] = set()
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            deps[n] = frozenset("c")
+        elif n.op in ("call_function", "call_method"):
+            try:
+                name = _op_name(n)
+            except Unsupported:
+                return None
+            if name == "getattr":                           # x.dtype and the like
+                deps[n] = frozenset()
+            elif name == "sub" and not n.kwargs and len(n.args) == 2 and \
+                    {id(a) for a in n.args} == {id(q), id(kv)}:
+                sign[n] = -1 if n.args[0] is q else 1
+                deps[n] = frozenset("t")
+            else:
+                deps[n] = frozenset().union(*(deps[x] for x in n.all_input_nodes))
+                if name in _COSTLY:
+                    costly.add(n)
+    local = {n for n, d in deps.items() if n.op != "placeholder" and d <= frozenset("tbh")}
+    heavy: set[fx.Node] = set()
+    for n in gm.graph.nodes:                                # (in order: inputs first)
+        if n in local and "t" in deps[n] and (
+                n in costly or any(x in heavy for x in n.all_input_nodes)):
+            heavy.add(n)
+    tabled = [n for n in gm.graph.nodes if n in heavy and any(u not in local for u in n.users)]
+    if not tabled:
+        return None
+    need: set[fx.Node] = set()                              # computed per key all the same
+    todo = [x for n in gm.graph.nodes if n not in local for x in n.all_input_nodes]
+    while todo:
+        x = todo.pop()
+        if x not in need and x not in tabled:
+            need.add(x)
+            todo.extend(x.all_input_nodes)
+    skip = {n for n in local if "t" in deps[n] and n not in need and n not in tabled}
+    keyed = (any("b" in deps[n] for n in tabled), any("h" in deps[n] for n in tabled))
+    return _Tables(sign, local, tabled, skip, keyed)
+
+
 # ---------------------------------------------------------------- code generation
 class Gen:
     """``score_dtype``: float32 (the kernel's float rows, for float32 / bfloat16 / float16
@@ -396,10 +476,16 @@ class Gen:
     one, valid everywhere."""
 
     def __init__(self, gm: fx.GraphModule, examples: dict[fx.Node, Any], grad: bool,
-                 score_dtype: torch.dtype = torch.float32, limit: int | None = None) -> None:
+                 score_dtype: torch.dtype = torch.float32, limit: int | None = None,
+                 tables: _Tables | None = None) -> None:
         self.gm, self.ex, self.grad = gm, examples, grad
         self.score_dtype = score_dtype
         self.limit = limit
+        # distance tables (the narrow variant only; dropped by run() where the fill would
+        # read captured data or flag a row): their values' statements and results
+        self.tables = tables if limit is not None else None
+        self.table_lines: list[tuple[bool, str]] = []
+        self.table_vals: list[_Val] = []
         self.score_ct = _ctype(score_dtype)
         self.lines: list[tuple[bool, str]] = []      # (is a derivative line, C statement)
         self.caps: list[torch.Tensor] = []
@@ -538,24 +624,66 @@ class Gen:
         q = _Part(p.cap, p.shape, p.dtype, idx, p.casts)
         return self.load(q) if all(x is not None for x in idx) else q
 
-    def run(self) -> _Val:
-        env: dict[fx.Node, Any] = {}
+    def holders(self) -> list[_Val]:
+        """The placeholders' values: the score, then b, h, q, kv."""
         pos = ("int64_t", None) if self.limit is None else ("int32_t", (0, self.limit - 1))
-        holders = iter([_Val("s", self.score_ct, self.score_dtype, "ts")] +
-                       [_Val(n, pos[0], torch.int64, rng=pos[1]) for n in ("b", "h", "q", "kv")])
+        return [_Val("s", self.score_ct, self.score_dtype, "ts")] + [
+            _Val(n, pos[0], torch.int64, rng=pos[1]) for n in ("b", "h", "q", "kv")]
+
+    def node(self, node: fx.Node, env: dict[fx.Node, Any]) -> Any:
+        """The value of a get_attr or call node (its operands in ``env``)."""
+        if node.op == "get_attr":
+            return self.capture(getattr(self.gm, str(node.target)))
+        args = fx.node.map_arg(node.args, lambda n: env[n])
+        kwargs = fx.node.map_arg(node.kwargs, lambda n: env[n])
+        name = _op_name(node)
+        got = self.call(name, args, kwargs, self.ex.get(node))
+        if isinstance(got, _Val) and got.dtype in _HALF and name != "getitem":
+            got = self.rounded(got)
+        return got
+
+    def fill(self, t: _Tables) -> list[_Val]:
+        """Run as the tables' fill (a fresh Gen): the ``local`` nodes with t in ``t`` (the
+        distance kv − q, int32: the narrow variant's) → the tabled nodes' values; raises
+        Unsupported where a statement would read captured data or flag the row."""
+        assert self.limit is not None
+        env: dict[fx.Node, Any] = dict(zip(
+            [n for n in self.gm.graph.nodes if n.op == "placeholder"], self.holders(),
+            strict=True))
+        span = (-(self.limit - 1), self.limit - 1)
+        for n in self.gm.graph.nodes:
+            if n in t.sign:
+                env[n] = _Val("t" if t.sign[n] > 0 else "(-t)", "int32_t", torch.int64, rng=span)
+            elif n in t.local:
+                env[n] = self.node(n, env)
+        vals = [env[n] for n in t.tabled]
+        text = " ".join(line for _, line in self.lines)
+        if self.caps or self.exact or "bad" in text or "big" in text or \
+                not all(isinstance(v, _Val) for v in vals):
+            raise Unsupported("the distance table would read captured data or flag a row")
+        return vals
+
+    def run(self) -> _Val:
+        t = self.tables
+        if t is not None:
+            try:
+                fill = Gen(self.gm, self.ex, self.grad, self.score_dtype, self.limit)
+                self.table_vals, self.table_lines = fill.fill(t), fill.lines
+            except Unsupported:
+                self.tables = t = None
+        env: dict[fx.Node, Any] = {}
+        holders = iter(self.holders())
         for node in self.gm.graph.nodes:
             if node.op == "placeholder":
                 env[node] = next(holders)
-            elif node.op == "get_attr":
-                env[node] = self.capture(getattr(self.gm, str(node.target)))
-            elif node.op in ("call_function", "call_method"):
-                args = fx.node.map_arg(node.args, lambda n: env[n])
-                kwargs = fx.node.map_arg(node.kwargs, lambda n: env[n])
-                name = _op_name(node)
-                got = self.call(name, args, kwargs, self.ex.get(node))
-                if isinstance(got, _Val) and got.dtype in _HALF and name != "getitem":
-                    got = self.rounded(got)
-                env[node] = got
+            elif t is not None and node in t.skip:
+                env[node] = None                  # only tabled nodes read it: not computed
+            elif t is not None and node in t.tabled:
+                k = t.tabled.index(node)
+                v = self.table_vals[k]
+                env[node] = _Val(self.new(v.ctype, f"ak_t{k}[j]"), v.ctype, v.dtype, rng=v.rng)
+            elif node.op in ("get_attr", "call_function", "call_method"):
+                env[node] = self.node(node, env)
             elif node.op == "output":
                 out = fx.node.map_arg(node.args[0], lambda n: env[n])
                 if isinstance(out, (int, float)):
@@ -1139,9 +1267,15 @@ static inline int64_t ak_ipow(int64_t a, int64_t e) {
 
 def _rows(gen: Gen, out: _Val, fn: str) -> str:
     """The loop over one row, ``template <bool E> int fn(...)``: b, h, q, k0, kv and the
-    key counter j as int64, or as int32 for the narrow variant (``gen.limit``)."""
+    key counter j as int64, or as int32 for the narrow variant (``gen.limit``). With
+    distance tables (``gen.tables``) it is the loop over one chunk of a row's keys, reading
+    table k from ``ak_t{k}`` (its entry for the chunk's key j at j), and ``fn`` the driver
+    that finds those for each chunk (:func:`_tables`)."""
     caps = "".join(f"  const {t}* __restrict c{i} = static_cast<const {t}*>(caps[{i}]);\n"
                    for i, t in enumerate(gen.cap_types))
+    tabs = "".join(f", const {v.ctype}* __restrict ak_t{k}" for k, v in enumerate(gen.table_vals))
+    if tabs:
+        driver, fn = _tables(gen, fn), fn + "_keys"
     S = gen.score_ct                                           # the row's C type
     P = "int64_t" if gen.limit is None else "int32_t"          # the positions' C type
 
@@ -1158,13 +1292,64 @@ def _rows(gen: Gen, out: _Val, fn: str) -> str:
     return ("template <bool E>\n"
             f"static inline int {fn}({S}* __restrict x, {S}* __restrict dx, int64_t n,\n"
             f"                       {P} b, {P} h, {P} q, {P} k0,\n"
-            f"                       const void* const* caps, {S} sc, int& big_out) {{\n"
+            f"                       const void* const* caps, {S} sc, int& big_out{tabs}) {{\n"
             f"{caps}  int bad = 0, big = 0;\n  (void)b; (void)h; (void)q;\n"
             f"  if (dx) {{\n    const {S} ts = ({S})1; (void)ts;\n"
             f"{simd}{loop}{head}{body(True)}    }}\n"
             "  } else {\n"
             f"{simd}{loop}{head}{body(False)}    }}\n"
-            "  }\n  big_out = big;\n  return bad;\n}\n\n")
+            "  }\n  big_out = big;\n  return bad;\n}\n\n" + (driver if tabs else ""))
+
+
+def _tables(gen: Gen, fn: str) -> str:
+    """The narrow variant's distance tables (:func:`distance_tables`) in C: one per-thread
+    set over distances t = kv − q (entry t at t − base; [lo, hi) computed), filled where a
+    chunk of a row asks for distances outside it, started afresh where they would not fit
+    or (b, h) changed (when they depend on those); and ``fn``, the driver running
+    ``fn + "_keys"`` over a row chunk by chunk with the chunk's table entries."""
+    assert gen.tables is not None and gen.limit is not None
+    S = gen.score_ct
+    fields = "".join(f" {v.ctype} v{k}[AK_CAP];" for k, v in enumerate(gen.table_vals))
+    lines = "".join(f"    {line}\n" for _, line in gen.table_lines)
+    stores = "".join(f"    T.v{k}[t - T.base] = ({v.ctype})({v.code});\n"
+                     for k, v in enumerate(gen.table_vals))
+    kb, kh = gen.tables.keyed
+    same = "T.hi > T.lo" + (" && T.b == b" if kb else "") + (" && T.h == h" if kh else "")
+    ptrs = "".join(f", T.v{k} + (t0 - T.base)" for k in range(len(gen.table_vals)))
+    return (
+        "#define AK_CAP 16384    // distances per table (per thread)\n"
+        "#define AK_CHUNK 4096   // keys of a row per table lookup (<= AK_CAP)\n"
+        f"struct ak_tab {{ int32_t b, h, base, lo, hi;{fields} }};\n"
+        "static thread_local ak_tab ak_T;   // (zeroed: nothing computed yet)\n"
+        "// entries t0 <= t < t1, computed\n"
+        "static void ak_fill(ak_tab& T, int32_t b, int32_t h, int32_t t0, int32_t t1) {\n"
+        "  (void)b; (void)h;\n#pragma omp simd\n"
+        f"  for (int32_t t = t0; t < t1; ++t) {{\n{lines}{stores}  }}\n}}\n"
+        "// the tables with distances [t0, t1) computed (t1 - t0 <= AK_CHUNK)\n"
+        "static inline const ak_tab& ak_table(int32_t b, int32_t h, int32_t t0, int32_t t1) {\n"
+        "  ak_tab& T = ak_T;\n"
+        f"  const bool same = {same};\n"
+        "  if (same && t0 >= T.lo && t1 <= T.hi) return T;\n"
+        "  const int32_t lo = t0 < T.lo ? t0 : T.lo, hi = t1 > T.hi ? t1 : T.hi;\n"
+        "  if (same && lo >= T.base && hi <= T.base + AK_CAP) {   // extend [lo, hi)\n"
+        "    if (t0 < T.lo) ak_fill(T, b, h, t0, T.lo);\n"
+        "    if (t1 > T.hi) ak_fill(T, b, h, T.hi, t1);\n"
+        "    T.lo = lo;\n    T.hi = hi;\n    return T;\n  }\n"
+        "  T.b = b;\n  T.h = h;\n  T.base = t0 - (AK_CAP - (t1 - t0)) / 2;   // afresh, centred\n"
+        "  T.lo = t0;\n  T.hi = t1;\n  ak_fill(T, b, h, t0, t1);\n  return T;\n}\n"
+        "template <bool E>\n"
+        f"static inline int {fn}({S}* __restrict x, {S}* __restrict dx, int64_t n,\n"
+        "                       int32_t b, int32_t h, int32_t q, int32_t k0,\n"
+        f"                       const void* const* caps, {S} sc, int& big_out) {{\n"
+        "  int bad = 0, big = 0;\n"
+        "  for (int64_t c = 0; c < n; c += AK_CHUNK) {          // keys [c, c + m) of the row\n"
+        "    const int32_t m = (int32_t)(n - c < AK_CHUNK ? n - c : AK_CHUNK);\n"
+        "    const int32_t t0 = k0 + (int32_t)c - q;            // the chunk's first distance\n"
+        "    const ak_tab& T = ak_table(b, h, t0, t0 + m);\n"
+        "    int got = 0;\n"
+        f"    bad |= {fn}_keys<E>(x + c, dx ? dx + c : nullptr, m, b, h, q, k0 + (int32_t)c, "
+        f"caps, sc, got{ptrs});\n"
+        "    big |= got;\n  }\n  big_out = big;\n  return bad;\n}\n\n")
 
 
 def _run(gen: Gen, fn: str) -> str:

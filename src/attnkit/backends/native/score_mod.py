@@ -125,7 +125,7 @@ import torch.fx as fx
 from ... import _compat
 from ...scores import ScoreTerm, fn_name, unwrap
 from . import loader
-from .codegen import POSITION_LIMIT, Gen, Unsupported, source, uses_positions
+from .codegen import POSITION_LIMIT, Gen, Unsupported, distance_tables, source, uses_positions
 
 __all__ = ["CompiledScoreMod", "ScoreModCall", "for_problem", "compile_score_mod", "stats",
            "clear", "Unsupported"]
@@ -497,7 +497,7 @@ def compile_score_mod(fn: Any, *, grad: bool | None = None,
     out = gen.run()
     narrow = None
     if uses_positions(gm):                                 # + the int32-position variant
-        ng = Gen(gm, examples, grad, dtype, limit=POSITION_LIMIT)
+        ng = Gen(gm, examples, grad, dtype, limit=POSITION_LIMIT, tables=distance_tables(gm))
         narrow = (ng, ng.run())
     src = source(gen, out, narrow)
     lazy = narrow is not None and extent is not None and extent <= POSITION_LIMIT
