@@ -656,6 +656,8 @@ _Tensor = torch.Tensor
 
 
 def _lane_state(backend: str) -> tuple[Any, ...]:
+    """(backend, scope, priority, native switch, loader state, threads, select): what a
+    lane's choice depends on besides the Problem (a plain tuple: built on every call)."""
     # (C calls and one loader call: after a decode call has streamed its K/V through the
     # caches, every Python function and torch binding this touches is a cache miss)
     return (backend, _SCOPE.get(), tuple(_backends.PRIORITY), _NATIVE.get(),
@@ -673,16 +675,16 @@ def _make_lane(p: Problem, backend: str) -> _Lane:
     refusal depends on the signature and the state only, and the choice a built-in one with
     a lean launch; else the lane only remembers that the full path runs."""
     state = _lane_state(backend)
-    scope = state[1]
+    _, scope, priority, _, _, _, select = state       # (the names of _lane_state's fields)
     if backend != "auto":
         order: tuple[str, ...] = (backend,)
     elif scope is not None:
         order = scope
     else:
-        order = state[2]
+        order = priority
     consulted: list[tuple[str, Any, int]] = []
     launch = None
-    if state[6] is _SELECT and not _loader.switch("TRITON_INTERPRET", False) and p.q.is_cpu \
+    if select is _SELECT and not _loader.switch("TRITON_INTERPRET", False) and p.q.is_cpu \
             and not _is_empty(p) \
             and p.d_k > 0 and p.d_v > 0:  # (what _run answers itself selects nothing)
         chosen = _SELECT(p, backend)
