@@ -133,9 +133,16 @@ inline void axpy4(const A* p, i64 R, i64 DVP, const E* const (&vj)[4], A* acc) {
 // The dot loops find key j of a tile (j from 0) through `rows`: K row rows.k(j), V row
 // rows.v(j); rows.end keys from the tile's first have rows (the prefetches stop there).
 // HeadRows: one head's rows at a stride, as the forward holds them (paged.h lists them).
+// Rows::ahead_bf16: the rows the bf16 dot loops (scores_dot_bf16, values_bf16) prefetch ahead.
+// Rows prefetched ahead over one head's rows at a stride: 8 measured best, one core,
+// alternating runs (4-12 alike; 16, the widening loops' AHEAD: (1, 8, 1, 64) over 4096 keys
+// 0.88 -> 0.92 of SDPA's speed, 32/8 GQA heads D=128 over 8192 keys 39 -> 35 ns per key and
+// K/V head; 16 x 4096 keys of 32/8 heads 29.0 -> 27.7 ms thread CPU time).
+constexpr i64 AHEAD_BF16 = 8;
 template <typename T> struct HeadRows {
   const T* kp; const T* vp;         // the tile's first K / V row
   i64 sk, sv, end;                  // row strides; rows left in the head
+  static constexpr i64 ahead_bf16 = AHEAD_BF16;
   const T* k(i64 j) const { return kp + j * sk; }
   const T* v(i64 j) const { return vp + j * sv; }
 };
@@ -173,10 +180,6 @@ inline void rows4_for(const T* const (&src)[4], i64 n, i64 npad, i64 R, A* tmp, 
 // under the bf16 rounding q and k already carry). q is bf16 already, so nothing is rounded
 // that was not.
 constexpr int KD = 32;                                     // dims per vdpbf16ps
-// Rows prefetched ahead on these loops: 8 measured best here, one core, alternating runs
-// (4-12 alike; 16, the widening loops' AHEAD: (1, 8, 1, 64) over 4096 keys 0.88 -> 0.92 of
-// SDPA's speed, 32/8 GQA heads D=128 over 8192 keys 39 -> 35 ns per key and K/V head).
-constexpr i64 AHEAD_BF16 = 8;
 
 // The dims [d, d + KD) of a row with `left` dims from d on (fewer than KD: the rest 0).
 inline __m512bh load_pairs(const at::BFloat16* p, i64 left) {
@@ -237,7 +240,7 @@ inline bool v_with_k(const Args<float>& a) {
   return a.B * a.Hkv * a.Nk * (a.Dk + a.Dv) * i64(sizeof(at::BFloat16)) > (i64(64) << 20);
 }
 
-// scores_dot for bf16 q and K: 16 keys at a time, K rows AHEAD_BF16 on prefetched (and the
+// scores_dot for bf16 q and K: 16 keys at a time, K rows Rows::ahead_bf16 on prefetched (and the
 // tile's V rows where v_with_k).
 template <typename Rows>
 void scores_dot_bf16(const Args<float>& a, const Rows& rows, i64 n, i64 R, Buffers<float>& buf) {
@@ -245,11 +248,12 @@ void scores_dot_bf16(const Args<float>& a, const Rows& rows, i64 n, i64 R, Buffe
   buf.qh.resize(R * DKE);
   q_to_bf16(a, R, DKE, buf.q.data(), buf.qh.data());
   const bool v_too = v_with_k(a);
+  constexpr i64 ahead = Rows::ahead_bf16;
   i64 j = 0;
   for (; j + 16 <= n; j += 16) {                           // keys [j, j + 16)
     const at::BFloat16* src[16];
     for (int u = 0; u < 16; ++u) {
-      if (j + u + AHEAD_BF16 < rows.end) prefetch_row(rows.k(j + u + AHEAD_BF16), a.Dk);
+      if (j + u + ahead < rows.end) prefetch_row(rows.k(j + u + ahead), a.Dk);
       if (v_too) prefetch_row(rows.v(j + u), a.Dv);
       src[u] = rows.k(j + u);
     }
@@ -413,7 +417,8 @@ void values_bf16(const Args<float>& a, const Rows& rows, i64 n, i64 R, Buffers<f
       for (i64 j = j0; j < j1; ++j) value_one(a, rows, j, R, buf);
       continue;
     }
-    for (i64 j = j0 + AHEAD_BF16; j < std::min(j1 + AHEAD_BF16, rows.end); ++j)  // V rows ahead
+    constexpr i64 ahead = Rows::ahead_bf16;
+    for (i64 j = j0 + ahead; j < std::min(j1 + ahead, rows.end); ++j)  // V rows ahead
       prefetch_row(rows.v(j), a.Dv);
     i64 r0 = 0;
     for (; r0 + 4 <= R; r0 += 4) values_pairs_rows<4>(a, rows, j0, j1, r0, ch, chunks, buf);
