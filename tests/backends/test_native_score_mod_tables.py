@@ -56,7 +56,14 @@ def chunked_log(score, b, h, q_idx, kv_idx):  # noqa: ANN001, ANN201
     return score - torch.log1p(((q_idx - kv_idx) // 16).abs().float())
 
 
-TABLED = [sqrt_distance, log_decay_per_head, captured_slope_of_log, bucket_of_log]
+def dtype_of_a_product(score, b, h, q_idx, kv_idx):  # noqa: ANN001, ANN201
+    # the table's cast reads the dtype of a per-score value (not a table's node)
+    y = score * 1.5
+    return y - torch.sqrt((q_idx - kv_idx).abs().float()).to(y.dtype)
+
+
+TABLED = [sqrt_distance, log_decay_per_head, captured_slope_of_log, bucket_of_log,
+          dtype_of_a_product]
 
 
 def _plan(fn):  # noqa: ANN001, ANN202

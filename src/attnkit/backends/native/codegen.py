@@ -655,6 +655,8 @@ class Gen:
             if n in t.sign:
                 env[n] = _Val("t" if t.sign[n] > 0 else "(-t)", "int32_t", torch.int64, rng=span)
             elif n in t.local:
+                for x in n.all_input_nodes:       # (a getattr of a per-score value: its
+                    env.setdefault(x, None)       # dtype is the example's, not read here)
                 env[n] = self.node(n, env)
         vals = [env[n] for n in t.tabled]
         text = " ".join(line for _, line in self.lines)
