@@ -801,3 +801,59 @@ def test_a_repeated_empty_call_selects_nothing(monkeypatch):
     with torch.no_grad():
         for _ in range(3):
             assert ak.attention(q, k, v, backend=name).shape == (1, 2, 0, 4)
+
+
+def test_a_warm_cpu_signature_takes_no_tensor_on_another_device(monkeypatch):
+    """The frames' key names the device only when q, k, v are not all on the CPU: after the
+    CPU signature's lane has formed, the same shapes with any one of them on another device
+    still get the device error, and the CPU call its answer."""
+    monkeypatch.setattr(eager, "_FRAMES", {})
+    q, k, v = _decode_qkv()
+    with torch.no_grad():
+        _warm(lambda: ak.attention(q, k, v))
+        for i in range(3):
+            args = [q, k, v]
+            args[i] = args[i].to("meta")
+            with pytest.raises(ValueError, match="on one device"):
+                ak.attention(*args)
+        want = ak.attention(q, k, v, backend="reference")
+        torch.testing.assert_close(ak.attention(q, k, v), want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_warm_lane_still_checks_the_backend_name(monkeypatch):
+    """``attention`` asks no function about backend="auto" (the hot path's plain comparison):
+    a name that is no string, or no backend, is refused as before after warm calls."""
+    monkeypatch.setattr(eager, "_FRAMES", {})
+    q, k, v = _decode_qkv()
+    with torch.no_grad():
+        _warm(lambda: ak.attention(q, k, v))
+        with pytest.raises(TypeError, match="backend must be a string"):
+            ak.attention(q, k, v, backend=1)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="unknown backend 'autox'"):
+            ak.attention(q, k, v, backend="autox")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_lean_launch_passes_scale_and_softcap(monkeypatch, dtype):
+    """The lean launch's one-tuple arguments (``LeanLaunch.tail``) are its fields: a repeated
+    decode call with its own scale and soft-cap matches the float64 reference within the
+    dtype's tolerance on every repeat."""
+    if not native.available():
+        pytest.skip("native kernel unavailable")
+    monkeypatch.setattr(eager, "_FRAMES", {})
+    q, k, v = _decode_qkv(dtype)
+    q = q * 4
+    want = ak.attention(q.double(), k.double(), v.double(), scale=0.3, softcap=2.0,
+                        backend="reference")
+    tol = 1e-5 if dtype is torch.float32 else 2e-2
+    with torch.no_grad():
+        for _ in range(4):
+            got = ak.attention(q, k, v, scale=0.3, softcap=2.0)
+            torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+    launches = [f.lane.launch for f in eager._FRAMES.values()
+                if f.lane is not None and f.lane.launch is not None]
+    assert launches
+    for la in launches:
+        assert la.tail == (la.scale, la.softcap, la.band_lo, la.band_hi, None, la.splits,
+                           la.block_q, la.check_q)
+        assert la.scale == 0.3 and la.softcap == 2.0

@@ -143,12 +143,16 @@ def attention(
     Inside ``torch.autocast`` it runs as torch runs SDPA there: q, k, v and a float mask
     cast to the region's dtype (float64 left as it is), the call with autocast off.
     """
-    _backends.check_name(backend)
-    if torch.compiler.is_compiling():       # torch.compile / torch.export: one operator
+    # (the common call — backend "auto", no autocast region — enters no function of ours
+    # before eager.attend: after a decode call has streamed its K/V through the caches, each
+    # Python function entered costs microseconds of cache misses)
+    if type(backend) is not str or backend != "auto":
+        _backends.check_name(backend)
+    if _is_compiling():                     # torch.compile / torch.export: one operator
         return _traced(q, k, v, mask=mask, is_causal=is_causal, scale=scale, softcap=softcap,
                        score_mod=score_mod, dropout_p=dropout_p, backend=backend,
                        return_lse=return_lse)
-    cast_to = _ops.autocast_dtype(q)
+    cast_to = _ops.autocast_dtype(q) if _any_autocast() else None
     if cast_to is not None:                 # torch.autocast: run as it runs torch's SDPA
         with torch.autocast(q.device.type, enabled=False):
             return attention(*(_ops.autocast_cast(t, cast_to) for t in (q, k, v)),

@@ -738,12 +738,14 @@ def attend(q: Any, k: Any, v: Any, *, mask: Any = None, is_causal: bool = False,
     if score_mod is None and type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor \
             and type(scale) in _PLAIN and type(softcap) in _PLAIN \
             and type(dropout_p) in _PLAIN and (is_causal is True or is_causal is False):
+        # (True for three CPU tensors: no device objects made, hashed and compared)
+        dev = True if q.is_cpu and k.is_cpu and v.is_cpu else (q.device, k.device, v.device)
         if mask is None:
-            key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device,
-                   v.device, is_causal, scale, softcap, dropout_p, None)
+            key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, dev, is_causal, scale,
+                   softcap, dropout_p, None)
         elif type(mask) is _Tensor and mask.dtype is torch.bool:
-            key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device,
-                   v.device, is_causal, scale, softcap, dropout_p, (mask.shape, mask.device))
+            key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, dev, is_causal, scale,
+                   softcap, dropout_p, (mask.shape, mask.device))
     frame = None if key is None else _FRAMES.get(key)
     if frame is None:
         prep = prepare(q, k, v, mask=mask, is_causal=is_causal, scale=scale, softcap=softcap,
@@ -765,9 +767,7 @@ def attend(q: Any, k: Any, v: Any, *, mask: Any = None, is_causal: bool = False,
     launch = lane.launch if holds else None  # type: ignore[union-attr]
     if launch is not None:
         if frame.plain and not launch.masked:                               # frame.lean
-            out, lse, finite = launch.op(  # type: ignore[operator]
-                q, k, v, launch.scale, launch.softcap, launch.band_lo, launch.band_hi, None,
-                launch.splits, launch.block_q, launch.check_q)
+            out, lse, finite = launch.op(q, k, v, *launch.tail)  # type: ignore[operator]
             if finite:
                 if _COUNTS.get() is not None:
                     _count(native=1)

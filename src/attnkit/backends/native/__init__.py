@@ -829,6 +829,9 @@ class LeanLaunch(NamedTuple):
     block_q: int
     masked: bool                        # the call passes its bool mask tensor
     check_q: bool
+    # the arguments after (q, k, v) of an unmasked call, in one tuple: the hot path passes
+    # them as op(q, k, v, *tail) (one attribute read, not seven, on a cold call)
+    tail: tuple[object, ...]
 
 
 def lean_launch(p: Problem, *, check_q: bool = False) -> LeanLaunch | None:
@@ -859,9 +862,10 @@ def lean_launch(p: Problem, *, check_q: bool = False) -> LeanLaunch | None:
     # the overload's own C++ call (what OpOverload.__call__ calls: one Python frame less,
     # measurable on the per-token path, where the frame's code is a cache miss)
     call = getattr(op.default, "_op", op.default)
-    return LeanLaunch(call, float(p.scale), float(p.softcap or 0.0), float(lo),
-                      float(hi), _auto_splits(B * Hkv * -(-n_q // rows), n_k), rows, masked,
-                      check_q)
+    scale, softcap = float(p.scale), float(p.softcap or 0.0)
+    splits = _auto_splits(B * Hkv * -(-n_q // rows), n_k)
+    return LeanLaunch(call, scale, softcap, float(lo), float(hi), splits, rows, masked, check_q,
+                      (scale, softcap, float(lo), float(hi), None, splits, rows, check_q))
 
 
 def backward_problem(p: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
