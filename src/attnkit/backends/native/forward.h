@@ -176,10 +176,11 @@ inline void rows4_for(const T* const (&src)[4], i64 n, i64 npad, i64 R, A* tmp, 
 // ------------------------------------------------------------------ bf16 dot products
 // bfloat16 q against a bfloat16 cache where the CPU has AVX512-BF16 (the build's
 // -mavx512bf16; other CPUs widen as below): K rows read as they are, pairs of dims per float
-// lane, by vdpbf16ps, whose products of two bf16 are exact in float and whose two adds per
-// lane round to nearest (denormal inputs and outputs are flushed to 0: below 1.2e-38, far
-// under the bf16 rounding q and k already carry). q is bf16 already, so nothing is rounded
-// that was not.
+// lane (lane i: dims 2i, 2i + 1 of a chunk of KD), either by vdpbf16ps, whose products of two
+// bf16 are exact in float and whose two adds per lane round to nearest (denormal inputs and
+// outputs are flushed to 0: below 1.2e-38, far under the bf16 rounding q and k already
+// carry), or, two query rows or more, as fp32 FMAs on the pairs (dots_pairs16: exact
+// products, float sums). q is bf16 already, so nothing is rounded that was not.
 constexpr int KD = 32;                                     // dims per vdpbf16ps
 
 // The dims [d, d + KD) of a row with `left` dims from d on (fewer than KD: the rest 0).
