@@ -184,13 +184,35 @@ def test_gqa_group_loops_on_decode_rows(dtype, h_q, h_kv):
 @pytest.mark.parametrize("h_q,h_kv,d,d_v", [(8, 2, 128, 128), (6, 1, 59, 111), (4, 4, 32, 40)])
 def test_decode_rows_at_awkward_pages_and_dims(dtype, block_size, h_q, h_kv, d, d_v):
     # decode rows (G * n_q < 16) on the dot loops — bf16 with AVX512-BF16 on forward.h's
-    # bf16 dot loops (vdpbf16ps, pairs of dims), the others on the GQA / generic loops: pages
+    # bf16 dot loops (pairs of dims: FMAs, one row by vdpbf16ps), the others on the GQA /
+    # generic loops (bf16 K read as pairs on AVX2 / AVX-512 where D_k fits): pages
     # of 5 and 13 (a tile of 128 keys spans pages mid-way), D_k / D_v off the 32-dim chunks
     # (59, 111, 40), lengths 0 and 1, a window whose P == 0 keys skip their V rows, NaN in
     # unused pages and past each length
     for opts in ({"window": (-1, 0)}, {"window": (150, 0), "softcap": 4.0}):
         _check(dtype, block_size, opts, split_len=None, block_q=None, h_q=h_q, h_kv=h_kv,
                d=d, d_v=d_v, n_q=[1, 1, 1, 2, 1], lengths=[0, 1, 517, 260, 129])
+
+
+@pytest.mark.parametrize("h_q,h_kv,d,d_v", [(8, 8, 64, 64), (16, 8, 64, 64), (6, 2, 128, 40),
+                                           (32, 8, 128, 128), (10, 2, 40, 72), (8, 1, 96, 96)])
+def test_bf16_decode_equals_float32_on_the_same_values(h_q, h_kv, d, d_v):
+    # the bf16 dot loops (R = G = 1, 2, 3, 4, 5, 8 rows per K/V head; Q.Kᵀ on the bf16 pairs —
+    # FMAs or vdpbf16ps — or widened where D_k is off the pairs' chunks) against the float32
+    # kernel on the same bf16 values: every product is exact, only the float sums' order
+    # differs, so the LSE agrees to float rounding and the output to one bf16 rounding (a
+    # wrong lane, dim, row or key is off by O(1)); NaN in unused pages and past each length
+    lengths = [517, 260, 1, 129]
+    k_pages, v_pages, table, _, _ = _pool(lengths, 16, h_kv, d, d_v, torch.bfloat16)
+    q = torch.randn(len(lengths), h_q, d).to(torch.bfloat16)
+    cu, kl = list(range(len(lengths) + 1)), lengths
+    out, lse = native.paged_attention(q, k_pages, v_pages, table, cu, kl)
+    out32, lse32 = native.paged_attention(q.float(), k_pages.float(), v_pages.float(), table,
+                                          cu, kl)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    assert ((lse - lse32).abs() <= 1e-5 * (1 + lse32.abs())).all(), (lse - lse32).abs().max()
+    ulp = torch.finfo(torch.bfloat16).eps * out32.abs() + 1e-30
+    assert ((out.float() - out32).abs() <= ulp * 1.01).all(), (out.float() - out32).abs().max()
 
 
 def test_explicit_query_positions():

@@ -1,7 +1,8 @@
 """The native kernel's bfloat16 dot (decode) loops — fewer than 16 query rows per work item —
 against the float64 oracle. On a CPU with AVX512-BF16 (the build's ``avx512bf16`` level) Q·Kᵀ
-runs on ``vdpbf16ps`` (bf16 pairs, exact products, float sums) and P·V reads bf16 V rows as
-pairs of dims (even ``<< 16``, odd ``& 0xffff0000``) with float FMAs; elsewhere the rows are
+reads bf16 K rows as pairs of dims (even ``<< 16``, odd ``& 0xffff0000``) with float FMAs,
+rows 4 and 2 at a time, and a single row on ``vdpbf16ps`` (bf16 pairs, exact products, float
+sums); P·V reads bf16 V rows as pairs likewise; elsewhere the rows are
 widened as before (that build is the one test_native.py's narrower-level test runs at
 ``ATTNKIT_NATIVE_ISA=avx512``).
 
@@ -83,6 +84,16 @@ def test_the_bf16_dot_loops_are_built_where_the_cpu_has_them() -> None:
 ])
 def test_sizes(B: int, hq: int, hkv: int, nq: int, nk: int, dk: int, dv: int) -> None:
     q, k, v = qkv(B, hq, hkv, nq, nk, dk, dv)
+    check(q, k, v, BF16)
+    same_as_float32(q, k, v)
+
+
+@pytest.mark.parametrize("rows", range(1, 16))
+def test_every_row_count(rows: int) -> None:
+    """R = 1 .. 15 query rows per K/V head (GQA): blocks of 4 and 2 rows on the pairs, a last
+    single row on vdpbf16ps; D = 32 + 8 (a whole chunk and a part), two blocks of 16 keys and
+    a tail of 5."""
+    q, k, v = qkv(1, rows, 1, 1, 37, 40)
     check(q, k, v, BF16)
     same_as_float32(q, k, v)
 

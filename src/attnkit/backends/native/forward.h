@@ -17,6 +17,7 @@ template <typename A> struct Buffers {
   avector<A> q, s, acc, v, row, tmp4, m, l, mx;   // mx: the rows' largest scores (rows_pass)
   avector<A> top, top2;             // (R rounded to W,) rows_pass_capped's per-row values
   std::vector<at::BFloat16> qh;     // the dot path's q in bf16 (scores_dot_bf16)
+  avector<float> qp;                // ... and as pairs of dims (dots_pairs16)
   std::unique_ptr<A[]> kt;
   std::vector<char> kt_done;        // (NKP / BK,) tiles of the cached head transposed
   std::vector<char> v_seen;         // (NKP / BK,) its V tiles: 0 not read yet, 1 all finite,
@@ -175,10 +176,11 @@ inline void rows4_for(const T* const (&src)[4], i64 n, i64 npad, i64 R, A* tmp, 
 // ------------------------------------------------------------------ bf16 dot products
 // bfloat16 q against a bfloat16 cache where the CPU has AVX512-BF16 (the build's
 // -mavx512bf16; other CPUs widen as below): K rows read as they are, pairs of dims per float
-// lane, by vdpbf16ps, whose products of two bf16 are exact in float and whose two adds per
-// lane round to nearest (denormal inputs and outputs are flushed to 0: below 1.2e-38, far
-// under the bf16 rounding q and k already carry). q is bf16 already, so nothing is rounded
-// that was not.
+// lane (lane i: dims 2i, 2i + 1 of a chunk of KD), either by vdpbf16ps, whose products of two
+// bf16 are exact in float and whose two adds per lane round to nearest (denormal inputs and
+// outputs are flushed to 0: below 1.2e-38, far under the bf16 rounding q and k already
+// carry), or, two query rows or more, as fp32 FMAs on the pairs (dots_pairs16: exact
+// products, float sums). q is bf16 already, so nothing is rounded that was not.
 constexpr int KD = 32;                                     // dims per vdpbf16ps
 
 // The dims [d, d + KD) of a row with `left` dims from d on (fewer than KD: the rest 0).
@@ -219,6 +221,72 @@ inline void dots_bf16(const at::BFloat16* qh, i64 R, i64 Dk, i64 DKE,
   }
 }
 
+// The same dot products as fp32 FMAs on the pairs: a chunk of KD bf16 dims loaded as 16
+// 32-bit lanes is 16 floats of its even dims (x << 16) and 16 of its odd dims
+// (x & 0xffff0000), exact, in vdpbf16ps's lanes (lane i: dims 2i, 2i + 1), each multiplied by
+// the matching half of qp. vdpbf16ps takes 0.52 ns a zmm here against 0.13 for an FMA, so
+// two FMAs and the split beat it once the split of a K chunk serves two query rows or more.
+// Per 16 keys of a (GQA 32/8, D=128) tile, one thread, rows L1-resident (bf16_dots.cpp):
+// 4 rows 0.73 of vdpbf16ps's time, 2 rows 0.87, 1 row 1.33 (so one row stays on dots_bf16).
+
+// qp (R, DKE) <- the float rows of Qs (R, DKP), each chunk of KD dims as its 16 even dims
+// then its 16 odd dims (zeros from D_k to DKE).
+inline void q_to_pairs(const Args<float>& a, i64 R, i64 DKE, const float* q, float* qp) {
+  const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  for (i64 r = 0; r < R; ++r)
+    for (i64 d = 0; d < DKE; d += KD) {                    // dims [d, d + KD): two float vectors
+      const float* qr = q + r * a.DKP;
+      const __m512 lo = d < a.DKP ? _mm512_loadu_ps(qr + d) : _mm512_setzero_ps();
+      const __m512 hi = d + 16 < a.DKP ? _mm512_loadu_ps(qr + d + 16) : _mm512_setzero_ps();
+      _mm512_storeu_ps(qp + r * DKE + d, _mm512_permutex2var_ps(lo, even, hi));
+      _mm512_storeu_ps(qp + r * DKE + d + 16, _mm512_permutex2var_ps(lo, odd, hi));
+    }
+}
+
+// S[r, u] (rows RB, stride BK) <- q_r . k_u for 16 keys, 16 / RB keys at a time: RB * (16 /
+// RB) accumulators, each K chunk loaded and split once for the RB rows; qp (RB, DKE).
+template <int RB>
+inline void dots_pairs16(const float* qp, i64 Dk, i64 DKE, const at::BFloat16* const (&kj)[16],
+                         float* s) {
+  constexpr int KEYS = 16 / RB;
+  const __m512i odd = _mm512_set1_epi32(int32_t(0xffff0000u));
+  for (int u0 = 0; u0 < 16; u0 += KEYS) {                  // keys [u0, u0 + KEYS)
+    __m512 acc[16];                                        // acc[r * KEYS + u]
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+    for (i64 d = 0; d < Dk; d += KD) {                     // (RB, KD) . (KD, KEYS)
+      __m512 ke[KEYS], ko[KEYS];
+      for (int u = 0; u < KEYS; ++u) {
+        const __m512i x = (__m512i)load_pairs(kj[u0 + u] + d, Dk - d);
+        ke[u] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+        ko[u] = _mm512_castsi512_ps(_mm512_and_si512(x, odd));
+      }
+      for (int r = 0; r < RB; ++r) {
+        const __m512 qe = _mm512_loadu_ps(qp + r * DKE + d), qo = _mm512_loadu_ps(qp + r * DKE + d + 16);
+        for (int u = 0; u < KEYS; ++u)
+          acc[r * KEYS + u] = _mm512_fmadd_ps(qo, ko[u], _mm512_fmadd_ps(qe, ke[u], acc[r * KEYS + u]));
+      }
+    }
+    alignas(64) float t[16];                               // t[r * KEYS + u]
+    _mm512_store_ps(t, lane_sums16(acc));
+    for (int r = 0; r < RB; ++r)
+      for (int u = 0; u < KEYS; ++u) s[r * BK + u0 + u] = t[r * KEYS + u];
+  }
+}
+
+// S (R rows, stride BK) <- q_r . k_u for 16 keys: rows 4, then 2, at a time on the pairs
+// (dots_pairs16), a last single row by vdpbf16ps (dots_bf16).
+inline void dots16(const at::BFloat16* qh, const float* qp, i64 R, i64 Dk, i64 DKE,
+                   const at::BFloat16* const (&kj)[16], float* s) {
+  i64 r = 0;
+  for (; r + 4 <= R; r += 4) dots_pairs16<4>(qp + r * DKE, Dk, DKE, kj, s + r * BK);
+  if (r + 2 <= R) {
+    dots_pairs16<2>(qp + r * DKE, Dk, DKE, kj, s + r * BK);
+    r += 2;
+  }
+  if (r < R) dots_bf16<16>(qh + r * DKE, 1, Dk, DKE, kj, s + r * BK);
+}
+
 // qh (R, DKE) <- the float rows of Qs (R, DKP) in bf16 (exact: they came from bf16), zeros
 // from D_k to DKE.
 inline void q_to_bf16(const Args<float>& a, i64 R, i64 DKE, const float* q, at::BFloat16* qh) {
@@ -240,13 +308,17 @@ inline bool v_with_k(const Args<float>& a) {
   return a.B * a.Hkv * a.Nk * (a.Dk + a.Dv) * i64(sizeof(at::BFloat16)) > (i64(64) << 20);
 }
 
-// scores_dot for bf16 q and K: 16 keys at a time, K rows Rows::ahead_bf16 on prefetched (and the
-// tile's V rows where v_with_k).
+// scores_dot for bf16 q and K: 16 keys at a time (dots16), the tail key by key (dots_bf16<1>),
+// K rows Rows::ahead_bf16 on prefetched (and the tile's V rows where v_with_k).
 template <typename Rows>
 void scores_dot_bf16(const Args<float>& a, const Rows& rows, i64 n, i64 R, Buffers<float>& buf) {
   const i64 DKE = round_up(a.Dk, KD);
   buf.qh.resize(R * DKE);
   q_to_bf16(a, R, DKE, buf.q.data(), buf.qh.data());
+  if (R >= 2) {
+    buf.qp.resize(R * DKE);
+    q_to_pairs(a, R, DKE, buf.q.data(), buf.qp.data());
+  }
   const bool v_too = v_with_k(a);
   constexpr i64 ahead = Rows::ahead_bf16;
   i64 j = 0;
@@ -257,7 +329,7 @@ void scores_dot_bf16(const Args<float>& a, const Rows& rows, i64 n, i64 R, Buffe
       if (v_too) prefetch_row(rows.v(j + u), a.Dv);
       src[u] = rows.k(j + u);
     }
-    dots_bf16<16>(buf.qh.data(), R, a.Dk, DKE, src, buf.s.data() + j);
+    dots16(buf.qh.data(), buf.qp.data(), R, a.Dk, DKE, src, buf.s.data() + j);
   }
   for (; j < n; ++j) {
     const at::BFloat16* src[1] = {rows.k(j)};

@@ -398,11 +398,12 @@ void attend_paged_item(const Args<A>& a, const Pages<T>& pg, const T* q, const i
 // heads) read each K and V row once, converted in registers, for all R rows at once (the
 // generic loops convert a low-precision row into a buffer, then read it back R times).
 
-// Whether the GQA loops read bf16 K rows as pairs (AVX2 build, D_k on whole 16s): a load of
-// 16 bf16 is 8 floats of the even d (<< 16) and 8 of the odd d (& 0xffff0000), no widening;
-// q then lies split (split_q). (AVX-512 and the portable build convert as before.)
+// Whether the GQA loops read bf16 K rows as pairs (AVX2 and AVX-512 builds, D_k on whole
+// 2Ws): a load of 2W bf16 is W floats of the even d (<< 16) and W of the odd d
+// (& 0xffff0000), no widening; q then lies split (split_q). (The portable build converts as
+// before; AVX512-BF16 runs forward.h's loops instead, on_group_loop.)
 template <typename T> inline bool k_pairs(const Args<float>& a) {
-#if defined(__AVX2__) && !defined(__AVX512F__)
+#if defined(__AVX2__)
   return std::is_same_v<T, at::BFloat16> && a.Dk % (2 * W) == 0;
 #else
   (void)a;
@@ -424,21 +425,32 @@ inline void split_q(const Args<float>& a, i64 R, Buffers<float>& buf) {
     }
 }
 
+#if defined(__AVX2__)
+// The 2W bf16 at p as W floats of the even d (x << 16) and W of the odd d (x & 0xffff0000),
+// exact, from one load (k_pairs).
+inline void pairs_of(const at::BFloat16* p, vf& even, vf& odd) {
+#if defined(__AVX512F__)
+  const __m512i x = _mm512_loadu_si512(p);
+  even = (vf)_mm512_slli_epi32(x, 16);
+  odd = (vf)_mm512_and_si512(x, _mm512_set1_epi32(int32_t(0xffff0000u)));
+#else
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  even = (vf)_mm256_slli_epi32(x, 16);
+  odd = (vf)_mm256_and_si256(x, _mm256_set1_epi32(int32_t(0xffff0000u)));
+#endif
+}
+#endif
+
 // s[r][u] += q_r . k_u over D_k (R * KEYS accumulators): K rows widened to float as loaded,
-// or, PAIRS (k_pairs; q split), read 16 bf16 at a time as their even and odd d.
+// or, PAIRS (k_pairs; q split), read 2W bf16 at a time as their even and odd d.
 template <int R, int KEYS, bool PAIRS, typename T>
 inline void dots_acc(const Args<float>& a, const float* q, const T* const (&kr)[KEYS],
                      vf (&s)[R][KEYS]) {
-#if defined(__AVX2__) && !defined(__AVX512F__)
+#if defined(__AVX2__)
   if constexpr (PAIRS && std::is_same_v<T, at::BFloat16>) {
-    const __m256i hi = _mm256_set1_epi32(int32_t(0xffff0000u));
     for (i64 d = 0; d < a.Dk; d += 2 * W) {                // (R, 2W) . (2W, KEYS)
       vf ke[KEYS], ko[KEYS];
-      for (int u = 0; u < KEYS; ++u) {
-        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kr[u] + d));
-        ke[u] = (vf)_mm256_slli_epi32(x, 16);
-        ko[u] = (vf)_mm256_and_si256(x, hi);
-      }
+      for (int u = 0; u < KEYS; ++u) pairs_of(kr[u] + d, ke[u], ko[u]);
       for (int r = 0; r < R; ++r) {
         const vf qe = load(q + r * a.DKP + d), qo = load(q + r * a.DKP + d + W);
         for (int u = 0; u < KEYS; ++u) {
@@ -556,7 +568,9 @@ inline bool values_group_ok(i64 R, i64 n, const Buffers<float>& buf) {
 // Not bfloat16 where the CPU has AVX512-BF16: forward.h's bf16 dot loops (scores_dot_bf16:
 // vdpbf16ps on the rows as they lie; values_bf16: pairs of dims per float lane), head by
 // head, took 0.90 of the GQA loops' CPU time on a decode step (16 sequences of 512-8192
-// keys, GQA 32/8, D=128, one thread, alternating runs: 44 against 49 ms).
+// keys, GQA 32/8, D=128, one thread, alternating runs: 44 against 49 ms); with Q.Kᵀ on FMA
+// pairs there too (dots_pairs16), paged_hot_cold.py's cache-resident step 11.1 ms against
+// 12.7 for the GQA loops with k_pairs (the avx512 build), one thread.
 template <typename A, typename T> inline bool on_group_loop(const Args<A>& a, i64 R) {
   if constexpr (!std::is_same_v<A, float>) return false;
 #if defined(__AVX512BF16__)
