@@ -201,6 +201,26 @@ def test_window_v_finiteness_read_once_per_head(head_cache: str, dtype: torch.dt
 
 
 @needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [37, 128])
+def test_row_pass_groups_keep_each_rows_softmax(dtype: torch.dtype, rows: int) -> None:
+    """The GEMM loop's row pass keeps each row's online softmax (row maxima, sums, alphas)
+    apart: rows whose scores differ in scale row by row (each query row scaled by its own
+    factor), keys whose scores rise tile by tile (the running max grows, alpha < 1), items
+    cut short (37 or 128 rows per item, two query heads per K/V head: 74 or 256 rows) and
+    rows with no key (the band's first three). A row given another's max or sum fails the
+    oracle."""
+    nq, nk = 300, 420
+    q, k, v = qkv(1, 4, 2, nq, nk, 64)
+    q = q * (1 + 3 * (torch.arange(nq) % 7)).view(1, 1, nq, 1) / 4
+    k = k * torch.linspace(0.5, 2.0, nk).view(1, 1, nk, 1)
+    band = (3, 260)
+    d = torch.arange(nq)[:, None] - torch.arange(nk)[None, :]
+    allowed = (d >= band[0]) & (d <= band[1])
+    check(q, k, v, dtype, allowed=allowed, band=band, block_q=rows)
+
+
+@needs_native
 @pytest.mark.parametrize("band", [(-0.5, 0.5), (0.0, 31.5), (-7.25, 40.75)])
 def test_band_bounds_need_not_be_whole(band: tuple[float, float]) -> None:
     """lo <= q - k <= hi with fractional bounds: the kernel rounds them inwards (it used to
