@@ -88,7 +88,8 @@ def _low_precision_paths() -> dict[str, str]:
     paths = dict(native.low_precision_paths())
     paths["bfloat16 decode"] = (
         "native kernel unavailable" if not native.available() else
-        "vdpbf16ps dot products on the bf16 rows (avx512bf16 build)"
+        "vdpbf16ps dot products for one query row per K/V head, float32 FMAs on the bf16 "
+        "pairs (even and odd dims split by shifts) for two or more (avx512bf16 build)"
         if loader.cpu_flags()[0] == "avx512bf16" else "rows widened to float32 in registers")
     return paths
 
