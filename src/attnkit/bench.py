@@ -88,8 +88,8 @@ def _low_precision_paths() -> dict[str, str]:
     paths = dict(native.low_precision_paths())
     paths["bfloat16 decode"] = (
         "native kernel unavailable" if not native.available() else
-        "vdpbf16ps dot products for one query row per K/V head, float32 FMAs on the bf16 "
-        "pairs (even and odd dims split by shifts) for two or more (avx512bf16 build)"
+        "float32 FMAs on the bf16 pairs (even dims by a shift, odd by a mask), 4 or 2 query "
+        "rows per K/V head at a time; a single or leftover row by vdpbf16ps (avx512bf16 build)"
         if loader.cpu_flags()[0] == "avx512bf16" else "rows widened to float32 in registers")
     return paths
 

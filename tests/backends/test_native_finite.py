@@ -42,16 +42,18 @@ def test_all_finite_agrees_with_torch_at_every_position(dtype, d):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_all_finite_reads_bits_every_finite_extreme_passes(dtype):
     """The test reads the exponent bits: the largest finite values, the smallest subnormal,
-    −0 pass; a bad value at every position of a head's rows read as one span (past the
-    vector part, in the tail, on a row boundary) is found."""
+    −0 pass; NaN, +inf and −inf at every position of a head's rows read as one span (past
+    the vector part, in the tail, on a row boundary) are found."""
     info = torch.finfo(dtype)
-    sub = info.smallest_normal / 2 if dtype != torch.bfloat16 else 2.0 ** -130
+    sub = {torch.float32: 2.0 ** -149, torch.float64: 2.0 ** -1074, torch.bfloat16: 2.0 ** -133,
+           torch.float16: 2.0 ** -24}[dtype]                 # the smallest subnormal
     t = torch.tensor([info.max, -info.max, sub, -0.0, info.tiny, 1.0], dtype=dtype)
+    assert t[2].item() > 0                                 # (not flushed to zero)
     t = t.repeat(3 * 5 * 13 // 6 + 1)[: 3 * 5 * 13].view(1, 3, 5, 13)
     assert native.all_finite(t) is True
     for flat in range(t.numel()):
         u = t.clone()
-        u.view(-1)[flat] = math.nan if flat % 2 else -math.inf
+        u.view(-1)[flat] = (math.nan, math.inf, -math.inf)[flat % 3]
         assert native.all_finite(u) is False, flat
 
 

@@ -269,6 +269,26 @@ def test_trace_keys_nested_arguments_by_their_structure() -> None:
     check(q, k, v, score_mod=mod, is_causal=True, native_calls=0)   # (stack: Python path)
 
 
+def test_trace_keys_the_keyword_names_of_flat_arguments() -> None:
+    """The same code calling ``clamp(score, min=c)`` then ``clamp(score, max=c)`` (one flat
+    keyword, another name): another signature, so the second call is traced again and both
+    match the reference on the native path (a key without the names reused the first
+    build: a silent wrong answer)."""
+    state = {"kw": "min"}
+
+    def mod(score, b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202
+        return torch.clamp(score, **{state["kw"]: 0.0}) - 0.01 * (q_idx - kv_idx)
+
+    first = sm._signature(mod, torch.float32)
+    state["kw"] = "max"
+    second = sm._signature(mod, torch.float32)
+    assert first is not None and second is not None and first[0] != second[0]
+    q, k, v = qkv(1, H, 1, 33, 47, 16, scale=3.0)
+    for kw in ("min", "max"):
+        state["kw"] = kw
+        check(q, k, v, score_mod=mod, is_causal=True)              # native, vs the reference
+
+
 # ---------------------------------------------------------------- float64: the double rows
 @pytest.mark.parametrize("mod", MODS, ids=lambda f: f.__name__)
 def test_float64_runs_the_double_build_to_float64_rounding(mod) -> None:  # noqa: ANN001

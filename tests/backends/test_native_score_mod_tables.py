@@ -151,7 +151,10 @@ def test_tabled_calls_match_the_float64_reference(fn):  # noqa: ANN001
                                                                         dtype=torch.float64)
     ref = ak.attention(q, k, v, is_causal=True, score_mod=fn, backend="reference")
     for dtype in (torch.float32, torch.bfloat16):
-        out = ak.attention(q.to(dtype), k.to(dtype), v.to(dtype), is_causal=True, score_mod=fn)
+        with counting() as n:
+            out = ak.attention(q.to(dtype), k.to(dtype), v.to(dtype), is_causal=True,
+                               score_mod=fn)
+        assert n["native"] == 1, n
         low = ak.attention(q.to(dtype), k.to(dtype), v.to(dtype), is_causal=True, score_mod=fn,
                            backend="reference")
         assert_low_precision_close(out, low, ref)

@@ -830,7 +830,8 @@ class LeanLaunch(NamedTuple):
     masked: bool                        # the call passes its bool mask tensor
     check_q: bool
     # the arguments after (q, k, v) of an unmasked call, in one tuple: the hot path passes
-    # them as op(q, k, v, *tail) (one attribute read, not seven, on a cold call)
+    # them as op(q, k, v, *tail) (one attribute read, not seven, on a cold call); built by
+    # lean_launch only — a _replace of another field leaves it stale
     tail: tuple[object, ...]
 
 

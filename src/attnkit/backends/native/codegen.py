@@ -671,7 +671,7 @@ class Gen:
             try:
                 fill = Gen(self.gm, self.ex, self.grad, self.score_dtype, self.limit)
                 self.table_vals, self.table_lines = fill.fill(t), fill.lines
-            except Unsupported:
+            except Exception:  # noqa: BLE001 — no table: every node per key, as before
                 self.tables = t = None
         env: dict[fx.Node, Any] = {}
         holders = iter(self.holders())

@@ -72,7 +72,10 @@ Caution
   Arithmetic, comparisons, ``where``, ``sqrt``, small integer powers, captured-tensor reads
   (int32 offsets: gathers) and float32 ``exp`` / ``log`` / ``tanh`` / ``sigmoid``
   (attnkit's own, <= 1.5 ulp) vectorise; ``sin``, ``erf``, ``log1p``, general ``pow`` ...
-  are the C library's scalar calls, and a loop holding one runs scalar. Position arithmetic
+  are the C library's scalar calls, and a loop holding one runs scalar — except where the
+  node reads the positions only through ``q_idx - kv_idx`` (with b, h, literals): such a
+  costly node is computed once per distance into a per-thread table and read per score
+  (``codegen.distance_tables``; the same values). Position arithmetic
   (``q_idx - kv_idx``, ``//``, ``%``, clamps, table offsets) runs in int32 while every
   position is below 2^24 (``codegen.POSITION_LIMIT``; int64 beyond, exact either way), so
   on AVX2 it vectorises too; a float -> int64 cast (``.long()`` of a float) does not. A
@@ -273,6 +276,7 @@ _TRACES: collections.OrderedDict[Any, tuple[CompiledScoreMod | str, list]] = (
     collections.OrderedDict())
 _SCALARS = (int, float, bool, str, type(None), type(Ellipsis), torch.dtype, torch.device,
             torch.Size, torch.memory_format, torch.layout)
+_FLAT = (torch.Tensor, slice, *_SCALARS)       # the leaves _flatten keys without pytree
 
 
 def _flatten(args: tuple, kwargs: dict) -> tuple[list[Any], Any]:
@@ -280,7 +284,7 @@ def _flatten(args: tuple, kwargs: dict) -> tuple[list[Any], Any]:
     scalars, the usual op) directly, anything nested through torch's pytree (whose
     flattening was two thirds of a small call's cost with a score_mod of three ops)."""
     leaves = [*args, *kwargs.values()]
-    if all(isinstance(a, (torch.Tensor, *_SCALARS)) for a in leaves):
+    if all(isinstance(a, _FLAT) for a in leaves):
         return leaves, ("flat", len(args), tuple(kwargs))
     flat, spec = _compat.tree_flatten((args, kwargs))
     return flat, str(spec)
@@ -474,6 +478,15 @@ def _fail(key: str, name: str, why: str, *, remember: bool = True) -> NoReturn:
     raise Unsupported(why)
 
 
+def _tables(gm: Any) -> Any:
+    """``distance_tables(gm)``, or None where the analysis fails: the tables only make the
+    build faster, so losing them must not cost the call its native path."""
+    try:
+        return distance_tables(gm)
+    except Exception:  # noqa: BLE001 — no tables: every node per key, as before
+        return None
+
+
 def compile_score_mod(fn: Any, *, grad: bool | None = None,
                       dtype: torch.dtype = torch.float32,
                       extent: int | None = None) -> CompiledScoreMod:
@@ -497,7 +510,7 @@ def compile_score_mod(fn: Any, *, grad: bool | None = None,
     out = gen.run()
     narrow = None
     if uses_positions(gm):                                 # + the int32-position variant
-        ng = Gen(gm, examples, grad, dtype, limit=POSITION_LIMIT, tables=distance_tables(gm))
+        ng = Gen(gm, examples, grad, dtype, limit=POSITION_LIMIT, tables=_tables(gm))
         narrow = (ng, ng.run())
     src = source(gen, out, narrow)
     lazy = narrow is not None and extent is not None and extent <= POSITION_LIMIT
