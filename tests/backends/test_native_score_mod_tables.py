@@ -158,3 +158,50 @@ def test_tabled_calls_match_the_float64_reference(fn):  # noqa: ANN001
         low = ak.attention(q.to(dtype), k.to(dtype), v.to(dtype), is_causal=True, score_mod=fn,
                            backend="reference")
         assert_low_precision_close(out, low, ref)
+
+
+def test_tables_follow_the_flush_to_zero_mode(monkeypatch: pytest.MonkeyPatch):
+    """A table filled by an earlier call is not read under another float mode (FTZ / DAZ /
+    rounding): with flush-to-zero on, the tabled call gives the bits of the untabled one
+    (which computes every value afresh, flushed). One thread: the mode is per thread."""
+    def tiny(score, b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202
+        return score + (torch.exp(-(q_idx - kv_idx).abs().float()) * 1e-38) * 1e38
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(4)
+        q, k, v = (torch.randn(1, 1, 64, 16) for _ in range(3))
+        got = []
+        for untabled in (False, True):
+            if untabled:
+                _untabled(monkeypatch)
+            sm.clear()
+            torch.set_flush_denormal(False)
+            plain = ak.attention(q, k, v, score_mod=tiny)
+            torch.set_flush_denormal(True)
+            flushed = ak.attention(q, k, v, score_mod=tiny)
+            torch.set_flush_denormal(False)
+            got.append((plain, flushed))
+        sm.clear()
+    finally:
+        torch.set_flush_denormal(False)
+        torch.set_num_threads(threads)
+    (tab_plain, tab_flushed), (raw_plain, raw_flushed) = got
+    assert not torch.equal(raw_plain, raw_flushed)          # the mode changes the answer
+    assert torch.equal(tab_plain, raw_plain) and torch.equal(tab_flushed, raw_flushed)
+
+
+def test_the_fill_computes_only_what_the_tables_read():
+    """A flagging node outside every table's inputs (``h // 2``) does not cost the tables;
+    more than four tables are not made (per-thread memory)."""
+    def head_halves(score, b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202
+        return score + torch.sqrt((q_idx - kv_idx).abs().float()) + (h // 2)
+
+    def five(score, b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202
+        d = (q_idx - kv_idx).abs().float()
+        parts = [torch.where(score > i, torch.exp(-d * i), d.sqrt()) for i in range(5)]
+        return score + sum(parts)
+
+    assert "ak_fill" in _source(head_halves)
+    assert _plan(five) is None

@@ -43,9 +43,10 @@ Caution
 - Distance tables (:func:`distance_tables`, narrow variant only): a node of the distance
   ``q_idx − kv_idx`` alone (with b, h and literals) that holds a costly function is read
   from a per-thread table over the distance, filled by the same statements (so the same
-  values; ``-ffp-contract=off``) as rows ask for distances it lacks. A fill that would read
-  captured data or flag a row (an index, an integer division) is not made: those nodes stay
-  per key.
+  values; ``-ffp-contract=off``) as rows ask for distances it lacks; a change of the
+  thread's float mode (FTZ / DAZ / rounding) or of (b, h) where the table reads them starts
+  it afresh. A fill that would read captured data or flag a row (an index, an integer
+  division) is not made, nor more than four tables: those nodes stay per key.
 - Any op outside ``_UNARY`` / ``_BINARY`` / the casts raises :class:`Unsupported`; so does a
   captured 0-d tensor whose type promotion with a per-score value differs between the 0-d
   trace and torch's batched evaluation (0-d tensors do not promote dimensioned ones there).
@@ -398,6 +399,7 @@ def _op_name(node: fx.Node) -> str:
 # tables over t, computed as rows ask for distances not in them yet: a causal call over 4096
 # keys asks ~8k distances per thread for its 16.8M scores, and later calls none. The table
 # runs the same C statements, so it holds the same values (the build contracts no FMA).
+_MAX_TABLES = 4          # tables per score_mod (each AK_CAP values per thread: 64 KB float)
 _COSTLY = {"exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sqrt", "rsqrt", "tanh",
            "sigmoid", "sin", "cos", "erf", "pow"}
 
@@ -406,13 +408,15 @@ _COSTLY = {"exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sqrt", "rsq
 class _Tables:
     """The graph's distance tables (:func:`distance_tables`): ``sign`` each ``q_idx −
     kv_idx`` node (−1: it is −t) or ``kv_idx − q_idx`` (+1); ``local`` the nodes of t, b, h
-    and literals alone (computed by the tables' fill); ``tabled`` those read from a table
-    (costly, and used by a node outside ``local``); ``skip`` the nodes of t that only tabled
-    ones need (not computed per key); ``keyed`` whether the tables depend on (b, h)."""
+    and literals alone; ``tabled`` those read from a table (costly, and used by a node
+    outside ``local``); ``fill`` the local nodes they are computed from (the tables' fill);
+    ``skip`` the nodes of t that only tabled ones need (not computed per key); ``keyed``
+    whether the tables depend on (b, h)."""
 
     sign: dict[fx.Node, int]
     local: set[fx.Node]
     tabled: list[fx.Node]
+    fill: set[fx.Node]
     skip: set[fx.Node]
     keyed: tuple[bool, bool]
 
@@ -451,8 +455,15 @@ def distance_tables(gm: fx.GraphModule) -> _Tables | None:
                 n in costly or any(x in heavy for x in n.all_input_nodes)):
             heavy.add(n)
     tabled = [n for n in gm.graph.nodes if n in heavy and any(u not in local for u in n.users)]
-    if not tabled:
+    if not tabled or len(tabled) > _MAX_TABLES:
         return None
+    fill: set[fx.Node] = set()                              # what the tabled nodes read
+    todo = list(tabled)
+    while todo:
+        x = todo.pop()
+        if x in local and x not in fill:
+            fill.add(x)
+            todo.extend(x.all_input_nodes)
     need: set[fx.Node] = set()                              # computed per key all the same
     todo = [x for n in gm.graph.nodes if n not in local for x in n.all_input_nodes]
     while todo:
@@ -462,7 +473,7 @@ def distance_tables(gm: fx.GraphModule) -> _Tables | None:
             todo.extend(x.all_input_nodes)
     skip = {n for n in local if "t" in deps[n] and n not in need and n not in tabled}
     keyed = (any("b" in deps[n] for n in tabled), any("h" in deps[n] for n in tabled))
-    return _Tables(sign, local, tabled, skip, keyed)
+    return _Tables(sign, local, tabled, fill, skip, keyed)
 
 
 # ---------------------------------------------------------------- code generation
@@ -492,6 +503,7 @@ class Gen:
         self.cap_stores: list[torch.dtype] = []
         self.cap_types: list[str] = []
         self.exact = False
+        self.flags = False           # a statement may set the row's bad (an index, a //)
         self.n = 0
 
     def new(self, ct: str, expr: str, tangent: bool = False) -> str:
@@ -578,6 +590,7 @@ class Gen:
         return part
 
     def load(self, p: _Part) -> _Val:
+        self.flags = True                           # (ak_idx: an index out of range)
         off, stride = [], 1
         small = math.prod(p.shape) < 2**31          # every offset fits int32
         for d in range(len(p.shape) - 1, -1, -1):
@@ -654,14 +667,12 @@ class Gen:
         for n in self.gm.graph.nodes:
             if n in t.sign:
                 env[n] = _Val("t" if t.sign[n] > 0 else "(-t)", "int32_t", torch.int64, rng=span)
-            elif n in t.local:
+            elif n in t.fill:
                 for x in n.all_input_nodes:       # (a getattr of a per-score value: its
                     env.setdefault(x, None)       # dtype is the example's, not read here)
                 env[n] = self.node(n, env)
         vals = [env[n] for n in t.tabled]
-        text = " ".join(line for _, line in self.lines)
-        if self.caps or self.exact or "bad" in text or "big" in text or \
-                not all(isinstance(v, _Val) for v in vals):
+        if self.caps or self.exact or self.flags or not all(isinstance(v, _Val) for v in vals):
             raise Unsupported("the distance table would read captured data or flag a row")
         return vals
 
@@ -953,6 +964,7 @@ class Gen:
         """Integer // or %: through double, exact below 2^53 (int64 operands beyond set
         ``big``: the row runs again, exactly, see :func:`source`); an int64 node narrowed to
         int32 (operands and result within int32, never INT32_MIN // -1) by its int32 form."""
+        self.flags = True
         if ct == "int32_t" and dtype == torch.int64:
             return f"{f}32({A}, {B}, bad)"
         self.exact |= ct == "int64_t"
@@ -1316,13 +1328,18 @@ def _tables(gen: Gen, fn: str) -> str:
     stores = "".join(f"    T.v{k}[t - T.base] = ({v.ctype})({v.code});\n"
                      for k, v in enumerate(gen.table_vals))
     kb, kh = gen.tables.keyed
-    same = "T.hi > T.lo" + (" && T.b == b" if kb else "") + (" && T.h == h" if kh else "")
+    same = "T.hi > T.lo && T.mode == mode" + (" && T.b == b" if kb else "") + (
+        " && T.h == h" if kh else "")
     ptrs = "".join(f", T.v{k} + (t0 - T.base)" for k in range(len(gen.table_vals)))
     return (
         "#define AK_CAP 16384    // distances per table (per thread)\n"
         "#define AK_CHUNK 4096   // keys of a row per table lookup (<= AK_CAP)\n"
-        f"struct ak_tab {{ int32_t b, h, base, lo, hi;{fields} }};\n"
+        f"struct ak_tab {{ int32_t b, h, base, lo, hi; uint32_t mode;{fields} }};\n"
         "static thread_local ak_tab ak_T;   // (zeroed: nothing computed yet)\n"
+        "// the float environment the values depend on: MXCSR's FTZ, DAZ and rounding bits\n"
+        "static inline uint32_t ak_fp_mode() {\n"
+        "#if defined(__x86_64__) || defined(__i386__)\n"
+        "  return __builtin_ia32_stmxcsr() & 0xE040u;\n#else\n  return 0;\n#endif\n}\n"
         "// entries t0 <= t < t1, computed\n"
         "static void ak_fill(ak_tab& T, int32_t b, int32_t h, int32_t t0, int32_t t1) {\n"
         "  (void)b; (void)h;\n#pragma omp simd\n"
@@ -1330,6 +1347,7 @@ def _tables(gen: Gen, fn: str) -> str:
         "// the tables with distances [t0, t1) computed (t1 - t0 <= AK_CHUNK)\n"
         "static inline const ak_tab& ak_table(int32_t b, int32_t h, int32_t t0, int32_t t1) {\n"
         "  ak_tab& T = ak_T;\n"
+        "  const uint32_t mode = ak_fp_mode();   // (another FTZ/DAZ/rounding mode: afresh)\n"
         f"  const bool same = {same};\n"
         "  if (same && t0 >= T.lo && t1 <= T.hi) return T;\n"
         "  const int32_t lo = t0 < T.lo ? t0 : T.lo, hi = t1 > T.hi ? t1 : T.hi;\n"
@@ -1337,7 +1355,8 @@ def _tables(gen: Gen, fn: str) -> str:
         "    if (t0 < T.lo) ak_fill(T, b, h, t0, T.lo);\n"
         "    if (t1 > T.hi) ak_fill(T, b, h, T.hi, t1);\n"
         "    T.lo = lo;\n    T.hi = hi;\n    return T;\n  }\n"
-        "  T.b = b;\n  T.h = h;\n  T.base = t0 - (AK_CAP - (t1 - t0)) / 2;   // afresh, centred\n"
+        "  T.b = b;\n  T.h = h;\n  T.mode = mode;\n"
+        "  T.base = t0 - (AK_CAP - (t1 - t0)) / 2;   // afresh, centred\n"
         "  T.lo = t0;\n  T.hi = t1;\n  ak_fill(T, b, h, t0, t1);\n  return T;\n}\n"
         "template <bool E>\n"
         f"static inline int {fn}({S}* __restrict x, {S}* __restrict dx, int64_t n,\n"
