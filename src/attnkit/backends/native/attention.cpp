@@ -131,11 +131,11 @@ inline bool head_cache_allowed() {
   return !(e && std::string(e) == "0");
 }
 
-// The GEMM loops' choices (T GEMMs: path, from lowp_path<T>; the head cache) are made only
-// for items of 16 rows or more: the dot loops (a decode call) use neither, and skip the
+// The GEMM loops' choices (T GEMMs: path(), lowp_path<T>; the head cache) are made only for
+// items of 16 rows or more: the dot loops (a decode call) use neither, and skip the
 // environment reads and the path's copy (a cold call's cache misses, every call).
-template <typename A> void plan_forward(Args<A>& a, int64_t splits, int64_t block_q,
-                                        const LowpPath* path) {
+template <typename A, typename PathFn>
+void plan_forward(Args<A>& a, int64_t splits, int64_t block_q, PathFn path_of) {
   a.rows = std::max<int64_t>(1, std::min(block_q, a.Nq));
   a.n_qblocks = (a.Nq + a.rows - 1) / a.rows;
   a.splits = std::max<int64_t>(1, std::min(splits, a.Nk));
@@ -143,11 +143,10 @@ template <typename A> void plan_forward(Args<A>& a, int64_t splits, int64_t bloc
   a.splits = (a.Nk + a.split_len - 1) / a.split_len;
   a.lowp = a.lowp_onednn_pack = a.lowp_emulate = a.cache_kt = false;
   if (a.G * a.rows < 16) return;                          // fewer rows: dot products (decode)
-  if (path) {
-    a.lowp = path->gemm;
-    a.lowp_onednn_pack = path->onednn_pack;
-    a.lowp_emulate = path->emulate;
-  }
+  const LowpPath path = path_of();
+  a.lowp = path.gemm;
+  a.lowp_onednn_pack = path.onednn_pack;
+  a.lowp_emulate = path.emulate;
   const i64 head_bytes = a.lowp ? (round_up(a.Dk, 2) + round_up(a.Dv, NB)) * a.NKP * 2  // lowp.h
                                 : a.Dk * a.NKP * i64(sizeof(A));
   a.cache_kt = head_cache_allowed() && head_bytes * std::max(1, at::get_num_threads()) <= (64 << 20);
@@ -175,12 +174,7 @@ attend(const Tensor& q, const Tensor& k, const Tensor& v, double scale, double s
     Args<A> a = make_args<A>(q, k, v, scale, softcap, alibi, alibi_offset, rel,
                              rel_max_distance, bias, band_lo, band_hi, kv_len, q_len, q_doc,
                              k_doc, mask, score_mod, score_mod_caps);
-    if (a.G * std::max<int64_t>(1, std::min(block_q, a.Nq)) >= 16) {   // GEMM loops
-      const LowpPath path = lowp_path<T>();
-      plan_forward(a, splits, block_q, &path);
-    } else {
-      plan_forward(a, splits, block_q, nullptr);
-    }
+    plan_forward(a, splits, block_q, [] { return lowp_path<T>(); });
     if constexpr (Screened) {
       out_read = a.splits == 1;
       a.q_bad = &bad[0];

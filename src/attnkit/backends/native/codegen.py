@@ -407,14 +407,13 @@ _COSTLY = {"exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sqrt", "rsq
 @dataclass
 class _Tables:
     """The graph's distance tables (:func:`distance_tables`): ``sign`` each ``q_idx −
-    kv_idx`` node (−1: it is −t) or ``kv_idx − q_idx`` (+1); ``local`` the nodes of t, b, h
-    and literals alone; ``tabled`` those read from a table (costly, and used by a node
-    outside ``local``); ``fill`` the local nodes they are computed from (the tables' fill);
-    ``skip`` the nodes of t that only tabled ones need (not computed per key); ``keyed``
-    whether the tables depend on (b, h)."""
+    kv_idx`` node (−1: it is −t) or ``kv_idx − q_idx`` (+1); ``tabled`` the nodes read from
+    a table (costly, of t, b, h and literals alone, and used by a node that is not);
+    ``fill`` the nodes they are computed from (the tables' fill); ``skip`` the nodes of t
+    that only tabled ones need (not computed per key); ``keyed`` whether the tables depend
+    on (b, h)."""
 
     sign: dict[fx.Node, int]
-    local: set[fx.Node]
     tabled: list[fx.Node]
     fill: set[fx.Node]
     skip: set[fx.Node]
@@ -457,23 +456,25 @@ def distance_tables(gm: fx.GraphModule) -> _Tables | None:
     tabled = [n for n in gm.graph.nodes if n in heavy and any(u not in local for u in n.users)]
     if not tabled or len(tabled) > _MAX_TABLES:
         return None
-    fill: set[fx.Node] = set()                              # what the tabled nodes read
-    todo = list(tabled)
-    while todo:
-        x = todo.pop()
-        if x in local and x not in fill:
-            fill.add(x)
-            todo.extend(x.all_input_nodes)
-    need: set[fx.Node] = set()                              # computed per key all the same
-    todo = [x for n in gm.graph.nodes if n not in local for x in n.all_input_nodes]
-    while todo:
-        x = todo.pop()
-        if x not in need and x not in tabled:
-            need.add(x)
-            todo.extend(x.all_input_nodes)
+    fill = _inputs_of(tabled, lambda x: x in local)         # what the tabled nodes read
+    need = _inputs_of([x for n in gm.graph.nodes if n not in local for x in n.all_input_nodes],
+                      lambda x: x not in tabled)            # computed per key all the same
     skip = {n for n in local if "t" in deps[n] and n not in need and n not in tabled}
     keyed = (any("b" in deps[n] for n in tabled), any("h" in deps[n] for n in tabled))
-    return _Tables(sign, local, tabled, fill, skip, keyed)
+    return _Tables(sign, tabled, fill, skip, keyed)
+
+
+def _inputs_of(start: list[fx.Node], keep: Any) -> set[fx.Node]:
+    """``start`` and the nodes they read, transitively, walking only through nodes ``keep``
+    accepts."""
+    got: set[fx.Node] = set()
+    todo = list(start)
+    while todo:
+        x = todo.pop()
+        if x not in got and keep(x):
+            got.add(x)
+            todo.extend(x.all_input_nodes)
+    return got
 
 
 # ---------------------------------------------------------------- code generation
@@ -656,8 +657,8 @@ class Gen:
         return got
 
     def fill(self, t: _Tables) -> list[_Val]:
-        """Run as the tables' fill (a fresh Gen): the ``local`` nodes with t in ``t`` (the
-        distance kv − q, int32: the narrow variant's) → the tabled nodes' values; raises
+        """Run as the tables' fill (a fresh Gen): ``t.fill``'s nodes with t (the distance
+        kv − q, int32: the narrow variant's) → the tabled nodes' values; raises
         Unsupported where a statement would read captured data or flag the row."""
         assert self.limit is not None
         env: dict[fx.Node, Any] = dict(zip(

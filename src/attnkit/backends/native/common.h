@@ -247,6 +247,21 @@ inline vf load_vec(const at::Half* p) {
 #endif
 }
 
+// bf16 loaded as they lie (32-bit lane i: dims 2i, 2i + 1) -> the floats of the even dims
+// (x << 16) and of the odd dims (x & 0xffff0000), exact: the bf16 loops' pairs form.
+#if defined(__AVX512F__)
+inline void bf16_pairs(__m512i x, __m512& even, __m512& odd) {
+  even = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+  odd = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(int32_t(0xffff0000u))));
+}
+#endif
+#if defined(__AVX2__)
+inline void bf16_pairs(__m256i x, __m256& even, __m256& odd) {
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(int32_t(0xffff0000u))));
+}
+#endif
+
 // ------------------------------------------------------------------ dtype conversion
 // dst[0:n] = A(src[0:n]), dst[n:npad] = 0 (A = compute_t<T>).
 template <typename T, typename A> inline void row_to_compute(const T* src, A* dst, i64 n,

@@ -250,17 +250,13 @@ template <int RB>
 inline void dots_pairs16(const float* qp, i64 Dk, i64 DKE, const at::BFloat16* const (&kj)[16],
                          float* s) {
   constexpr int KEYS = 16 / RB;
-  const __m512i odd = _mm512_set1_epi32(int32_t(0xffff0000u));
   for (int u0 = 0; u0 < 16; u0 += KEYS) {                  // keys [u0, u0 + KEYS)
     __m512 acc[16];                                        // acc[r * KEYS + u]
     for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
     for (i64 d = 0; d < Dk; d += KD) {                     // (RB, KD) . (KD, KEYS)
       __m512 ke[KEYS], ko[KEYS];
-      for (int u = 0; u < KEYS; ++u) {
-        const __m512i x = (__m512i)load_pairs(kj[u0 + u] + d, Dk - d);
-        ke[u] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
-        ko[u] = _mm512_castsi512_ps(_mm512_and_si512(x, odd));
-      }
+      for (int u = 0; u < KEYS; ++u)
+        bf16_pairs((__m512i)load_pairs(kj[u0 + u] + d, Dk - d), ke[u], ko[u]);
       for (int r = 0; r < RB; ++r) {
         const __m512 qe = _mm512_loadu_ps(qp + r * DKE + d), qo = _mm512_loadu_ps(qp + r * DKE + d + 16);
         for (int u = 0; u < KEYS; ++u)
@@ -424,17 +420,13 @@ inline void values_pairs(const Args<float>& a, const Rows& rows, i64 j0, i64 j1,
   }
   __mmask32 m[DC];
   for (int c = 0; c < DC; ++c) m[c] = ch[c].v;
-  const __m512i odd = _mm512_set1_epi32(int32_t(0xffff0000u));
   const float* p = buf.s.data() + r0 * BK;
   for (i64 j = j0; j < j1; ++j) {                          // key j: V row (DC * 32 dims)
     const at::BFloat16* vr = rows.v(j) + d0;
     __m512 ve[DC], vo[DC];
 #pragma GCC unroll 4
-    for (int c = 0; c < DC; ++c) {
-      const __m512i x = _mm512_maskz_loadu_epi16(m[c], vr + c * KD);
-      ve[c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
-      vo[c] = _mm512_castsi512_ps(_mm512_and_si512(x, odd));
-    }
+    for (int c = 0; c < DC; ++c)
+      bf16_pairs(_mm512_maskz_loadu_epi16(m[c], vr + c * KD), ve[c], vo[c]);
 #pragma GCC unroll 8
     for (int i = 0; i < N; ++i) {
       const __m512 pr = _mm512_set1_ps(p[i / DC * BK + j]);

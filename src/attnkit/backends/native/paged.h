@@ -430,14 +430,14 @@ inline void split_q(const Args<float>& a, i64 R, Buffers<float>& buf) {
 // exact, from one load (k_pairs).
 inline void pairs_of(const at::BFloat16* p, vf& even, vf& odd) {
 #if defined(__AVX512F__)
-  const __m512i x = _mm512_loadu_si512(p);
-  even = (vf)_mm512_slli_epi32(x, 16);
-  odd = (vf)_mm512_and_si512(x, _mm512_set1_epi32(int32_t(0xffff0000u)));
+  __m512 e, o;
+  bf16_pairs(_mm512_loadu_si512(p), e, o);
 #else
-  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  even = (vf)_mm256_slli_epi32(x, 16);
-  odd = (vf)_mm256_and_si256(x, _mm256_set1_epi32(int32_t(0xffff0000u)));
+  __m256 e, o;
+  bf16_pairs(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), e, o);
 #endif
+  even = (vf)e;
+  odd = (vf)o;
 }
 #endif
 
