@@ -329,6 +329,92 @@ def test_entries_past_a_rows_pages_are_not_checked():
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+def test_a_table_changed_in_place_after_passing_is_checked_again():
+    # a call that passed is remembered by the table's bytes: the same tensor changed in place
+    # (through a numpy view too, which torch's version counter does not see) is refused
+    k_pages, v_pages, table, q, kn, vn = _bad_call_setup()
+    kw = dict(cache_seqlens=torch.tensor([5, 4]), block_table=table)
+    ak.attention_with_kvcache(q, k_pages, v_pages, kn, vn, **kw)
+    good = table.clone()
+    table.numpy()[1, 1] = int(table[0, 1])         # row 1 writes into row 0's last page
+    _assert_refused(k_pages, v_pages, "used by two sequences without a fork", q, k_pages,
+                    v_pages, kn, vn, **kw)
+    table.copy_(good)
+    ak.attention_with_kvcache(q, k_pages, v_pages, kn, vn, **kw)
+    table[1, 0] = k_pages.shape[0]
+    _assert_refused(k_pages, v_pages, r"block_table\[1, 0\] = \d+ is out of range", q,
+                    k_pages, v_pages, kn, vn, **kw)
+    table.copy_(good)                               # the same bytes, more pages read
+    _assert_refused(k_pages, v_pages, "longer than its pages", q, k_pages, v_pages, kn, vn,
+                    cache_seqlens=torch.tensor([5, 6]), block_table=table)
+
+
+def test_a_repeated_table_is_checked_once(monkeypatch):
+    # the block-table check runs once per (table, pages read, first page written): a step
+    # over the same pages again skips it; a step that reaches another page checks again
+    import attnkit.serving as serving
+
+    k_pages, v_pages, table, q, kn, vn = _bad_call_setup()
+    checks = []
+    real = serving._pages_ok
+    monkeypatch.setattr(serving, "_pages_ok", lambda *a: checks.append(1) or real(*a))
+    serving._CHECKED.clear()
+    # pages of 3: row 0 with 3 + 1 tokens reads 2 pages, writes into page 1; with 2 + 1
+    # it reads 1, writes into page 0; with 5 + 1 it reads and writes as with 3 + 1
+    for lens in ([3, 4], [3, 4], [2, 4], [5, 4]):
+        ak.attention_with_kvcache(q, k_pages, v_pages, kn, vn,
+                                  cache_seqlens=torch.tensor(lens), block_table=table)
+    assert len(checks) == 2 and len(serving._CHECKED) == 2
+
+
+def test_cascade_steps_over_one_table_with_other_query_counts_equal_the_reference():
+    # the native call's layout is kept for the next step over the same pages: a step with
+    # another number of queries per row (the same pages) must not reuse it
+    cache, seqs = _forked_batch(DT, n_new=0)
+    table = cache.block_table(seqs)
+    for n_q in (1, 2, 1, 3):
+        lens = cache.seqlens(seqs)
+        q = torch.randn(len(seqs), n_q, 4, 8, dtype=DT)
+        out = ak.attention_with_kvcache(q, cache.k_pages, cache.v_pages, cache_seqlens=lens,
+                                        block_table=table, causal=True)
+        for b, s in enumerate(seqs):
+            kk, vv = cache.gather(s)
+            want, _ = _reference(q[b], kk, vv, causal=True)
+            torch.testing.assert_close(out[b], want, rtol=1e-10, atol=1e-10)
+
+
+def test_paged_cache_state_changes_after_a_passed_table_are_seen():
+    # check_block_table remembers a passed table until the refcounts change: a free, a fork
+    # or a truncate after it makes the same table's next call checked (and refused) again
+    cache = ak.PagedKVCache(8, 2, 1, 4, dtype=DT)
+    a, b = cache.new_sequence(), cache.new_sequence()
+    for s in (a, b):
+        cache.append(s, torch.randn(3, 1, 4, dtype=DT), torch.randn(3, 1, 4, dtype=DT))
+    q = torch.randn(1, 1, 1, 4, dtype=DT)
+    kn = torch.randn(1, 1, 1, 4, dtype=DT)
+    tb = cache.block_table([b])
+    ak.attention_with_kvcache(q, cache.k_pages, cache.v_pages, cache_seqlens=torch.tensor([3]),
+                              block_table=tb)
+    cache.free(b)
+    _assert_refused(cache.k_pages, cache.v_pages, "which is free", q, cache.k_pages,
+                    cache.v_pages, cache_seqlens=torch.tensor([3]), block_table=tb)
+    ta = cache.block_table([a])                     # a writes its 4th token into page 1
+    cache.reserve([a], 1)
+    ak.attention_with_kvcache(q, cache.k_pages, cache.v_pages, kn, kn.clone(),
+                              cache_seqlens=torch.tensor([3]), block_table=ta)
+    c = cache.fork(a)                               # page 1 is shared now
+    _assert_refused(cache.k_pages, cache.v_pages, "sequences share", q, cache.k_pages,
+                    cache.v_pages, kn, kn.clone(), cache_seqlens=torch.tensor([3]),
+                    block_table=ta)
+    cache.free(c)
+    ak.attention_with_kvcache(q, cache.k_pages, cache.v_pages, kn, kn.clone(),
+                              cache_seqlens=torch.tensor([3]), block_table=ta)
+    cache.truncate(a, 2)                            # page 1 is free again
+    _assert_refused(cache.k_pages, cache.v_pages, "which is free", q, cache.k_pages,
+                    cache.v_pages, kn, kn.clone(), cache_seqlens=torch.tensor([3]),
+                    block_table=ta)
+
+
 def test_paged_cache_state_errors_freed_page_and_shared_without_fork():
     cache = ak.PagedKVCache(8, 2, 1, 4, dtype=DT)
     a, b = cache.new_sequence(), cache.new_sequence()
