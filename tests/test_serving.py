@@ -347,6 +347,11 @@ def test_a_table_changed_in_place_after_passing_is_checked_again():
     table.copy_(good)                               # the same bytes, more pages read
     _assert_refused(k_pages, v_pages, "longer than its pages", q, k_pages, v_pages, kn, vn,
                     cache_seqlens=torch.tensor([5, 6]), block_table=table)
+    table[1, 1] = -1                                # reads only (no write): 1 page, then 2
+    ak.attention_with_kvcache(q, k_pages, v_pages, cache_seqlens=torch.tensor([5, 3]),
+                              block_table=table)
+    _assert_refused(k_pages, v_pages, "-1 is padding", q, k_pages, v_pages,
+                    cache_seqlens=torch.tensor([5, 4]), block_table=table)
 
 
 def test_a_repeated_table_is_checked_once(monkeypatch):
@@ -406,9 +411,22 @@ def test_paged_cache_state_changes_after_a_passed_table_are_seen():
     _assert_refused(cache.k_pages, cache.v_pages, "sequences share", q, cache.k_pages,
                     cache.v_pages, kn, kn.clone(), cache_seqlens=torch.tensor([3]),
                     block_table=ta)
+    both = cache.block_table([a, c])                # read by both: fine while shared
+    ak.attention_with_kvcache(q.expand(2, -1, -1, -1), cache.k_pages, cache.v_pages,
+                              cache_seqlens=torch.tensor([3, 3]), block_table=both)
+    cache.reserve([c], 1)                           # c copies page 1: a holds it alone
+    _assert_refused(cache.k_pages, cache.v_pages, "must come from cache.fork",
+                    q.expand(2, -1, -1, -1), cache.k_pages, cache.v_pages,
+                    cache_seqlens=torch.tensor([3, 3]), block_table=both)
     cache.free(c)
     ak.attention_with_kvcache(q, cache.k_pages, cache.v_pages, kn, kn.clone(),
                               cache_seqlens=torch.tensor([3]), block_table=ta)
+    tf = ta.clone()                                 # the same tensor changed in place
+    ak.attention_with_kvcache(q, cache.k_pages, cache.v_pages, cache_seqlens=torch.tensor([3]),
+                              block_table=tf)
+    tf.numpy()[0, 0] = tb[0, 0]                     # one of b's freed pages
+    _assert_refused(cache.k_pages, cache.v_pages, "which is free", q, cache.k_pages,
+                    cache.v_pages, cache_seqlens=torch.tensor([3]), block_table=tf)
     cache.truncate(a, 2)                            # page 1 is free again
     _assert_refused(cache.k_pages, cache.v_pages, "which is free", q, cache.k_pages,
                     cache.v_pages, kn, kn.clone(), cache_seqlens=torch.tensor([3]),
