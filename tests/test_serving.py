@@ -388,6 +388,22 @@ def test_cascade_steps_over_one_table_with_other_query_counts_equal_the_referenc
             torch.testing.assert_close(out[b], want, rtol=1e-10, atol=1e-10)
 
 
+def test_forks_with_more_queries_than_keys_share_no_prefix():
+    # causal varlen rows over forked pages whose first queries see no key at all: no prefix
+    # every query sees (was a prefix of -2 pages, refused by the kernel), each row as alone
+    cache = ak.PagedKVCache(16, 1, 1, 4, dtype=DT)
+    root = cache.new_sequence()
+    cache.append(root, torch.randn(2, 1, 4, dtype=DT), torch.randn(2, 1, 4, dtype=DT))
+    seqs = [root, cache.fork(root)]
+    q = torch.randn(10, 1, 4, dtype=DT)
+    out = ak.attention_varlen(q, cache.k_pages, cache.v_pages, [0, 5, 10], [0, 2, 4],
+                              block_table=cache.block_table(seqs), causal=True)
+    kk, vv = cache.gather(root)
+    for b in range(2):
+        want, _ = _reference(q[5 * b: 5 * b + 5], kk, vv, causal=True)
+        torch.testing.assert_close(out[5 * b: 5 * b + 5], want, rtol=1e-10, atol=1e-10)
+
+
 def test_paged_cache_state_changes_after_a_passed_table_are_seen():
     # check_block_table remembers a passed table until the refcounts change: a free, a fork
     # or a truncate after it makes the same table's next call checked (and refused) again

@@ -421,23 +421,36 @@ def _shared_prefixes(qs: list[torch.Tensor], pages: list[list[int]], lengths: li
                      block_size: int, right: int) -> list[tuple[list[int], int]]:
     """Groups of rows whose leading pages are the same pool pages (forks), each with how many
     of those pages every query of every row in it sees → ``[(rows, n_pages), ...]``."""
+    # whole pages every query of row b sees (bottom-right: query 0 sees j <= N_k − N_q +
+    # right), None for a row that shares nothing (no query, or less than a page): with the
+    # pages, all the groups depend on
+    seen = tuple((n if right == -1 else min(n, n - q.shape[0] + 1 + right)) // block_size
+                 if n >= block_size and q.shape[0] > 0 else None
+                 for n, q in zip(lengths, qs, strict=True))
+    last = _LAST_PREFIXES[0]
+    if last is not None and last[0] is pages and last[1] == seen:
+        return last[2]                                  # type: ignore[no-any-return]
     groups: dict[int, list[int]] = {}
     for b, row in enumerate(pages):
-        if row and lengths[b] >= block_size and qs[b].shape[0] > 0:
+        if row and seen[b] is not None:
             groups.setdefault(row[0], []).append(b)
     found = []
     for rows in groups.values():
         if len(rows) < 2:
             continue
-        # keys every query of every row sees: bottom-right, query 0 sees j <= N_k − N_q + r
-        cap = min(lengths[b] if right == -1 else
-                  min(lengths[b], lengths[b] - qs[b].shape[0] + 1 + right) for b in rows)
-        most = cap // block_size                   # whole pages every query sees
+        most = min(seen[b] for b in rows)               # whole pages every query sees
         # the rows' common leading pages (commonprefix compares lists element-wise)
-        n_pages = min(most, len(os.path.commonprefix([pages[b][:most] for b in rows])))
-        if n_pages:
+        n_pages = min(most, len(os.path.commonprefix([pages[b][:max(0, most)] for b in rows])))
+        if n_pages > 0:
             found.append((rows, n_pages))
+    _LAST_PREFIXES[0] = (pages, seen, found)
     return found
+
+
+# the last call's (pages, whole pages each row sees, groups): a decode step over the pages
+# of the step before (the same list: _CHECKED) within the same pages reuses them (finding
+# 16 forks' common pages compares 256 entries a row in Python: 0.03 ms)
+_LAST_PREFIXES: list[Any] = [None]
 
 
 def _use_native(qs: list[torch.Tensor], k_pool: torch.Tensor, backend: str) -> bool:
