@@ -39,8 +39,13 @@ A contiguous cache always takes that route (views, no copy).
 
 Caution
 -------
-- The block table is validated in Python before anything is written (``.tolist()`` of
-  it, a check per sequence): a few hundred µs for a large batch.
+- The block table is validated in Python before anything is written (NumPy on the
+  table; the row-by-row checks that name what is wrong only when that fails): tens of µs
+  for a large batch. A table that passed is remembered by its bytes with the pages each row
+  reads and writes from (the last 8 tables of up to 65536 entries), so a decode step over
+  the table of the step before is not checked again; a table changed in place has other
+  bytes and is checked anew (a PagedKVCache's own checks also anew after any change of its
+  page refcounts).
 - Fallback only: batched decode rows are gathered into a workspace kept per pool (a
   PagedKVCache's, or one held while a raw pool tensor lives), as large as the largest
   batch's padded keys; and one engine call per sequence with several queries (on a small
@@ -502,6 +507,7 @@ class _Layout:
             for i, p in enumerate(lists):
                 flat[i * width: i * width + len(p)] = array.array("q", p)
             self.table = torch.frombuffer(flat, dtype=torch.int64).view(len(lists), width)
+        self.cu_t = torch.tensor(self.cu, dtype=torch.int64)
         g = len(groups)                                 # prefix query i -> its row's query
         self.src = torch.arange(self.cu[0], self.cu[g])
         self.dst = torch.tensor([self.cu[g + b] + i for rows, _ in groups for b in rows
@@ -550,7 +556,7 @@ def _attend_rows_native(qs: list[torch.Tensor], k_pool: torch.Tensor, v_pool: to
     # (slopes (B, H_q) are per row = per sequence: no prefix is shared with ALiBi)
     out, lse = _native.paged_attention(
         torch.cat(pieces) if len(pieces) > 1 else pieces[0], k_pool, v_pool,   # one copy
-        lay.table, lay.cu, n_keys, q_positions=q_pos, scale=scale, softcap=softcap or None,
+        lay.table, lay.cu_t, n_keys, q_positions=q_pos, scale=scale, softcap=softcap or None,
         alibi_slopes=slopes, window=window)
     start = lay.cu[len(groups)]
     if groups:
