@@ -370,6 +370,17 @@ def test_a_repeated_table_is_checked_once(monkeypatch):
         ak.attention_with_kvcache(q, k_pages, v_pages, kn, vn,
                                   cache_seqlens=torch.tensor(lens), block_table=table)
     assert len(checks) == 2 and len(serving._CHECKED) == 2
+    for n in range(20):                             # other tables: at most 8 kept
+        wide = torch.cat([table, torch.full((2, n + 1), -1, dtype=table.dtype)], dim=1)
+        ak.attention_with_kvcache(q, k_pages, v_pages, cache_seqlens=torch.tensor([3, 4]),
+                                  block_table=wide)
+        assert 1 <= len(serving._CHECKED) <= serving._CHECKED_MAX
+    monkeypatch.setattr(serving, "_CHECKED_ENTRIES", table.numel() - 1)
+    serving._CHECKED.clear()                        # a table over the size kept: checked
+    for _ in range(2):                              # every call
+        ak.attention_with_kvcache(q, k_pages, v_pages, cache_seqlens=torch.tensor([3, 4]),
+                                  block_table=table)
+    assert len(checks) == 2 + 20 + 2 and not serving._CHECKED
 
 
 def test_cascade_steps_over_one_table_with_other_query_counts_equal_the_reference():

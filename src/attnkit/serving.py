@@ -42,7 +42,7 @@ Caution
 - The block table is validated in Python before anything is written (NumPy on the
   table; the row-by-row checks that name what is wrong only when that fails): tens of µs
   for a large batch. A table that passed is remembered by its bytes with the pages each row
-  reads and writes from (the last 8 tables of up to 65536 entries), so a decode step over
+  reads and writes from (up to 8 tables of up to 65536 entries), so a decode step over
   the table of the step before is not checked again; a table changed in place has other
   bytes and is checked anew (a PagedKVCache's own checks also anew after any change of its
   page refcounts).
@@ -217,7 +217,7 @@ def _check_pages(block_table: Any, batch: int, num_blocks: int, block_size: int,
         pages = [row[:n] for row, n in zip(rows, need, strict=True)]
         if key is not None:
             if len(_CHECKED) >= _CHECKED_MAX:
-                del _CHECKED[next(iter(_CHECKED))]                         # the oldest
+                _CHECKED.clear()                          # (no iteration: other threads)
             _CHECKED[key] = pages
         return pages
     pages: list[list[int]] = []
