@@ -329,6 +329,137 @@ def test_entries_past_a_rows_pages_are_not_checked():
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+def test_a_table_changed_in_place_after_passing_is_checked_again():
+    # a call that passed is remembered by the table's bytes: the same tensor changed in place
+    # (through a numpy view too, which torch's version counter does not see) is refused
+    k_pages, v_pages, table, q, kn, vn = _bad_call_setup()
+    kw = dict(cache_seqlens=torch.tensor([5, 4]), block_table=table)
+    ak.attention_with_kvcache(q, k_pages, v_pages, kn, vn, **kw)
+    good = table.clone()
+    table.numpy()[1, 1] = int(table[0, 1])         # row 1 writes into row 0's last page
+    _assert_refused(k_pages, v_pages, "used by two sequences without a fork", q, k_pages,
+                    v_pages, kn, vn, **kw)
+    table.copy_(good)
+    ak.attention_with_kvcache(q, k_pages, v_pages, kn, vn, **kw)
+    table[1, 0] = k_pages.shape[0]
+    _assert_refused(k_pages, v_pages, r"block_table\[1, 0\] = \d+ is out of range", q,
+                    k_pages, v_pages, kn, vn, **kw)
+    table.copy_(good)                               # the same bytes, more pages read
+    _assert_refused(k_pages, v_pages, "longer than its pages", q, k_pages, v_pages, kn, vn,
+                    cache_seqlens=torch.tensor([5, 6]), block_table=table)
+    table[1, 1] = -1                                # reads only (no write): 1 page, then 2
+    ak.attention_with_kvcache(q, k_pages, v_pages, cache_seqlens=torch.tensor([5, 3]),
+                              block_table=table)
+    _assert_refused(k_pages, v_pages, "-1 is padding", q, k_pages, v_pages,
+                    cache_seqlens=torch.tensor([5, 4]), block_table=table)
+
+
+def test_a_repeated_table_is_checked_once(monkeypatch):
+    # the block-table check runs once per (table, pages read, first page written): a step
+    # over the same pages again skips it; a step that reaches another page checks again
+    import attnkit.serving as serving
+
+    k_pages, v_pages, table, q, kn, vn = _bad_call_setup()
+    checks = []
+    real = serving._pages_ok
+    monkeypatch.setattr(serving, "_pages_ok", lambda *a: checks.append(1) or real(*a))
+    serving._CHECKED.clear()
+    # pages of 3: row 0 with 3 + 1 tokens reads 2 pages, writes into page 1; with 2 + 1
+    # it reads 1, writes into page 0; with 5 + 1 it reads and writes as with 3 + 1
+    for lens in ([3, 4], [3, 4], [2, 4], [5, 4]):
+        ak.attention_with_kvcache(q, k_pages, v_pages, kn, vn,
+                                  cache_seqlens=torch.tensor(lens), block_table=table)
+    assert len(checks) == 2 and len(serving._CHECKED) == 2
+    for n in range(20):                             # other tables: at most 8 kept
+        wide = torch.cat([table, torch.full((2, n + 1), -1, dtype=table.dtype)], dim=1)
+        ak.attention_with_kvcache(q, k_pages, v_pages, cache_seqlens=torch.tensor([3, 4]),
+                                  block_table=wide)
+        assert 1 <= len(serving._CHECKED) <= serving._CHECKED_MAX
+    monkeypatch.setattr(serving, "_CHECKED_ENTRIES", table.numel() - 1)
+    serving._CHECKED.clear()                        # a table over the size kept: checked
+    for _ in range(2):                              # every call
+        ak.attention_with_kvcache(q, k_pages, v_pages, cache_seqlens=torch.tensor([3, 4]),
+                                  block_table=table)
+    assert len(checks) == 2 + 20 + 2 and not serving._CHECKED
+
+
+def test_cascade_steps_over_one_table_with_other_query_counts_equal_the_reference():
+    # the native call's layout is kept for the next step over the same pages: a step with
+    # another number of queries per row (the same pages) must not reuse it
+    cache, seqs = _forked_batch(DT, n_new=0)
+    table = cache.block_table(seqs)
+    for n_q in (1, 2, 1, 3):
+        lens = cache.seqlens(seqs)
+        q = torch.randn(len(seqs), n_q, 4, 8, dtype=DT)
+        out = ak.attention_with_kvcache(q, cache.k_pages, cache.v_pages, cache_seqlens=lens,
+                                        block_table=table, causal=True)
+        for b, s in enumerate(seqs):
+            kk, vv = cache.gather(s)
+            want, _ = _reference(q[b], kk, vv, causal=True)
+            torch.testing.assert_close(out[b], want, rtol=1e-10, atol=1e-10)
+
+
+def test_forks_with_more_queries_than_keys_share_no_prefix():
+    # causal varlen rows over forked pages whose first queries see no key at all: no prefix
+    # every query sees (was a prefix of -2 pages, refused by the kernel), each row as alone
+    cache = ak.PagedKVCache(16, 1, 1, 4, dtype=DT)
+    root = cache.new_sequence()
+    cache.append(root, torch.randn(2, 1, 4, dtype=DT), torch.randn(2, 1, 4, dtype=DT))
+    seqs = [root, cache.fork(root)]
+    q = torch.randn(10, 1, 4, dtype=DT)
+    out = ak.attention_varlen(q, cache.k_pages, cache.v_pages, [0, 5, 10], [0, 2, 4],
+                              block_table=cache.block_table(seqs), causal=True)
+    kk, vv = cache.gather(root)
+    for b in range(2):
+        want, _ = _reference(q[5 * b: 5 * b + 5], kk, vv, causal=True)
+        torch.testing.assert_close(out[5 * b: 5 * b + 5], want, rtol=1e-10, atol=1e-10)
+
+
+def test_paged_cache_state_changes_after_a_passed_table_are_seen():
+    # check_block_table remembers a passed table until the refcounts change: a free, a fork
+    # or a truncate after it makes the same table's next call checked (and refused) again
+    cache = ak.PagedKVCache(8, 2, 1, 4, dtype=DT)
+    a, b = cache.new_sequence(), cache.new_sequence()
+    for s in (a, b):
+        cache.append(s, torch.randn(3, 1, 4, dtype=DT), torch.randn(3, 1, 4, dtype=DT))
+    q = torch.randn(1, 1, 1, 4, dtype=DT)
+    kn = torch.randn(1, 1, 1, 4, dtype=DT)
+    tb = cache.block_table([b])
+    ak.attention_with_kvcache(q, cache.k_pages, cache.v_pages, cache_seqlens=torch.tensor([3]),
+                              block_table=tb)
+    cache.free(b)
+    _assert_refused(cache.k_pages, cache.v_pages, "which is free", q, cache.k_pages,
+                    cache.v_pages, cache_seqlens=torch.tensor([3]), block_table=tb)
+    ta = cache.block_table([a])                     # a writes its 4th token into page 1
+    cache.reserve([a], 1)
+    ak.attention_with_kvcache(q, cache.k_pages, cache.v_pages, kn, kn.clone(),
+                              cache_seqlens=torch.tensor([3]), block_table=ta)
+    c = cache.fork(a)                               # page 1 is shared now
+    _assert_refused(cache.k_pages, cache.v_pages, "sequences share", q, cache.k_pages,
+                    cache.v_pages, kn, kn.clone(), cache_seqlens=torch.tensor([3]),
+                    block_table=ta)
+    both = cache.block_table([a, c])                # read by both: fine while shared
+    ak.attention_with_kvcache(q.expand(2, -1, -1, -1), cache.k_pages, cache.v_pages,
+                              cache_seqlens=torch.tensor([3, 3]), block_table=both)
+    cache.reserve([c], 1)                           # c copies page 1: a holds it alone
+    _assert_refused(cache.k_pages, cache.v_pages, "must come from cache.fork",
+                    q.expand(2, -1, -1, -1), cache.k_pages, cache.v_pages,
+                    cache_seqlens=torch.tensor([3, 3]), block_table=both)
+    cache.free(c)
+    ak.attention_with_kvcache(q, cache.k_pages, cache.v_pages, kn, kn.clone(),
+                              cache_seqlens=torch.tensor([3]), block_table=ta)
+    tf = ta.clone()                                 # the same tensor changed in place
+    ak.attention_with_kvcache(q, cache.k_pages, cache.v_pages, cache_seqlens=torch.tensor([3]),
+                              block_table=tf)
+    tf.numpy()[0, 0] = tb[0, 0]                     # one of b's freed pages
+    _assert_refused(cache.k_pages, cache.v_pages, "which is free", q, cache.k_pages,
+                    cache.v_pages, cache_seqlens=torch.tensor([3]), block_table=tf)
+    cache.truncate(a, 2)                            # page 1 is free again
+    _assert_refused(cache.k_pages, cache.v_pages, "which is free", q, cache.k_pages,
+                    cache.v_pages, kn, kn.clone(), cache_seqlens=torch.tensor([3]),
+                    block_table=ta)
+
+
 def test_paged_cache_state_errors_freed_page_and_shared_without_fork():
     cache = ak.PagedKVCache(8, 2, 1, 4, dtype=DT)
     a, b = cache.new_sequence(), cache.new_sequence()

@@ -61,6 +61,9 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # cache's own state (freed pages, pages shared without a fork); weak: a cache is not kept alive
 _POOLS: weakref.WeakValueDictionary[int, PagedKVCache] = weakref.WeakValueDictionary()
 
+_CHECKED_MAX = 8                    # tables a cache remembers as checked (check_block_table)
+_CHECKED_ENTRIES = 1 << 16          # larger tables are checked every call
+
 
 class CacheCapacityError(RuntimeError):
     """A write needs more free pages than the pool has (the message says how many)."""
@@ -127,6 +130,8 @@ class PagedKVCache:
         self._next_id = 0
         self._owner: weakref.ref[Any] | None = None      # the layer that wrote first
         self._workspace: dict[str, torch.Tensor] = {}       # gathered keys, reused per step
+        # block tables check_block_table passed, since the refcounts last changed
+        self._checked: set[tuple[Any, ...]] = set()
         _POOLS[id(self.k_pages)] = self
 
     # ------------------------------------------------------------------ inspection
@@ -204,6 +209,7 @@ class PagedKVCache:
         state = self.__dict__.copy()            # a weak reference does not pickle
         state["_owner"] = None
         state["_workspace"] = {}
+        state["_checked"] = set()
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -274,6 +280,7 @@ class PagedKVCache:
         sid = self.new_sequence()
         for p in pages:
             self._refs[p] += 1
+        self._checked.clear()
         self._tables[sid], self._lengths[sid] = pages, self._lengths[seq]
         return sid
 
@@ -283,6 +290,7 @@ class PagedKVCache:
             self._refs[p] -= 1
             if self._refs[p] == 0:
                 self._free.append(p)
+        self._checked.clear()
         del self._lengths[seq]
 
     def truncate(self, seq: int, length: int) -> None:
@@ -298,6 +306,8 @@ class PagedKVCache:
             self._refs[p] -= 1
             if self._refs[p] == 0:
                 self._free.append(p)
+        if table[keep:]:
+            self._checked.clear()
         del table[keep:]
         self._lengths[seq] = length
 
@@ -343,6 +353,8 @@ class PagedKVCache:
                 f"{len(self._free)} of {self.num_blocks} are free (block_size "
                 f"{self.block_size}): free finished sequences with cache.free(seq), or create "
                 "the cache with more num_blocks")
+        if need:
+            self._checked.clear()                  # pages change hands
         for s, (fresh, shared) in zip(seqs, plans, strict=True):
             table = self._tables[s]
             for i in shared:                       # copy-on-write: a page of our own first
@@ -442,9 +454,19 @@ class PagedKVCache:
             raise ValueError(f"{len(seqlens)} sequence lengths for a block_table of "
                              f"{block_table.shape[0]} rows: give one length per row (or fewer: "
                              "the rows past them are not checked)")
-        if self._table_ok(block_table, seqlens, written):
-            return
         bs = self.block_size
+        raw = block_table.detach().cpu().numpy()                            # (B, W)
+        key = None if raw.size > _CHECKED_ENTRIES else (
+            raw.dtype.str, raw.shape, raw.tobytes(), tuple(-(-int(n) // bs) for n in seqlens),
+            tuple((b, int(start) // bs) for b, start in written))
+        if key in self._checked:
+            return
+        if self._table_ok(block_table, seqlens, written):
+            if key is not None:
+                if len(self._checked) >= _CHECKED_MAX:
+                    self._checked.clear()
+                self._checked.add(key)
+            return
         rows = block_table.tolist()
         read = [rows[b][: -(-int(n) // bs)] for b, n in enumerate(seqlens)]  # pages row b reads
         for b, r in enumerate(read):

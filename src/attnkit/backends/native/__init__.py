@@ -582,6 +582,9 @@ def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: object,
 
 
 def _int64(x: object, name: str) -> torch.Tensor:
+    if isinstance(x, torch.Tensor) and x.dtype == torch.int64 and x.device.type == "cpu" \
+            and x.is_contiguous():
+        return x                                # as given (serving's kept layouts: no ops)
     t = torch.as_tensor(x)
     if t.dtype.is_floating_point or t.dtype == torch.bool or t.is_complex():
         raise ValueError(f"native.paged_attention: {name} must be integer, got {t.dtype}")
