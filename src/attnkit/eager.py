@@ -482,9 +482,16 @@ def _run(p: Problem, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     # except under a score_mod that may give −∞: that is a score, not a mask (a key it
     # removes still passes NaN on, as in the formula), and a kernel skipping P == 0 hides it.
     # (Up front: the kernel's one pass over K and V first, _non_finite_kv_rows; the rows'
-    # exact test cost 6% of a float32 causal forward + backward at N = 2048.)
+    # exact test cost 6% of a float32 causal forward + backward at N = 2048.) Without
+    # autograd, a user score_mod's K/V screen comes after the call instead, and only where
+    # the backend's screened forward could not vouch for the K/V rows it read (its finite
+    # says so under a user score_mod, see Backend.forward_screened): the same result, as a
+    # call with finite K/V gets the same output either way, and one with a non-finite row
+    # is run again below on cleaned K/V as it would have been (the native kernel's own K/V
+    # screen: ~2% of a bf16 causal call at N = 4096, one thread).
     up_front = p.requires_grad or _may_score_minus_inf(p)
-    bad = _non_finite_kv_rows(p) if up_front else None
+    late = up_front and not p.requires_grad and p.lowered.terms.user is not None
+    bad = _non_finite_kv_rows(p) if up_front and not late else None
     if bad is None:
         screened = getattr(chosen, "forward_screened", None)   # (a duck-typed backend:
         if screened is None:                                    # no such method)
@@ -493,21 +500,26 @@ def _run(p: Problem, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
             out, lse, finite = screened(p)       # finite: the kernel read out's screen
             if finite:
                 return out, lse
-        # one-pass screen: NaN/inf anywhere make the sum non-finite (an overflowing sum of
-        # finite values only sends us to the exact check below); math.isfinite on the sum's
-        # value: torch.isfinite is several tensor ops, a cost on every small call. The sum
-        # is taken in the output's dtype (float32 accumulation inside; bfloat16 has float32's
-        # range) but for float16, whose range a sum of finite outputs can leave; float() of
-        # the 0-dim sum costs less than .item()
-        # (detached: a score_mod parameter's gradient makes out require grad, and float() of
-        # a 0-dim tensor that does warns)
-        o = out.detach() if out.requires_grad else out
-        if up_front or math.isfinite(float(
-                o.sum(dtype=torch.float32) if o.dtype is torch.float16 else o.sum())):
-            return out, lse
-        bad = _bad_kv_rows(p)
-        if not bad.any():
-            return out, lse
+        if late:                                 # the K/V screen the call did not vouch for
+            bad = _non_finite_kv_rows(p)
+            if bad is None:
+                return out, lse
+        else:
+            # one-pass screen: NaN/inf anywhere make the sum non-finite (an overflowing sum
+            # of finite values only sends us to the exact check below); math.isfinite on the
+            # sum's value: torch.isfinite is several tensor ops, a cost on every small call.
+            # The sum is taken in the output's dtype (float32 accumulation inside; bfloat16
+            # has float32's range) but for float16, whose range a sum of finite outputs can
+            # leave; float() of the 0-dim sum costs less than .item()
+            # (detached: a score_mod parameter's gradient makes out require grad, and float()
+            # of a 0-dim tensor that does warns)
+            o = out.detach() if out.requires_grad else out
+            if up_front or math.isfinite(float(
+                    o.sum(dtype=torch.float32) if o.dtype is torch.float16 else o.sum())):
+                return out, lse
+            bad = _bad_kv_rows(p)
+            if not bad.any():
+                return out, lse
     zero = torch.zeros((), dtype=p.dtype, device=p.device)
     clean = dataclasses.replace(p, k=torch.where(bad[..., None], zero, p.k),
                                 v=torch.where(bad[..., None], zero, p.v))

@@ -1,6 +1,7 @@
 """The native kernel's one-pass finiteness check (``native.all_finite``), which the eager path's
-NaN/inf screens ask first: K and V up front under a Python score_mod (or with gradients),
-the query rows on the tiled backend. It must agree with ``torch.isfinite(t).all()`` for
+NaN/inf screens ask first: K and V up front under a Python score_mod with gradients (without:
+the kernel's own screen of the K/V tiles it reads, else this one after the call), the query
+rows on the tiled backend. It must agree with ``torch.isfinite(t).all()`` for
 every dtype, every position of the bad value (a row's vector part and its tail, the first and
 the last row), any strides (a strided last dim, transposed dims, a batch-broadcast view),
 and the screens built on it must still find the rows: a NaN V row a score_mod scores −∞ gives
@@ -92,8 +93,8 @@ def test_all_finite_reads_any_strides(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_score_mod_screen_still_finds_a_nan_v_row_it_scores_minus_inf(dtype):
-    """K/V are screened up front under a Python score_mod (its −∞ is a score: a NaN V row it
-    removes gives NaN, as the formula); the rows without one match the float64 reference."""
+    """K/V are screened under a Python score_mod (its −∞ is a score: a NaN V row it removes
+    gives NaN, as the formula); the rows without one match the float64 reference."""
     torch.manual_seed(2)
     q, k, v = (torch.randn(1, 4, 37, 19).to(dtype) for _ in range(3))
 
@@ -137,3 +138,87 @@ def test_query_screen_still_finds_a_minus_inf_query_row(dtype):
     keep = torch.ones(2, 2, 33, dtype=torch.bool)
     keep[1, 0, 20] = False
     assert torch.equal(got[keep], clean[keep])
+
+
+# ------------------------------------------------ the score_mod's K/V screen, in the kernel
+def _kv_screens(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """The eager path's K/V screens (``_non_finite_kv_rows``) the calls that follow ask for."""
+    import attnkit.eager as eager
+
+    calls: list[object] = []
+    real = eager._non_finite_kv_rows
+
+    def spy(p):  # noqa: ANN001, ANN202
+        calls.append(p)
+        return real(p)
+    monkeypatch.setattr(eager, "_non_finite_kv_rows", spy)
+    return calls
+
+
+def _kernel_screens_kv(dtype: torch.dtype) -> bool:
+    """Whether the kernel vouches for K/V under a score_mod: its own dtype's GEMMs only."""
+    return dtype == torch.bfloat16 and native.low_precision_paths()["bfloat16"].startswith(
+        "bfloat16 GEMMs")
+
+
+def _drop_key_3(score, b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202
+    return torch.where(kv_idx == 3, -math.inf, score - 0.01 * (q_idx - kv_idx).abs())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_score_mod_kv_screen_without_autograd_is_the_kernels(dtype, monkeypatch):
+    """Without autograd the kernel screens the K/V tiles it reads under a score_mod (the
+    bf16 GEMM path, with its head cache): no eager K/V screen for finite inputs; float32
+    (not screened there) and a call with gradients keep the eager one; results match the
+    reference either way."""
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 100, 24).to(dtype) for _ in range(3))
+    screens = _kv_screens(monkeypatch)
+    with torch.no_grad():
+        got = ak.attention(q, k, v, is_causal=True, score_mod=_drop_key_3)
+    assert len(screens) == (0 if _kernel_screens_kv(dtype) else 1)
+    ref64 = ak.attention(q.double(), k.double(), v.double(), is_causal=True,
+                         score_mod=_drop_key_3, backend="reference")
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.double(), ref64, rtol=1e-5, atol=1e-6)
+    else:
+        ref_lowp = ak.attention(q, k, v, is_causal=True, score_mod=_drop_key_3,
+                                backend="reference")
+        assert_low_precision_close(got, ref_lowp, ref64)
+    screens.clear()
+    qg = q.clone().requires_grad_(True)
+    out = ak.attention(qg, k, v, is_causal=True, score_mod=_drop_key_3)
+    assert len(screens) == 1                      # with autograd: up front, as before
+    assert torch.equal(out.detach(), got)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_score_mod_kv_screen_finds_what_the_output_hides(dtype, monkeypatch):
+    """A K row of +inf that the score_mod scores −∞ leaves the kernel's output finite; the
+    screen (the kernel's, else the eager one after the call) still finds it: NaN where a
+    query may see the key, as the up-front screen gave — and only there. A NaN in keys the
+    mask hides from every query (tiles the kernel never reads) costs no screen on the
+    kernel's path, and changes nothing."""
+    torch.manual_seed(4)
+    q, k, v = torch.randn(1, 4, 100, 24).to(dtype), *(torch.randn(1, 4, 300, 24).to(dtype)
+                                                      for _ in range(2))
+    screens = _kv_screens(monkeypatch)
+    with torch.no_grad():
+        clean = ak.attention(q, k, v, is_causal=True, score_mod=_drop_key_3)
+        k_bad = k.clone()
+        k_bad[0, 1, 3, 7] = math.inf                  # key 3 of head 1: scored −∞
+        got = ak.attention(q, k_bad, v, is_causal=True, score_mod=_drop_key_3)
+        assert got[0, 1, 3:].isnan().all() and not got[0, 1, :3].isnan().any()
+        assert torch.equal(got[0, 1, :3], clean[0, 1, :3])
+        assert torch.equal(got[:, [0, 2, 3]], clean[:, [0, 2, 3]])
+        v_bad = v.clone()
+        v_bad[0, 2, 3, 0] = math.nan                  # V of key 3 of head 2, scored −∞
+        got = ak.attention(q, k, v_bad, is_causal=True, score_mod=_drop_key_3)
+        assert got[0, 2, 3:].isnan().all() and not got[0, 2, :3].isnan().any()
+        screens.clear()
+        hidden_k, hidden_v = k.clone(), v.clone()
+        hidden_k[0, 0, 200, 1] = math.nan             # key 200: past every query (causal)
+        hidden_v[0, 3, 299, 2] = math.inf
+        got = ak.attention(q, hidden_k, hidden_v, is_causal=True, score_mod=_drop_key_3)
+        assert torch.equal(got, clean)
+        assert len(screens) == (0 if _kernel_screens_kv(dtype) else 1)

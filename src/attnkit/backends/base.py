@@ -384,7 +384,9 @@ class Backend:
     def forward_screened(self, p: Problem) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """:meth:`forward` → ``(out, lse, finite)``: ``finite`` True when the backend knows
         every element of ``out`` to be finite (it read them as it wrote them), so the caller
-        may skip its own pass over ``out`` (the NaN/inf screen); False = not known (the
-        default: the caller screens)."""
+        may skip its own pass over ``out`` (the NaN/inf screen) — and, for a call with a
+        user score_mod (``p.lowered.terms.user``), also every K and V row it read (its
+        tiles a mask leaves empty aside), so the caller may skip its K/V screen; False =
+        not known (the default: the caller screens)."""
         out, lse = self.forward(p)
         return out, lse, False

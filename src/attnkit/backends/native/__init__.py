@@ -787,7 +787,9 @@ def forward_problem_screened(p: Problem,
     goes → ``(out, lse, q finite, out finite)``: whether every query element it gathered
     holds no inf/NaN (rows past ``q_lengths`` are not gathered: their output is 0 whatever
     they hold), and whether every output element is finite (False too where the kernel did
-    not see the final output: a call whose keys are split and merged). Each replaces one
+    not see the final output: a call whose keys are split and merged) — under a compiled
+    score_mod also every K and V row of the tiles it read, which it screens only on the
+    low-precision GEMM path with the per-thread head cache (False elsewhere). Each replaces one
     more pass over the tensor (together ~5% of a float32 sliding-window forward). None,
     before the kernel runs, where the call needs autograd (the tiled engine asks only
     without gradients on q, k, v and bias, so the mask is not lowered twice)."""

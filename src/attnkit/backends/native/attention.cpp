@@ -156,7 +156,11 @@ void plan_forward(Args<A>& a, int64_t splits, int64_t block_q, PathFn path_of) {
 // for float64 inputs). Screened (the operator attend_screened): also whether every query row
 // the kernel gathered and every output row it wrote is finite (the eager path's NaN/inf
 // screens read on the way: Args::q_bad, out_bad); the second is false too where the kernel
-// did not write the final rows (a call whose keys are split: the merge writes out).
+// did not write the final rows (a call whose keys are split: the merge writes out), and,
+// under a score_mod, where a K/V row it read holds inf/NaN (Args::kv_bad) or where it did
+// not screen them: it does only on the low-precision GEMM path with the head cache, where
+// each tile is screened once per thread as it is packed (elsewhere every item would read
+// its tiles again).
 template <bool Screened>
 std::conditional_t<Screened, std::tuple<Tensor, Tensor, bool, bool>, std::tuple<Tensor, Tensor>>
 attend(const Tensor& q, const Tensor& k, const Tensor& v, double scale, double softcap,
@@ -167,8 +171,8 @@ attend(const Tensor& q, const Tensor& k, const Tensor& v, double scale, double s
        const std::optional<Tensor>& mask, int64_t score_mod, int64_t score_mod_caps,
        int64_t splits, int64_t block_q) {
   Tensor out, lse;
-  std::atomic<bool> bad[2] = {false, false};              // (q_bad, out_bad)
-  bool out_read = false;
+  std::atomic<bool> bad[3] = {false, false, false};       // (q_bad, out_bad, kv_bad)
+  bool out_read = false, kv_read = true;
   ATTNKIT_DISPATCH(q.scalar_type(), {
     using A = compute_t<T>;
     Args<A> a = make_args<A>(q, k, v, scale, softcap, alibi, alibi_offset, rel,
@@ -179,6 +183,8 @@ attend(const Tensor& q, const Tensor& k, const Tensor& v, double scale, double s
       out_read = a.splits == 1;
       a.q_bad = &bad[0];
       a.out_bad = out_read ? &bad[1] : nullptr;
+      kv_read = !a.mod || (a.lowp && a.cache_kt);
+      a.kv_bad = a.mod && kv_read ? &bad[2] : nullptr;
     }
     out = at::empty({a.B, a.Hq, a.Nq, a.Dv}, q.options());
     lse = at::empty({a.B, a.Hq, a.Nq}, q.options().dtype(c10::CppTypeToScalarType<A>::value));
@@ -186,7 +192,7 @@ attend(const Tensor& q, const Tensor& k, const Tensor& v, double scale, double s
         lse.data_ptr<A>());
   });
   if constexpr (Screened)
-    return {out, lse, !bad[0].load(), out_read && !bad[1].load()};
+    return {out, lse, !bad[0].load(), out_read && kv_read && !bad[1].load() && !bad[2].load()};
   else
     return {out, lse};
 }

@@ -420,7 +420,23 @@ template <typename A> struct Args {
   // pass over q and over out each; set only ever to true, by any thread
   std::atomic<bool>* q_bad = nullptr;
   std::atomic<bool>* out_bad = nullptr;
+  // ... and under a score_mod (a key it scores -inf still passes NaN on: the output's screen
+  // cannot see it) a K or V row holding inf/NaN in a tile it reads (the eager path's K/V
+  // screen; tiles the mask leaves empty are not read)
+  std::atomic<bool>* kv_bad = nullptr;
 };
+
+// Raises a.kv_bad when rows [0, n) of K (D_k wide) or of V (D_v wide) from kt / vt (rows
+// ld_k / ld_v apart) hold inf/NaN (v_first: V's first such row when known, else -1).
+template <typename A, typename T>
+inline void screen_kv_rows(const Args<A>& a, const T* kt, i64 ld_k, const T* vt, i64 ld_v,
+                           i64 n, i64 v_first = -1) {
+  if (!a.kv_bad) return;
+  bool bad = v_first >= 0 ? v_first < n : false;
+  for (i64 j = 0; j < n && !bad; ++j) bad = !all_finite(kt + j * ld_k, a.Dk);
+  for (i64 j = 0; v_first < 0 && j < n && !bad; ++j) bad = !all_finite(vt + j * ld_v, a.Dv);
+  if (bad) a.kv_bad->store(true, std::memory_order_relaxed);
+}
 
 // One work item's rows and key range.
 struct Item {

@@ -1051,6 +1051,7 @@ void attend_item(const Args<A>& a, const T* q, const T* k, const T* v, const Ite
   const i64 share = (ahead.lines + tiles * R - 1) / (tiles * R);  // lines per row of a tile
   for_each_tile(a, it, by_gemm, [&](i64 k0, i64 n, i64 npad, TileKind kind, const Sub* subs,
                                      int count) {
+    screen_kv_rows(a, kh + k0 * a.sk[2], a.sk[2], vh + k0 * a.sv[2], a.sv[2], n);
     if (by_gemm) scores_gemm(a, kh, it, k0, n, subs, count, buf);
     else scores_dot(a, head_rows(a, kh, vh, k0), n, R, buf);
     rows_pass(a, it, k0, n, npad, kind, buf, by_gemm ? &ahead : nullptr, share);
