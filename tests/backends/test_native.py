@@ -201,6 +201,37 @@ def test_window_v_finiteness_read_once_per_head(head_cache: str, dtype: torch.dt
 
 
 @needs_native
+@pytest.mark.parametrize("head_cache", ["1", "0"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_window_v_screen_reads_strided_rows(head_cache: str, dtype: torch.dtype,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GEMM loop's V screen on rows that do not follow one another (V a slice of wider
+    rows: row stride 64 > D_v = 40): NaN in V rows a dense mask blocks for every query, inside
+    the keys the items visit, still sends their tile to the exact path (P = 0 skipped: a
+    screen that missed them would let NaN through the GEMM), and the wider rows' columns past
+    D_v, NaN, are not V's: they never reach the output (nor make a tile inexact)."""
+    monkeypatch.setenv("ATTNKIT_NATIVE_HEAD_CACHE", head_cache)
+    nq, nk, d, band = 300, 400, 40, (0, 99)
+    q, k, v = qkv(1, 2, 2, nq, nk, d)
+    wide = torch.full((1, 2, nk, 64), math.nan, dtype=dtype)
+    wide[..., :d] = v.to(dtype)
+    poison = torch.zeros(nk, dtype=torch.bool)
+    poison[[7, 150, 151, 290]] = True                      # blocked for every query
+    wide[:, :, poison, :d] = math.nan
+    vs = wide[..., :d]                                     # rows 64 values apart
+    assert vs.stride(2) == 64 and vs.stride(3) == 1
+    dist = torch.arange(nq)[:, None] - torch.arange(nk)[None, :]
+    allowed = (dist >= band[0]) & (dist <= band[1]) & ~poison
+    ref, lse_ref, _ = oracle(q, k, v, allowed=allowed)
+    lowp = naive_low_precision(q.to(dtype), k.to(dtype), v.to(dtype), allowed=allowed)
+    with torch.no_grad():
+        out, lse = native.forward(q.to(dtype), k.to(dtype), vs, band=band, block_q=64,
+                                  dense_mask=~poison.view(1, 1, 1, nk))
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert_low_precision_close(out, lowp, ref)
+
+
+@needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [37, 128])
 def test_row_pass_groups_keep_each_rows_softmax(dtype: torch.dtype, rows: int) -> None:

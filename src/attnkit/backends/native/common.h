@@ -343,33 +343,53 @@ template <> struct FloatBits<double> {
 template <> struct FloatBits<at::BFloat16> { using U = uint16_t; static constexpr U E = 0x7F80; };
 template <> struct FloatBits<at::Half> { using U = uint16_t; static constexpr U E = 0x7C00; };
 
-// Whether x (n,) holds no inf/NaN, from the bits: 64 bytes at a time, two independent
-// chains, no conversion (bf16 / fp16 are tested in their own format: 32 values per load).
+// Whether any bit of v, a vector of the build's width (W * 4 bytes), is set: one vector test
+// (an OR of the vector's lanes one by one, 16 extracts for float, was most of all_finite's
+// time on a 64-value row: the forward's per-row screens of q and out rows took ~1.5% of a
+// 512-key window's fp32 call).
+template <typename V> inline bool any_bits(const V& v) {
+  static_assert(sizeof(V) == W * 4, "a vector of the build's width");
+#if defined(__AVX512F__)
+  __m512i x;
+  std::memcpy(&x, &v, 64);
+  return _mm512_test_epi64_mask(x, x) != 0;
+#elif defined(__AVX2__) || defined(__AVX__)
+  __m256i x;
+  std::memcpy(&x, &v, 32);
+  return !_mm256_testz_si256(x, x);
+#else
+  uint64_t w[2];
+  std::memcpy(w, &v, 16);
+  return (w[0] | w[1]) != 0;
+#endif
+}
+
+// Whether x (n,) holds no inf/NaN, from the bits: a vector of the build's width (W * 4 bytes:
+// a 64-byte vector on an AVX2 build was compared lane by lane) at a time, two independent
+// chains, no conversion (bf16 / fp16 are tested in their own format: 2W values per load).
 // (It replaced lane sums of x * 0 in float: a chain of FMAs, and a widening per 16 values;
 // a bf16 (1, 8, 2048, 64) K and V took 0.4 ms on one core.)
 template <typename T> inline bool all_finite(const T* x, i64 n) {
   using U = typename FloatBits<T>::U;
   constexpr U E = FloatBits<T>::E;
-  constexpr i64 L = 64 / sizeof(U);                        // values per 64-byte vector
-  typedef U VU __attribute__((vector_size(64)));
+  constexpr i64 VB = W * 4, L = VB / sizeof(U);             // bytes, values per vector
+  typedef U VU __attribute__((vector_size(VB)));
   VU bad0 = {}, bad1 = {};
   i64 i = 0;
   for (; i + 2 * L <= n; i += 2 * L) {                     // values [i, i + 2L)
     VU u0, u1;
-    std::memcpy(&u0, x + i, 64);
-    std::memcpy(&u1, x + i + L, 64);
+    std::memcpy(&u0, x + i, VB);
+    std::memcpy(&u1, x + i + L, VB);
     bad0 |= (VU)((u0 & E) == E);
     bad1 |= (VU)((u1 & E) == E);
   }
-  bad0 |= bad1;
-  U any = 0;
-  for (i64 l = 0; l < L; ++l) any |= bad0[l];
+  bool any = any_bits(bad0 | bad1);
   for (; i < n; ++i) {                                     // the tail, value by value
     U u;
     std::memcpy(&u, x + i, sizeof(U));
-    any |= (u & E) == E;
+    any = any || (u & E) == E;
   }
-  return any == 0;
+  return !any;
 }
 
 // C (M, N) (+)= A (M, K) . B (K, N), row-major with leading dims: torch's brgemm for float,
