@@ -858,3 +858,97 @@ def test_the_lean_launch_passes_scale_and_softcap(monkeypatch, dtype):
         assert la.tail == (la.scale, la.softcap, la.band_lo, la.band_hi, None, la.splits,
                            la.block_q, la.check_q)
         assert la.scale == 0.3 and la.softcap == 2.0
+
+
+# ============================================================ attention()'s per-token call
+def test_attentions_per_token_call_misses_on_gradients_and_new_signatures(monkeypatch):
+    """``attnkit.attention`` runs a warm frame's repeat on the lean operator itself (its
+    own copy of eager.attend's hot path): inputs that need gradients (any one of q, k, v)
+    must miss it and get a graph with the reference's gradients, and a call of another
+    shape, dtype or strides is answered as the full path answers it — a new shape or dtype
+    in a frame of its own."""
+    if not native.available():
+        pytest.skip("native kernel unavailable")
+    from attnkit.backends.tiled import counting
+
+    monkeypatch.setattr(eager, "_FRAMES", {})
+    q, k, v = _decode_qkv()
+    entered: list[str] = []
+    real_attend = eager.attend
+    monkeypatch.setattr(eager, "attend", lambda *a, **kw: entered.append("attend")
+                        or real_attend(*a, **kw))
+    with torch.no_grad():
+        _warm(lambda: ak.attention(q, k, v))
+        entered.clear()
+        with counting() as c:
+            ak.attention(q, k, v)
+        assert c["native"] == 1 and len(eager._FRAMES) == 1
+        assert entered == []                            # the key is eager's, the lane held
+    go = torch.randn(1, 8, 1, 64)
+    for i in range(3):                                  # one of q, k, v needs a gradient
+        leaves = [t.clone().requires_grad_(j == i) for j, t in enumerate((q, k, v))]
+        out = ak.attention(*leaves)
+        assert out.grad_fn is not None, i
+        (g,) = torch.autograd.grad(out, leaves[i], go)
+        ref = [t.detach().double().requires_grad_(j == i) for j, t in enumerate(leaves)]
+        (g_ref,) = torch.autograd.grad(ak.attention(*ref, backend="reference"), ref[i],
+                                       go.double())
+        torch.testing.assert_close(g.double(), g_ref, rtol=1e-4, atol=1e-5)
+    with torch.no_grad():
+        k2, v2 = torch.randn(1, 2, 193, 64), torch.randn(1, 2, 193, 64)   # one key more
+        for args in ((q, k2, v2), (q.double(), k.double(), v.double()),
+                     (q, k.transpose(-1, -2).contiguous().transpose(-1, -2), v)):
+            want = ak.attention(*(a.contiguous() for a in args), backend="reference")
+            got = ak.attention(*args)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert len(eager._FRAMES) == 3                  # (the strided k: the same frame)
+        for i in range(3):                              # one dtype apart: the full check's
+            args = [t.double() if j == i else t for j, t in enumerate((q, k, v))]
+            with pytest.raises(TypeError, match="share one dtype"):
+                ak.attention(*args)
+
+
+def test_attentions_per_token_call_follows_the_thread_count(monkeypatch):
+    """The lean launch's key splits depend on the thread count: a new count makes the lane
+    anew (once), and the launch then used is the one for that count."""
+    if not native.available():
+        pytest.skip("native kernel unavailable")
+    monkeypatch.setattr(eager, "_FRAMES", {})
+    q, k, v = _decode_qkv()
+    made: list[int] = []
+    real = eager._make_lane
+    monkeypatch.setattr(eager, "_make_lane",
+                        lambda *a: made.append(torch.get_num_threads()) or real(*a))
+    threads = torch.get_num_threads()
+    other = max(1, threads // 2) if threads > 1 else 2
+    try:
+        with torch.no_grad():
+            _warm(lambda: ak.attention(q, k, v))
+            assert made == [threads]
+            torch.set_num_threads(other)
+            _warm(lambda: ak.attention(q, k, v))
+            assert made == [threads, other]
+            (frame,) = eager._FRAMES.values()
+            assert frame.lane.state[5] == other
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_attention_asks_the_compiling_flag(monkeypatch):
+    """attention() tells a trace from an eager call without torch.compiler.is_compiling()'s
+    two functions where torch has is_dynamo_compiling() and the flag is_compiling() reads:
+    the flag set (as torch.export and a torch.compile session set it) gives the traced call."""
+    import inspect
+
+    if "_is_compiling_flag" in inspect.getsource(torch.compiler.is_compiling) \
+            and hasattr(torch.compiler, "is_dynamo_compiling"):
+        assert api._FLAG_READ
+    seen: list[str] = []
+    monkeypatch.setattr(api, "_traced", lambda *a, **kw: seen.append("traced") or "traced")
+    q, k, v = _decode_qkv()
+    with torch.no_grad():
+        _warm(lambda: ak.attention(q, k, v))
+        monkeypatch.setattr(torch.compiler, "_is_compiling_flag", True, raising=False)
+        if not api._FLAG_READ:
+            monkeypatch.setattr(api, "_is_compiling", lambda: True)
+        assert ak.attention(q, k, v) == "traced" and seen == ["traced"]

@@ -756,14 +756,7 @@ def attend(q: Any, k: Any, v: Any, *, mask: Any = None, is_causal: bool = False,
         return (prep.restore(out), prep.restore(lse)) if return_lse else prep.restore(out)
     lane = frame.lane
     grad = _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    holds = False
-    if not grad and lane is not None and lane.state == _lane_state(backend):
-        holds = True
-        reg = _backends.REGISTRY
-        for name, b, n_attrs in lane.consulted:
-            if reg.get(name) is not b or len(vars(b)) != n_attrs:
-                holds = False
-                break
+    holds = not grad and lane is not None and _lane_holds(lane, backend)
     launch = lane.launch if holds else None  # type: ignore[union-attr]
     if launch is not None:
         if frame.plain and not launch.masked:                               # frame.lean
@@ -780,4 +773,26 @@ def attend(q: Any, k: Any, v: Any, *, mask: Any = None, is_causal: bool = False,
     out, lse = _run(prep.problem, backend)
     if not grad and not holds:
         frame.lane = _make_lane(prep.problem, backend)
+    return (prep.restore(out), prep.restore(lse)) if return_lse else prep.restore(out)
+
+
+def _lane_holds(lane: _Lane, backend: str) -> bool:
+    """Whether ``lane``'s remembered choice still stands for a call with ``backend``: the
+    state as :func:`_lane_state` reads it, and the registry entries asked unchanged, instance
+    attributes included (a patched ``extra_reasons`` shows as one more). (:func:`attnkit.
+    attention` writes these checks out for its per-token call: keep the two alike.)"""
+    if lane.state != _lane_state(backend):
+        return False
+    reg = _backends.REGISTRY
+    return all(reg.get(name) is b and len(vars(b)) == n_attrs
+               for name, b, n_attrs in lane.consulted)
+
+
+def run_frame(frame: _Frame, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              mask: torch.Tensor | None, backend: str, return_lse: bool) -> Any:
+    """A frame's call on the full path (``_run``: select, the NaN/inf screens), its lane
+    kept — what :func:`attnkit.attention`'s per-token call runs when the lean launch's
+    output is not finite (the screens then find out why, as :func:`attend` does)."""
+    prep = frame.prepared(q, k, v, mask)
+    out, lse = _run(prep.problem, backend)
     return (prep.restore(out), prep.restore(lse)) if return_lse else prep.restore(out)
