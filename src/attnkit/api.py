@@ -199,14 +199,14 @@ def attention(
             env = _loader._DATA if _os.environ is _loader._ENVIRON else None
             holds = state[0] == backend and state[1] == _SCOPE.get() \
                 and state[3] == _NATIVE.get() and state[5] == _num_threads() \
-                and state[6] is _backends.select and state[2] == tuple(_backends.PRIORITY) \
+                and state[6] is _backends.select and state[2] == _backends.PRIORITY \
                 and state[4] == ((env.get(b"ATTNKIT_NATIVE"), env.get(b"TRITON_INTERPRET"),
                                   _loader._state["ops"]) if env is not None
                                  else _loader.hot_state())
             if holds:
                 reg = _backends.REGISTRY
-                for name, b, n_attrs in lane.consulted:
-                    if reg.get(name) is not b or len(vars(b)) != n_attrs:
+                for name, b, attrs, n_attrs in lane.consulted:
+                    if reg.get(name) is not b or len(attrs) != n_attrs:
                         holds = False
                         break
             if holds:

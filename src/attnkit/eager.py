@@ -640,10 +640,14 @@ class _Lane:
 
     __slots__ = ("state", "consulted", "launch")
 
-    def __init__(self, state: tuple[Any, ...], consulted: tuple[tuple[str, Any, int], ...],
+    def __init__(self, state: tuple[Any, ...],
+                 consulted: tuple[tuple[str, Any, dict[str, Any], int], ...],
                  launch: _native.LeanLaunch | None) -> None:
         self.state = state            # (_lane_state(): the choice's inputs besides p)
-        self.consulted = consulted    # (name, backend, len(vars(backend))) select asked
+        # (name, backend, vars(backend), len(vars(backend))) of each backend select asked:
+        # a repeat compares the length of the remembered dict (an attribute set on the
+        # instance, as monkeypatch does, lands in it) — no vars() lookup per call
+        self.consulted = consulted
         self.launch = launch          # the decode backend's lean launch, or None (full path)
 
 
@@ -660,7 +664,7 @@ def _lane_state(backend: str) -> tuple[Any, ...]:
     lane's choice depends on besides the Problem (a plain tuple: built on every call)."""
     # (C calls and one loader call: after a decode call has streamed its K/V through the
     # caches, every Python function and torch binding this touches is a cache miss)
-    return (backend, _SCOPE.get(), tuple(_backends.PRIORITY), _NATIVE.get(),
+    return (backend, _SCOPE.get(), list(_backends.PRIORITY), _NATIVE.get(),
             _loader.hot_state(), _num_threads(), _backends.select)
 
 
@@ -682,7 +686,7 @@ def _make_lane(p: Problem, backend: str) -> _Lane:
         order = scope
     else:
         order = priority
-    consulted: list[tuple[str, Any, int]] = []
+    consulted: list[tuple[str, Any, dict[str, Any], int]] = []
     launch = None
     if select is _SELECT and not _loader.switch("TRITON_INTERPRET", False) and p.q.is_cpu \
             and not _is_empty(p) \
@@ -693,7 +697,7 @@ def _make_lane(p: Problem, backend: str) -> _Lane:
             b = reg.get(name)
             if b is None:
                 continue
-            consulted.append((name, b, len(vars(b))))
+            consulted.append((name, b, vars(b), len(vars(b))))
             kind = (type(b).__module__, type(b).__qualname__)
             if b is chosen:
                 if kind in _LEAN and not vars(b):
@@ -784,8 +788,8 @@ def _lane_holds(lane: _Lane, backend: str) -> bool:
     if lane.state != _lane_state(backend):
         return False
     reg = _backends.REGISTRY
-    return all(reg.get(name) is b and len(vars(b)) == n_attrs
-               for name, b, n_attrs in lane.consulted)
+    return all(reg.get(name) is b and len(attrs) == n_attrs
+               for name, b, attrs, n_attrs in lane.consulted)
 
 
 def run_frame(frame: _Frame, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
