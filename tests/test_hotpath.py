@@ -952,3 +952,73 @@ def test_attention_asks_the_compiling_flag(monkeypatch):
         if not api._FLAG_READ:
             monkeypatch.setattr(api, "_is_compiling", lambda: True)
         assert ak.attention(q, k, v) == "traced" and seen == ["traced"]
+
+
+def test_attentions_last_hot_frame_is_tried_first_and_checks_its_options(monkeypatch):
+    """A repeat of the last lean call's signature runs on ``attend_slot`` without the
+    frame's key (no ``eager._lane_holds``, which the keyed path asks); a call with other
+    options (is_causal, scale, softcap, return_lse) or another signature is answered as the
+    reference answers it, and the hot frame follows the last lean call."""
+    if not native.available():
+        pytest.skip("native kernel unavailable")
+    monkeypatch.setattr(eager, "_FRAMES", {})
+    asked: list[str] = []
+    real = eager._lane_holds
+    monkeypatch.setattr(eager, "_lane_holds", lambda *a: asked.append("holds") or real(*a))
+    q, k, v = _decode_qkv()
+    with torch.no_grad():
+        _warm(lambda: ak.attention(q, k, v))
+        hot = eager._HOT
+        assert hot is not None and hot.frames is eager._FRAMES
+        assert [tuple(s.shape) for s in hot.sigs] == [tuple(t.shape) for t in (q, k, v)]
+        asked.clear()
+        out = ak.attention(q, k, v)
+        assert asked == []                              # the hot frame, not the key
+        assert torch.equal(out, ak.attention(q, k, v, backend="decode"))
+        for options in ({"is_causal": True}, {"scale": 0.3}, {"softcap": 5.0}):
+            for _ in range(3):
+                got = ak.attention(q, k, v, **options)
+            want = ak.attention(q.double(), k.double(), v.double(), backend="reference",
+                                **options)
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+        assert eager._HOT is not hot                    # (softcap's frame now)
+        _warm(lambda: ak.attention(q, k, v), 2)         # back, through the key (the lane
+        #                                                 anew: backend="decode" made one)
+        assert eager._HOT is hot
+        out, lse = ak.attention(q, k, v, return_lse=True)
+        out_r, lse_r = ak.attention(q.double(), k.double(), v.double(), backend="reference",
+                                    return_lse=True)
+        torch.testing.assert_close(lse.double(), lse_r, rtol=1e-5, atol=1e-6)
+        k_nan = k.clone()
+        k_nan[0, 1, 7, 3] = math.nan                    # the full path's screens: NaN rows
+        got = ak.attention(q, k_nan, v)
+        assert torch.isnan(got[0, 4:]).all() and torch.isfinite(got[0, :4]).all()
+
+
+def test_attend_slot_checks_the_signature_and_the_gradients():
+    """``attend_slot`` runs ``attend_lean`` (bit for bit) only for tensors of its signature
+    tensors' sizes and dtypes, on the CPU, and declines (status 1, nothing computed) a call
+    whose inputs need gradients under grad mode; a non-finite output is status 2."""
+    if not native.available():
+        pytest.skip("native kernel unavailable")
+    ops = native.loader.load()
+    q, k, v = _decode_qkv()
+    sigs = [torch.empty((), dtype=t.dtype).expand(t.shape) for t in (q, k, v)]
+    inf = math.inf
+    tail = (0.125, 0.0, -inf, inf, 1, 1, False)
+    out, lse, status = ops.attend_slot(q, k, v, *sigs, *tail)
+    want = ops.attend_lean(q, k, v, 0.125, 0.0, -inf, inf, None, 1, 1, False)
+    assert status == 0 and torch.equal(out, want[0]) and torch.equal(lse, want[1])
+    strided = torch.randn(1, 2, 192, 128)[..., ::2]
+    assert ops.attend_slot(q, strided, v, *sigs, *tail)[2] == 0
+    for args in ((q, k[:, :, 1:], v[:, :, 1:]), (q.double(), k, v), (q, k, v.double()),
+                 (q[:, :4], k, v)):
+        assert ops.attend_slot(*args, *sigs, *tail)[2] == 1
+    for i in range(3):
+        args = [t.clone().requires_grad_(j == i) for j, t in enumerate((q, k, v))]
+        assert ops.attend_slot(*args, *sigs, *tail)[2] == 1
+        with torch.no_grad():
+            assert ops.attend_slot(*args, *sigs, *tail)[2] == 0
+    v_bad = v.clone()
+    v_bad[0, 0, 3, 3] = inf
+    assert ops.attend_slot(q, k, v_bad, *sigs, *tail)[2] == 2

@@ -549,7 +549,7 @@ class _Frame:
     """What prepare() made of one call signature (see above)."""
 
     __slots__ = ("lead", "two_d", "mask", "scale", "softcap", "dropout_p", "as_is", "rank",
-                 "mask_name", "last_mask", "lowered", "lane", "plain")
+                 "mask_name", "last_mask", "lowered", "lane", "plain", "hot")
 
     def __init__(self, prep: Prepared, as_is: tuple[bool, bool, bool],
                  mask_name: str | None) -> None:
@@ -572,6 +572,7 @@ class _Frame:
         # 4-D q, k, v reach the kernel as they are and its outputs are the user's (attend's
         # inlined lean launch; else _Frame.lean)
         self.plain = as_is == (True, True, True) and not prep.two_d and len(prep.lead) == 1
+        self.hot: _Hot | None = None    # (made by attnkit.attention's first lean repeat)
 
     def prepared(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  mask: torch.Tensor | None) -> Prepared:
@@ -627,6 +628,29 @@ class _Frame:
             out = out.reshape(*lead, *out.shape[1:])
             lse = lse.reshape(*lead, *lse.shape[1:])
         return (out, lse) if return_lse else out
+
+
+# ------------------------------------------------------------------ the last hot frame
+# attnkit.attention's per-token call first tries the frame of the last call it ran on the
+# lean operator (_HOT): a decoder's layers repeat one signature per step. Python compares the
+# options only; the operator attend_slot compares the tensors' sizes, dtypes and device with
+# the frame's signature tensors and declines a call that needs gradients, so the call reads
+# no tensor attribute in Python. A declined call takes the keyed path (and becomes _HOT).
+class _Hot:
+    """A plain frame's signature for ``attend_slot``, and the options its key holds."""
+
+    __slots__ = ("frames", "frame", "sigs", "is_causal", "scale", "softcap", "dropout_p")
+
+    def __init__(self, frame: _Frame, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 key: tuple[Any, ...]) -> None:
+        self.frames = _FRAMES           # the dict the frame is in (a new dict: not hot)
+        self.frame = frame
+        # stride-0 views of one element each: the sizes and dtypes of q, k, v
+        self.sigs = tuple(torch.empty((), dtype=t.dtype).expand(t.shape) for t in (q, k, v))
+        self.is_causal, self.scale, self.softcap, self.dropout_p = key[7:11]
+
+
+_HOT: _Hot | None = None
 
 
 # ------------------------------------------------------------------ the backend, remembered
