@@ -976,11 +976,13 @@ def test_attentions_last_hot_frame_is_tried_first_and_checks_its_options(monkeyp
         assert asked == []                              # the hot frame, not the key
         assert torch.equal(out, ak.attention(q, k, v, backend="decode"))
         for options in ({"is_causal": True}, {"scale": 0.3}, {"softcap": 5.0}):
-            for _ in range(3):
-                got = ak.attention(q, k, v, **options)
             want = ak.attention(q.double(), k.double(), v.double(), backend="reference",
                                 **options)
-            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+            _warm(lambda: ak.attention(q, k, v), 2)     # the plain frame hot
+            assert eager._HOT is hot
+            for _ in range(3):                          # (then its own frame, hot)
+                got = ak.attention(q, k, v, **options)
+                torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
         assert eager._HOT is not hot                    # (softcap's frame now)
         _warm(lambda: ak.attention(q, k, v), 2)         # back, through the key (the lane
         #                                                 anew: backend="decode" made one)
