@@ -22,7 +22,10 @@ priority list and the registry entries asked, ``use_native``, ``ATTNKIT_NATIVE``
 decode backend on the native kernel, a repeat without gradients runs the kernel's lean
 operator directly (``native.lean_launch``): no Problem, no ``select``, and the kernel
 reports whether every output is finite in place of the output screen's sum (a non-finite
-output runs the full path, which screens K/V as before).
+output runs the full path, which screens K/V as before). :func:`attnkit.attention` runs
+such a repeat itself (the same checks written out there), first on the frame of the last
+call it ran that way (``_HOT``), whose signature the kernel's ``attend_slot`` operator
+checks in C++: a cold per-token call then reads no tensor attribute in Python.
 """
 
 from __future__ import annotations

@@ -44,7 +44,13 @@ API (what ``tiled``, ``decode`` and the custom operator ``attnkit::attention`` c
                                          bool mask tensor on the lean operator
                                          attend_lean(q, k, v, scale, softcap, band_lo,
                                          band_hi, mask, splits, block_q, check_q)
-                                         -> (out, lse, all outputs (and q) finite)
+                                         -> (out, lse, all outputs (and q) finite);
+                                         and attend_slot(q, k, v, q_sig, k_sig, v_sig,
+                                         scale, softcap, band_lo, band_hi, splits,
+                                         block_q, check_q) -> (out, lse, status): the same
+                                         run once q, k, v match the signature tensors'
+                                         sizes and dtypes on the CPU without gradients
+                                         (status 0 finite, 2 not, 1 declined: not run)
 
 Wiring an engine (``supports`` is empty only when the kernel is available)::
 
