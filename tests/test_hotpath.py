@@ -858,3 +858,169 @@ def test_the_lean_launch_passes_scale_and_softcap(monkeypatch, dtype):
         assert la.tail == (la.scale, la.softcap, la.band_lo, la.band_hi, None, la.splits,
                            la.block_q, la.check_q)
         assert la.scale == 0.3 and la.softcap == 2.0
+
+
+# ============================================================ attention()'s per-token call
+def test_attentions_per_token_call_misses_on_gradients_and_new_signatures(monkeypatch):
+    """``attnkit.attention`` runs a warm frame's repeat on the lean operator itself (its
+    own copy of eager.attend's hot path): inputs that need gradients (any one of q, k, v)
+    must miss it and get a graph with the reference's gradients, and a call of another
+    shape, dtype or strides is answered as the full path answers it — a new shape or dtype
+    in a frame of its own."""
+    if not native.available():
+        pytest.skip("native kernel unavailable")
+    from attnkit.backends.tiled import counting
+
+    monkeypatch.setattr(eager, "_FRAMES", {})
+    q, k, v = _decode_qkv()
+    entered: list[str] = []
+    real_attend = eager.attend
+    monkeypatch.setattr(eager, "attend", lambda *a, **kw: entered.append("attend")
+                        or real_attend(*a, **kw))
+    with torch.no_grad():
+        _warm(lambda: ak.attention(q, k, v))
+        entered.clear()
+        with counting() as c:
+            ak.attention(q, k, v)
+        assert c["native"] == 1 and len(eager._FRAMES) == 1
+        assert entered == []                            # the key is eager's, the lane held
+    go = torch.randn(1, 8, 1, 64)
+    for i in range(3):                                  # one of q, k, v needs a gradient
+        leaves = [t.clone().requires_grad_(j == i) for j, t in enumerate((q, k, v))]
+        out = ak.attention(*leaves)
+        assert out.grad_fn is not None, i
+        (g,) = torch.autograd.grad(out, leaves[i], go)
+        ref = [t.detach().double().requires_grad_(j == i) for j, t in enumerate(leaves)]
+        (g_ref,) = torch.autograd.grad(ak.attention(*ref, backend="reference"), ref[i],
+                                       go.double())
+        torch.testing.assert_close(g.double(), g_ref, rtol=1e-4, atol=1e-5)
+    with torch.no_grad():
+        k2, v2 = torch.randn(1, 2, 193, 64), torch.randn(1, 2, 193, 64)   # one key more
+        for args in ((q, k2, v2), (q.double(), k.double(), v.double()),
+                     (q, k.transpose(-1, -2).contiguous().transpose(-1, -2), v)):
+            want = ak.attention(*(a.contiguous() for a in args), backend="reference")
+            got = ak.attention(*args)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert len(eager._FRAMES) == 3                  # (the strided k: the same frame)
+        for i in range(3):                              # one dtype apart: the full check's
+            args = [t.double() if j == i else t for j, t in enumerate((q, k, v))]
+            with pytest.raises(TypeError, match="share one dtype"):
+                ak.attention(*args)
+
+
+def test_attentions_per_token_call_follows_the_thread_count(monkeypatch):
+    """The lean launch's key splits depend on the thread count: a new count makes the lane
+    anew (once), and the launch then used is the one for that count."""
+    if not native.available():
+        pytest.skip("native kernel unavailable")
+    monkeypatch.setattr(eager, "_FRAMES", {})
+    q, k, v = _decode_qkv()
+    made: list[int] = []
+    real = eager._make_lane
+    monkeypatch.setattr(eager, "_make_lane",
+                        lambda *a: made.append(torch.get_num_threads()) or real(*a))
+    threads = torch.get_num_threads()
+    other = max(1, threads // 2) if threads > 1 else 2
+    try:
+        with torch.no_grad():
+            _warm(lambda: ak.attention(q, k, v))
+            assert made == [threads]
+            torch.set_num_threads(other)
+            _warm(lambda: ak.attention(q, k, v))
+            assert made == [threads, other]
+            (frame,) = eager._FRAMES.values()
+            assert frame.lane.state[5] == other
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_attention_asks_the_compiling_flag(monkeypatch):
+    """attention() tells a trace from an eager call without torch.compiler.is_compiling()'s
+    two functions where torch has is_dynamo_compiling() and the flag is_compiling() reads:
+    the flag set (as torch.export and a torch.compile session set it) gives the traced call."""
+    import inspect
+
+    if "_is_compiling_flag" in inspect.getsource(torch.compiler.is_compiling) \
+            and hasattr(torch.compiler, "is_dynamo_compiling"):
+        assert api._FLAG_READ
+    seen: list[str] = []
+    monkeypatch.setattr(api, "_traced", lambda *a, **kw: seen.append("traced") or "traced")
+    q, k, v = _decode_qkv()
+    with torch.no_grad():
+        _warm(lambda: ak.attention(q, k, v))
+        monkeypatch.setattr(torch.compiler, "_is_compiling_flag", True, raising=False)
+        if not api._FLAG_READ:
+            monkeypatch.setattr(api, "_is_compiling", lambda: True)
+        assert ak.attention(q, k, v) == "traced" and seen == ["traced"]
+
+
+def test_attentions_last_hot_frame_is_tried_first_and_checks_its_options(monkeypatch):
+    """A repeat of the last lean call's signature runs on ``attend_slot`` without the
+    frame's key (no ``eager._lane_holds``, which the keyed path asks); a call with other
+    options (is_causal, scale, softcap, return_lse) or another signature is answered as the
+    reference answers it, and the hot frame follows the last lean call."""
+    if not native.available():
+        pytest.skip("native kernel unavailable")
+    monkeypatch.setattr(eager, "_FRAMES", {})
+    asked: list[str] = []
+    real = eager._lane_holds
+    monkeypatch.setattr(eager, "_lane_holds", lambda *a: asked.append("holds") or real(*a))
+    q, k, v = _decode_qkv()
+    with torch.no_grad():
+        _warm(lambda: ak.attention(q, k, v))
+        hot = eager._HOT
+        assert hot is not None and hot.frames is eager._FRAMES
+        assert [tuple(s.shape) for s in hot.sigs] == [tuple(t.shape) for t in (q, k, v)]
+        asked.clear()
+        out = ak.attention(q, k, v)
+        assert asked == []                              # the hot frame, not the key
+        assert torch.equal(out, ak.attention(q, k, v, backend="decode"))
+        for options in ({"is_causal": True}, {"scale": 0.3}, {"softcap": 5.0}):
+            want = ak.attention(q.double(), k.double(), v.double(), backend="reference",
+                                **options)
+            _warm(lambda: ak.attention(q, k, v), 2)     # the plain frame hot
+            assert eager._HOT is hot
+            for _ in range(3):                          # (then its own frame, hot)
+                got = ak.attention(q, k, v, **options)
+                torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+        assert eager._HOT is not hot                    # (softcap's frame now)
+        _warm(lambda: ak.attention(q, k, v), 2)         # back, through the key (the lane
+        #                                                 anew: backend="decode" made one)
+        assert eager._HOT is hot
+        out, lse = ak.attention(q, k, v, return_lse=True)
+        out_r, lse_r = ak.attention(q.double(), k.double(), v.double(), backend="reference",
+                                    return_lse=True)
+        torch.testing.assert_close(lse.double(), lse_r, rtol=1e-5, atol=1e-6)
+        k_nan = k.clone()
+        k_nan[0, 1, 7, 3] = math.nan                    # the full path's screens: NaN rows
+        got = ak.attention(q, k_nan, v)
+        assert torch.isnan(got[0, 4:]).all() and torch.isfinite(got[0, :4]).all()
+
+
+def test_attend_slot_checks_the_signature_and_the_gradients():
+    """``attend_slot`` runs ``attend_lean`` (bit for bit) only for tensors of its signature
+    tensors' sizes and dtypes, on the CPU, and declines (status 1, nothing computed) a call
+    whose inputs need gradients under grad mode; a non-finite output is status 2."""
+    if not native.available():
+        pytest.skip("native kernel unavailable")
+    ops = native.loader.load()
+    q, k, v = _decode_qkv()
+    sigs = [torch.empty((), dtype=t.dtype).expand(t.shape) for t in (q, k, v)]
+    inf = math.inf
+    tail = (0.125, 0.0, -inf, inf, 1, 1, False)
+    out, lse, status = ops.attend_slot(q, k, v, *sigs, *tail)
+    want = ops.attend_lean(q, k, v, 0.125, 0.0, -inf, inf, None, 1, 1, False)
+    assert status == 0 and torch.equal(out, want[0]) and torch.equal(lse, want[1])
+    strided = torch.randn(1, 2, 192, 128)[..., ::2]
+    assert ops.attend_slot(q, strided, v, *sigs, *tail)[2] == 0
+    for args in ((q, k[:, :, 1:], v[:, :, 1:]), (q.double(), k, v), (q, k, v.double()),
+                 (q[:, :4], k, v)):
+        assert ops.attend_slot(*args, *sigs, *tail)[2] == 1
+    for i in range(3):
+        args = [t.clone().requires_grad_(j == i) for j, t in enumerate((q, k, v))]
+        assert ops.attend_slot(*args, *sigs, *tail)[2] == 1
+        with torch.no_grad():
+            assert ops.attend_slot(*args, *sigs, *tail)[2] == 0
+    v_bad = v.clone()
+    v_bad[0, 0, 3, 3] = inf
+    assert ops.attend_slot(q, k, v_bad, *sigs, *tail)[2] == 2

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os as _os
 import warnings
 from typing import Any, Literal, overload
 
@@ -71,6 +72,23 @@ __all__ = ["attention", "scaled_dot_product_attention", "prepare", "Prepared", "
 _is_compiling = torch.compiler.is_compiling     # (Dynamo knows the function, not its name)
 _any_autocast = _ops.any_autocast
 _Tensor = torch.Tensor
+# torch.compiler.is_compiling() is two Python functions (it asks torch.jit.is_scripting, then
+# reads the flag torch.compiler._is_compiling_flag, which torch.compile's session and
+# torch.export hold True); on a cold decode call each function entered costs microseconds.
+# Where torch has both, attention() asks is_dynamo_compiling() (one function, which Dynamo
+# answers True while it traces) and reads the flag itself — the same answer.
+_compiler = torch.compiler
+_is_dynamo_compiling = getattr(_compiler, "is_dynamo_compiling", None)
+_FLAG_READ = (_is_dynamo_compiling is not None
+              and type(getattr(_compiler, "_is_compiling_flag", None)) is bool
+              and "_is_compiling_flag" in getattr(getattr(_is_compiling, "__code__", None),
+                                                  "co_names", ()))
+_PLAIN = _eager._PLAIN
+_grad_enabled = torch.is_grad_enabled
+_SCOPE, _NATIVE = _eager._SCOPE, _eager._NATIVE
+_num_threads = torch.get_num_threads
+_loader = _eager._loader
+_COUNTS, _count = _eager._COUNTS, _eager._count
 
 
 @overload
@@ -144,11 +162,13 @@ def attention(
     cast to the region's dtype (float64 left as it is), the call with autocast off.
     """
     # (the common call — backend "auto", no autocast region — enters no function of ours
-    # before eager.attend: after a decode call has streamed its K/V through the caches, each
-    # Python function entered costs microseconds of cache misses)
+    # before the kernel's operator (a warm frame's repeat, below) or eager.attend: after a
+    # decode call has streamed its K/V through the caches, each Python function entered
+    # costs microseconds of cache misses)
     if type(backend) is not str or backend != "auto":
         _backends.check_name(backend)
-    if _is_compiling():                     # torch.compile / torch.export: one operator
+    if (_is_dynamo_compiling() or _compiler._is_compiling_flag) if _FLAG_READ \
+            else _is_compiling():           # torch.compile / torch.export: one operator
         return _traced(q, k, v, mask=mask, is_causal=is_causal, scale=scale, softcap=softcap,
                        score_mod=score_mod, dropout_p=dropout_p, backend=backend,
                        return_lse=return_lse)
@@ -159,6 +179,65 @@ def attention(
                              mask=_ops.autocast_cast(mask, cast_to), is_causal=is_causal,
                              scale=scale, softcap=softcap, score_mod=score_mod,
                              dropout_p=dropout_p, backend=backend, return_lse=return_lse)
+    # A decoder's per-token call (no mask, no score_mod, CPU tensors without gradients, a
+    # frame whose lane holds a lean launch): eager.attend's hot path written out here, so
+    # that the call enters no function of ours before the kernel's operator. First the last
+    # such call's frame (eager._HOT): the options compared here, the lane's checks written
+    # out (eager._lane_holds' checks: keep the two alike), the tensors' signature and the
+    # gradients checked by the operator (attend_slot); then the frame's key, as eager.attend
+    # finds it. Any miss, or an output that is not finite, takes eager.attend's path.
+    if mask is None and score_mod is None and type(q) is _Tensor and type(k) is _Tensor \
+            and type(v) is _Tensor and type(scale) in _PLAIN and type(softcap) in _PLAIN \
+            and type(dropout_p) in _PLAIN and (is_causal is True or is_causal is False):
+        hot = _eager._HOT
+        if hot is not None and hot.frames is _eager._FRAMES and is_causal is hot.is_causal \
+                and scale == hot.scale and softcap == hot.softcap \
+                and dropout_p == hot.dropout_p:
+            lane = hot.frame.lane
+            launch = lane.launch if lane is not None else None   # (a plain frame, no mask)
+            if launch is not None and launch.slot is not None:
+                state = lane.state                  # (eager._lane_state's fields, in order)
+                env = _loader._DATA if _os.environ is _loader._ENVIRON else None
+                holds = state[0] == backend and state[1] == _SCOPE.get() \
+                    and state[3] == _NATIVE.get() and state[5] == _num_threads() \
+                    and state[6] is _backends.select and state[2] == _backends.PRIORITY \
+                    and state[4] == ((env.get(b"ATTNKIT_NATIVE"), env.get(b"TRITON_INTERPRET"),
+                                      _loader._state["ops"]) if env is not None
+                                     else _loader.hot_state())
+                if holds:
+                    reg = _backends.REGISTRY
+                    for name, b, attrs, n_attrs in lane.consulted:
+                        if reg.get(name) is not b or len(attrs) != n_attrs:
+                            holds = False
+                            break
+                if holds:
+                    out, lse, status = launch.slot(  # type: ignore[operator]
+                        q, k, v, *hot.sigs, *launch.slot_tail)
+                    if status == 0:
+                        if _COUNTS.get() is not None:
+                            _count(native=1)
+                        return (out, lse) if return_lse else out
+                    if status == 2:                 # not finite: the full path screens
+                        return _eager.run_frame(hot.frame, q, k, v, None, backend, return_lse)
+        if q.is_cpu and k.is_cpu and v.is_cpu \
+                and not (_grad_enabled() and (q.requires_grad or k.requires_grad
+                                              or v.requires_grad)):
+            key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, True, is_causal,
+                   scale, softcap, dropout_p, None)
+            frame = _eager._FRAMES.get(key)
+            lane = frame.lane if frame is not None and frame.plain else None
+            launch = lane.launch if lane is not None else None
+            if launch is not None and not launch.masked and _eager._lane_holds(lane, backend):
+                out, lse, finite = launch.op(q, k, v, *launch.tail)  # type: ignore[operator]
+                if finite:
+                    if launch.slot is not None:     # the next call tries this frame first
+                        if frame.hot is None:
+                            frame.hot = _eager._Hot(frame, q, k, v, key)
+                        _eager._HOT = frame.hot
+                    if _COUNTS.get() is not None:
+                        _count(native=1)
+                    return (out, lse) if return_lse else out
+                return _eager.run_frame(frame, q, k, v, None, backend, return_lse)
     return _eager.attend(q, k, v, mask=mask, is_causal=is_causal, scale=scale,
                          softcap=softcap, score_mod=score_mod, dropout_p=dropout_p,
                          backend=backend, return_lse=return_lse)

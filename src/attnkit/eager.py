@@ -22,7 +22,10 @@ priority list and the registry entries asked, ``use_native``, ``ATTNKIT_NATIVE``
 decode backend on the native kernel, a repeat without gradients runs the kernel's lean
 operator directly (``native.lean_launch``): no Problem, no ``select``, and the kernel
 reports whether every output is finite in place of the output screen's sum (a non-finite
-output runs the full path, which screens K/V as before).
+output runs the full path, which screens K/V as before). :func:`attnkit.attention` runs
+such a repeat itself (the same checks written out there), first on the frame of the last
+call it ran that way (``_HOT``), whose signature the kernel's ``attend_slot`` operator
+checks in C++: a cold per-token call then reads no tensor attribute in Python.
 """
 
 from __future__ import annotations
@@ -561,7 +564,7 @@ class _Frame:
     """What prepare() made of one call signature (see above)."""
 
     __slots__ = ("lead", "two_d", "mask", "scale", "softcap", "dropout_p", "as_is", "rank",
-                 "mask_name", "last_mask", "lowered", "lane", "plain")
+                 "mask_name", "last_mask", "lowered", "lane", "plain", "hot")
 
     def __init__(self, prep: Prepared, as_is: tuple[bool, bool, bool],
                  mask_name: str | None) -> None:
@@ -584,6 +587,7 @@ class _Frame:
         # 4-D q, k, v reach the kernel as they are and its outputs are the user's (attend's
         # inlined lean launch; else _Frame.lean)
         self.plain = as_is == (True, True, True) and not prep.two_d and len(prep.lead) == 1
+        self.hot: _Hot | None = None    # (made by attnkit.attention's first lean repeat)
 
     def prepared(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  mask: torch.Tensor | None) -> Prepared:
@@ -641,6 +645,29 @@ class _Frame:
         return (out, lse) if return_lse else out
 
 
+# ------------------------------------------------------------------ the last hot frame
+# attnkit.attention's per-token call first tries the frame of the last call it ran on the
+# lean operator (_HOT): a decoder's layers repeat one signature per step. Python compares the
+# options only; the operator attend_slot compares the tensors' sizes, dtypes and device with
+# the frame's signature tensors and declines a call that needs gradients, so the call reads
+# no tensor attribute in Python. A declined call takes the keyed path (and becomes _HOT).
+class _Hot:
+    """A plain frame's signature for ``attend_slot``, and the options its key holds."""
+
+    __slots__ = ("frames", "frame", "sigs", "is_causal", "scale", "softcap", "dropout_p")
+
+    def __init__(self, frame: _Frame, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 key: tuple[Any, ...]) -> None:
+        self.frames = _FRAMES           # the dict the frame is in (a new dict: not hot)
+        self.frame = frame
+        # stride-0 views of one element each: the sizes and dtypes of q, k, v
+        self.sigs = tuple(torch.empty((), dtype=t.dtype).expand(t.shape) for t in (q, k, v))
+        self.is_causal, self.scale, self.softcap, self.dropout_p = key[7:11]
+
+
+_HOT: _Hot | None = None
+
+
 # ------------------------------------------------------------------ the backend, remembered
 # backend="auto" asks every backend in priority order on every call; for a frame's repeats
 # the answer is remembered with everything it depends on besides the signature, and a call
@@ -652,10 +679,14 @@ class _Lane:
 
     __slots__ = ("state", "consulted", "launch")
 
-    def __init__(self, state: tuple[Any, ...], consulted: tuple[tuple[str, Any, int], ...],
+    def __init__(self, state: tuple[Any, ...],
+                 consulted: tuple[tuple[str, Any, dict[str, Any], int], ...],
                  launch: _native.LeanLaunch | None) -> None:
         self.state = state            # (_lane_state(): the choice's inputs besides p)
-        self.consulted = consulted    # (name, backend, len(vars(backend))) select asked
+        # (name, backend, vars(backend), len(vars(backend))) of each backend select asked:
+        # a repeat compares the length of the remembered dict (an attribute set on the
+        # instance, as monkeypatch does, lands in it) — no vars() lookup per call
+        self.consulted = consulted
         self.launch = launch          # the decode backend's lean launch, or None (full path)
 
 
@@ -672,7 +703,7 @@ def _lane_state(backend: str) -> tuple[Any, ...]:
     lane's choice depends on besides the Problem (a plain tuple: built on every call)."""
     # (C calls and one loader call: after a decode call has streamed its K/V through the
     # caches, every Python function and torch binding this touches is a cache miss)
-    return (backend, _SCOPE.get(), tuple(_backends.PRIORITY), _NATIVE.get(),
+    return (backend, _SCOPE.get(), list(_backends.PRIORITY), _NATIVE.get(),
             _loader.hot_state(), _num_threads(), _backends.select)
 
 
@@ -694,7 +725,7 @@ def _make_lane(p: Problem, backend: str) -> _Lane:
         order = scope
     else:
         order = priority
-    consulted: list[tuple[str, Any, int]] = []
+    consulted: list[tuple[str, Any, dict[str, Any], int]] = []
     launch = None
     if select is _SELECT and not _loader.switch("TRITON_INTERPRET", False) and p.q.is_cpu \
             and not _is_empty(p) \
@@ -705,7 +736,7 @@ def _make_lane(p: Problem, backend: str) -> _Lane:
             b = reg.get(name)
             if b is None:
                 continue
-            consulted.append((name, b, len(vars(b))))
+            consulted.append((name, b, vars(b), len(vars(b))))
             kind = (type(b).__module__, type(b).__qualname__)
             if b is chosen:
                 if kind in _LEAN and not vars(b):
@@ -768,14 +799,7 @@ def attend(q: Any, k: Any, v: Any, *, mask: Any = None, is_causal: bool = False,
         return (prep.restore(out), prep.restore(lse)) if return_lse else prep.restore(out)
     lane = frame.lane
     grad = _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    holds = False
-    if not grad and lane is not None and lane.state == _lane_state(backend):
-        holds = True
-        reg = _backends.REGISTRY
-        for name, b, n_attrs in lane.consulted:
-            if reg.get(name) is not b or len(vars(b)) != n_attrs:
-                holds = False
-                break
+    holds = not grad and lane is not None and _lane_holds(lane, backend)
     launch = lane.launch if holds else None  # type: ignore[union-attr]
     if launch is not None:
         if frame.plain and not launch.masked:                               # frame.lean
@@ -792,4 +816,26 @@ def attend(q: Any, k: Any, v: Any, *, mask: Any = None, is_causal: bool = False,
     out, lse = _run(prep.problem, backend)
     if not grad and not holds:
         frame.lane = _make_lane(prep.problem, backend)
+    return (prep.restore(out), prep.restore(lse)) if return_lse else prep.restore(out)
+
+
+def _lane_holds(lane: _Lane, backend: str) -> bool:
+    """Whether ``lane``'s remembered choice still stands for a call with ``backend``: the
+    state as :func:`_lane_state` reads it, and the registry entries asked unchanged, instance
+    attributes included (a patched ``extra_reasons`` shows as one more). (:func:`attnkit.
+    attention` writes these checks out for its per-token call: keep the two alike.)"""
+    if lane.state != _lane_state(backend):
+        return False
+    reg = _backends.REGISTRY
+    return all(reg.get(name) is b and len(attrs) == n_attrs
+               for name, b, attrs, n_attrs in lane.consulted)
+
+
+def run_frame(frame: _Frame, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              mask: torch.Tensor | None, backend: str, return_lse: bool) -> Any:
+    """A frame's call on the full path (``_run``: select, the NaN/inf screens), its lane
+    kept — what :func:`attnkit.attention`'s per-token call runs when the lean launch's
+    output is not finite (the screens then find out why, as :func:`attend` does)."""
+    prep = frame.prepared(q, k, v, mask)
+    out, lse = _run(prep.problem, backend)
     return (prep.restore(out), prep.restore(lse)) if return_lse else prep.restore(out)

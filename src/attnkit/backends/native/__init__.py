@@ -44,7 +44,13 @@ API (what ``tiled``, ``decode`` and the custom operator ``attnkit::attention`` c
                                          bool mask tensor on the lean operator
                                          attend_lean(q, k, v, scale, softcap, band_lo,
                                          band_hi, mask, splits, block_q, check_q)
-                                         -> (out, lse, all outputs (and q) finite)
+                                         -> (out, lse, all outputs (and q) finite);
+                                         and attend_slot(q, k, v, q_sig, k_sig, v_sig,
+                                         scale, softcap, band_lo, band_hi, splits,
+                                         block_q, check_q) -> (out, lse, status): the same
+                                         run once q, k, v match the signature tensors'
+                                         sizes and dtypes on the CPU without gradients
+                                         (status 0 finite, 2 not, 1 declined: not run)
 
 Wiring an engine (``supports`` is empty only when the kernel is available)::
 
@@ -838,6 +844,11 @@ class LeanLaunch(NamedTuple):
     # them as op(q, k, v, *tail) (one attribute read, not seven, on a cold call); built by
     # lean_launch only — a _replace of another field leaves it stale
     tail: tuple[object, ...]
+    # attend_slot's call (None where the library has no such operator) and its arguments
+    # after (q, k, v, q_sig, k_sig, v_sig): attnkit.attention's per-token call, whose
+    # signature the operator checks itself (see eager._Hot)
+    slot: object = None
+    slot_tail: tuple[object, ...] = ()
 
 
 def lean_launch(p: Problem, *, check_q: bool = False) -> LeanLaunch | None:
@@ -870,8 +881,11 @@ def lean_launch(p: Problem, *, check_q: bool = False) -> LeanLaunch | None:
     call = getattr(op.default, "_op", op.default)
     scale, softcap = float(p.scale), float(p.softcap or 0.0)
     splits = _auto_splits(B * Hkv * -(-n_q // rows), n_k)
+    slot = getattr(_ops(), "attend_slot", None)
+    slot = None if slot is None else getattr(slot.default, "_op", slot.default)
     return LeanLaunch(call, scale, softcap, float(lo), float(hi), splits, rows, masked, check_q,
-                      (scale, softcap, float(lo), float(hi), None, splits, rows, check_q))
+                      (scale, softcap, float(lo), float(hi), None, splits, rows, check_q),
+                      slot, (scale, softcap, float(lo), float(hi), splits, rows, check_q))
 
 
 def backward_problem(p: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,

@@ -27,6 +27,7 @@
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
+#include <c10/core/GradMode.h>
 #include <torch/library.h>
 
 #include "backward.h"
@@ -256,6 +257,34 @@ std::tuple<Tensor, Tensor, bool> attend_lean(const Tensor& q_in, const Tensor& k
   if (!out_ok)                        // non-finite, or not read (split keys): one pass
     ATTNKIT_DISPATCH(q.scalar_type(), { out_ok = all_finite(out.data_ptr<T>(), out.numel()); });
   return {out, lse, out_ok && (!check_q || q_ok)};
+}
+
+// The eager hot path's per-token call (attnkit.attention): attend_lean (no mask) once the
+// call's signature checks out here, in C++, against the frame's signature tensors
+// (stride-0 views of one element: their sizes and dtypes are the frame's q, k, v), so
+// that Python reads no shape, dtype, device or requires_grad on that path. Returns
+// (out, lse, status): status 0 ran and every output (and, with check_q, every query
+// element) is finite; 2 ran and something is not finite (the caller's full path screens
+// K/V); 1 did not run — another shape or dtype, a tensor off the CPU, or gradients
+// needed (grad mode on and an input requiring grad): out and lse are then undefined.
+std::tuple<Tensor, Tensor, int64_t> attend_slot(const Tensor& q, const Tensor& k,
+                                                const Tensor& v, const Tensor& q_sig,
+                                                const Tensor& k_sig, const Tensor& v_sig,
+                                                double scale, double softcap, double band_lo,
+                                                double band_hi, int64_t splits,
+                                                int64_t block_q, bool check_q) {
+  const auto fits = [](const Tensor& t, const Tensor& sig) {
+    return t.device().is_cpu() && t.scalar_type() == sig.scalar_type() &&
+           t.sizes() == sig.sizes();
+  };
+  if (!fits(q, q_sig) || !fits(k, k_sig) || !fits(v, v_sig) ||
+      (c10::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() ||
+                                       v.requires_grad())))
+    return {Tensor(), Tensor(), 1};
+  static const std::optional<Tensor> none;
+  auto [out, lse, finite] = attend_lean(q, k, v, scale, softcap, band_lo, band_hi, none,
+                                        splits, block_q, check_q);
+  return {out, lse, finite ? 0 : 2};
 }
 
 // Backward: (dq, dk, dv) like q, k, v (contiguous), d rel_table (H_q, 2M+1) in A (empty
@@ -525,6 +554,10 @@ TORCH_LIBRARY(attnkit_native, m) {
         "float band_hi, Tensor? mask, int splits, int block_q, bool check_q) "
         "-> (Tensor, Tensor, bool)",
         &attend_lean);
+  m.def("attend_slot(Tensor q, Tensor k, Tensor v, Tensor q_sig, Tensor k_sig, Tensor v_sig, "
+        "float scale, float softcap, float band_lo, float band_hi, int splits, int block_q, "
+        "bool check_q) -> (Tensor, Tensor, int)",
+        &attend_slot);
   m.def("attend_backward(Tensor q, Tensor k, Tensor v, Tensor dout, Tensor lse, Tensor delta, "
         "float scale, float softcap, Tensor? alibi, float alibi_offset, Tensor? rel_table, "
         "int rel_max_distance, Tensor? bias, float band_lo, float band_hi, Tensor? kv_len, "
