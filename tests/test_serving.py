@@ -486,6 +486,38 @@ def test_paged_cache_state_errors_freed_page_and_shared_without_fork():
                     block_table=cache.block_table([c]))
 
 
+def test_paged_cache_refuses_a_table_kept_past_a_free_once_its_pages_are_handed_out():
+    # a's table kept past free(a): its pages go to a new sequence n, so every page has a
+    # holder again and the refcounts pass it; the row is no live sequence's pages -> refused,
+    # before the write that would land in n's tokens
+    cache = ak.PagedKVCache(8, 4, 1, 4, dtype=DT)
+    a, b = cache.new_sequence(), cache.new_sequence()
+    for s, n in ((a, 6), (b, 9)):
+        cache.append(s, torch.randn(n, 1, 4, dtype=DT), torch.randn(n, 1, 4, dtype=DT))
+    stale, lens = cache.block_table([a, b]), cache.seqlens([a, b])
+    q = torch.randn(2, 1, 1, 4, dtype=DT)
+    kn = torch.randn(2, 1, 1, 4, dtype=DT)
+    ak.attention_with_kvcache(q, cache.k_pages, cache.v_pages, cache_seqlens=lens,
+                              block_table=stale)                    # passed (and remembered)
+    cache.free(a)
+    n = cache.new_sequence()
+    cache.append(n, torch.randn(7, 1, 4, dtype=DT), torch.randn(7, 1, 4, dtype=DT))
+    assert sorted(cache.pages(n)) == sorted(stale[0, :2].tolist())  # a's pages, n's tokens
+    for new in ((), (kn, kn.clone())):
+        _assert_refused(cache.k_pages, cache.v_pages, "not the leading pages of any sequence",
+                        q, cache.k_pages, cache.v_pages, *new, cache_seqlens=lens,
+                        block_table=stale)
+    with pytest.raises(ValueError, match="not the leading pages"):
+        ak.attention_varlen(q[:, 0], cache.k_pages, cache.v_pages, [0, 1, 2], [0, 6, 15],
+                            block_table=stale)
+    # a fork's own rows, a prefix of a sequence's pages, and the rebuilt table pass
+    f = cache.fork(b)
+    ak.attention_varlen(q[:, 0], cache.k_pages, cache.v_pages, [0, 1, 2], [0, 5, 9],
+                        block_table=cache.block_table([b, f]))
+    ak.attention_with_kvcache(q, cache.k_pages, cache.v_pages, cache_seqlens=torch.tensor(
+        [7, 9]), block_table=cache.block_table([n, b]))
+
+
 def test_bad_arguments_are_refused_with_clear_messages():
     k_cache = torch.randn(2, 4, 2, 8)
     q = torch.randn(2, 1, 4, 8)

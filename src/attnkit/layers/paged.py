@@ -447,8 +447,10 @@ class PagedKVCache:
         ``seqlens[b]`` tokens of row b are read; ``written`` lists ``(row, first token)``
         pairs of rows that write from that token on. Refused: a page that is free (a freed
         page still referenced), a page more rows (or one row twice) use than the cache's
-        refcount allows (a page used by two sequences without a fork), and a write into a
-        page another sequence holds (it must be copied first: :meth:`reserve`).
+        refcount allows (a page used by two sequences without a fork), a write into a
+        page another sequence holds (it must be copied first: :meth:`reserve`), and a row
+        whose pages are not the leading pages of a live sequence (a table kept past a
+        :meth:`free`, whose pages were handed to another sequence since).
         """
         if len(seqlens) > block_table.shape[0]:
             raise ValueError(f"{len(seqlens)} sequence lengths for a block_table of "
@@ -501,6 +503,13 @@ class PagedKVCache:
                         f"which {self._refs[p]} sequences share (a fork): writing would change "
                         "the other sequences' keys. Call cache.reserve(seqs, n_new) first "
                         "(it copies shared pages: copy-on-write), or use cache.attention")
+        b = self._stray_row(read)
+        if b is not None:
+            raise ValueError(
+                f"block_table row {b} reads pages {read[b]}, which are not the leading pages of "
+                "any sequence of this PagedKVCache: a table kept past a free (the freed pages "
+                "now hold another sequence's tokens) or put together by hand. Rebuild the table "
+                "with cache.block_table(seqs) after every free")
 
 
     def _table_ok(self, block_table: torch.Tensor, seqlens: Sequence[int],
@@ -524,8 +533,25 @@ class PagedKVCache:
         if (counts[used] > held).any():                  # a free page (held 0), or a page
             return False                                 # in more rows than hold it
         # a row writes only into pages no other sequence holds
-        return all(refs[p] <= 1 for b, start in written
-                   for p in t[b, start // bs: need[b]].tolist())
+        if not all(refs[p] <= 1 for b, start in written
+                   for p in t[b, start // bs: need[b]].tolist()):
+            return False
+        return self._stray_row([t[b, :need[b]].tolist() for b in range(len(seqlens))]) is None
+
+    def _stray_row(self, read: list[list[int]]) -> int | None:
+        """The first row whose pages ``read[b]`` are not the leading pages of a live sequence
+        (a table kept past a free: its pages may hold another sequence's tokens now), or
+        None. Refcounts alone pass such a row once the freed pages are handed out again."""
+        by_first: dict[int, list[list[int]]] = {}           # first page -> tables (forks)
+        for table in self._tables.values():
+            if table:
+                by_first.setdefault(table[0], []).append(table)
+        for b, r in enumerate(read):
+            n = len(r)                                       # the last page tells forks apart
+            if r and not any(t[n - 1: n] == r[-1:] and t[:n] == r
+                             for t in by_first.get(r[0], ())):
+                return b
+        return None
 
 
 class PagedBatch:
