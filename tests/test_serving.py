@@ -518,6 +518,24 @@ def test_paged_cache_refuses_a_table_kept_past_a_free_once_its_pages_are_handed_
         [7, 9]), block_table=cache.block_table([n, b]))
 
 
+def test_sdpa_layout_mistakes_name_the_transpose():
+    # a port from SDPA code passes (B, H, N, D); where the heads do not fit, the message says
+    # flash-attn's layout and the fix; a transposed pool's short rows name its block_size
+    k_cache = torch.randn(2, 6, 2, 8, dtype=DT)
+    q = torch.randn(2, 1, 4, 8, dtype=DT)
+    with pytest.raises(ValueError, match=r"q.transpose\(1, 2\)"):
+        ak.attention_with_kvcache(q.transpose(1, 2), k_cache, k_cache)
+    kn = torch.randn(2, 2, 1, 8, dtype=DT)                          # (B, H_kv, N_new, D)
+    with pytest.raises(ValueError, match=r"k.transpose\(1, 2\)"):
+        ak.attention_with_kvcache(q, k_cache, k_cache, kn, kn, cache_seqlens=1)
+    pool = torch.randn(6, 4, 2, 8, dtype=DT)                        # (num_blocks, bs, H_kv, D)
+    flipped = pool.transpose(1, 2)                                  # vLLM-style (.., H, bs, D)
+    table = torch.tensor([[0, 1, -1], [2, 3, -1]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="pages of block_size = 2"):
+        ak.attention_with_kvcache(q, flipped, flipped, cache_seqlens=torch.tensor([6, 6]),
+                                  block_table=table)
+
+
 def test_bad_arguments_are_refused_with_clear_messages():
     k_cache = torch.randn(2, 4, 2, 8)
     q = torch.randn(2, 1, 4, 8)

@@ -231,8 +231,9 @@ def _check_pages(block_table: Any, batch: int, num_blocks: int, block_size: int,
         row = rows[b][:need]
         if row and (min(row) < 0 or max(row) >= num_blocks):     # then find the entry
             j, p = next((j, p) for j, p in enumerate(row) if not 0 <= p < num_blocks)
-            why = (" (-1 is padding: the row has fewer pages than the sequence's length "
-                   "needs — a sequence longer than its pages)" if p == -1 else "")
+            why = (f" (-1 is padding: the row has fewer pages than the sequence's {n} tokens "
+                   f"need in pages of block_size = {block_size}, k_cache being (num_blocks, "
+                   "block_size, H_kv, D) — a sequence longer than its pages)" if p == -1 else "")
             raise ValueError(
                 f"block_table[{b}, {j}] = {p} is out of range: the pool has {num_blocks} "
                 f"pages (0..{num_blocks - 1}){why}")
@@ -753,7 +754,9 @@ def attention_with_kvcache(
                          f"width D (last dim)")
     if h_kv == 0 or h_q % h_kv:
         raise ValueError(f"H_q = {h_q} query heads (q {_shape(q)}) must be a multiple of "
-                         f"H_kv = {h_kv} key/value heads (k_cache {_shape(k_cache)})")
+                         f"H_kv = {h_kv} key/value heads (k_cache {_shape(k_cache)}); q is "
+                         f"flash-attn's (B, N_q, H_q, D): a (B, H_q, N_q, D) tensor (SDPA's "
+                         f"layout) needs q.transpose(1, 2)")
     if not paged and k_cache.shape[0] != batch:
         raise ValueError(f"a contiguous k_cache must be (B, N_cache, H_kv, D) with q's B = "
                          f"{batch}, got {_shape(k_cache)} (cache_batch_idx is not supported)")
@@ -772,7 +775,9 @@ def attention_with_kvcache(
         want_v = (batch, n_new, h_kv, v_cache.shape[3])
         if tuple(k.shape) != want_k or tuple(v.shape) != want_v:
             raise ValueError(f"new k, v must be (B, N_new, H_kv, D) = {want_k} and "
-                             f"{want_v}, got k {_shape(k)}, v {_shape(v)}")
+                             f"{want_v}, got k {_shape(k)}, v {_shape(v)}" + (
+                                 " (a (B, H_kv, N_new, D) tensor, SDPA's layout, needs "
+                                 "k.transpose(1, 2))" if k.shape[2] != h_kv else ""))
         for name, t in (("k", k), ("v", v)):
             if t.dtype != q.dtype or t.device != q.device:
                 raise TypeError(f"{name} is {t.dtype} on {t.device}, q is {q.dtype} on "
