@@ -536,6 +536,21 @@ def test_sdpa_layout_mistakes_name_the_transpose():
                                   block_table=table)
 
 
+def test_varlen_takes_flash_attns_inference_keywords():
+    # flash_attn_varlen_func(..., dropout_p=0.0, deterministic=..., return_attn_probs=False)
+    # as inference code writes it runs; what attnkit cannot do is refused, saying so
+    q, k, v = torch.randn(5, 2, 8, dtype=DT), torch.randn(7, 1, 8, dtype=DT), torch.randn(
+        7, 1, 8, dtype=DT)
+    plain = ak.attention_varlen(q, k, v, [0, 2, 5], [0, 3, 7], causal=True)
+    out = ak.attention_varlen(q, k, v, [0, 2, 5], [0, 3, 7], 3, 4, dropout_p=0.0,
+                              deterministic=True, return_attn_probs=False, causal=True)
+    assert torch.equal(out, plain)
+    with pytest.raises(NotImplementedError, match="dropout_p.*inference"):
+        ak.attention_varlen(q, k, v, [0, 2, 5], [0, 3, 7], dropout_p=0.1)
+    with pytest.raises(NotImplementedError, match="return_attn_probs.*attnkit.explain"):
+        ak.attention_varlen(q, k, v, [0, 2, 5], [0, 3, 7], return_attn_probs=True)
+
+
 def test_bad_arguments_are_refused_with_clear_messages():
     k_cache = torch.randn(2, 4, 2, 8)
     q = torch.randn(2, 1, 4, 8)

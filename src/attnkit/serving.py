@@ -152,11 +152,11 @@ def _check_scale_backend(scale: Any, backend: Any) -> None:
     _backends.check_name(backend)
 
 
-def _unsupported(**given: Any) -> None:
+def _unsupported(call: str, **given: Any) -> None:
     for name, (value, default, fix) in given.items():
         if value is not default and (default is None or value != default):
             raise NotImplementedError(f"{name} is not supported by attnkit's "
-                                      f"attention_with_kvcache yet: {fix}")
+                                      f"{call} yet: {fix}")
 
 
 # --------------------------------------------------------------------------- one sequence
@@ -732,6 +732,7 @@ def attention_with_kvcache(
       not defined by its documentation).
     """
     _unsupported(
+        "attention_with_kvcache",
         rotary_cos=(rotary_cos, None, "rotate q and k with attnkit.rope before the call"),
         rotary_sin=(rotary_sin, None, "rotate q and k with attnkit.rope before the call"),
         cache_batch_idx=(cache_batch_idx, None, "pass k_cache[cache_batch_idx] (a paged "
@@ -841,6 +842,9 @@ def attention_varlen(
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     return_softmax_lse: bool = False,
+    dropout_p: float = 0.0,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
     shared_prefix: bool = True,
     backend: str = "auto",
 ) -> Any:
@@ -862,8 +866,18 @@ def attention_varlen(
     given. Nothing is written: append new tokens to a :class:`attnkit.PagedKVCache` first.
     ``shared_prefix`` is :func:`attention_with_kvcache`'s (cascade over shared pages).
     Differences from flash-attn: as :func:`attention_with_kvcache`'s (LSE −∞ for a row
-    with no key); no dropout, no ``return_attn_probs``.
+    with no key); ``dropout_p`` other than 0 and ``return_attn_probs=True`` are refused
+    (``NotImplementedError``: serving is inference; :func:`attnkit.attention` has dropout,
+    :func:`attnkit.explain` the weights); ``deterministic`` (flash-attn's backward) is
+    accepted and ignored; keyword-only after ``max_seqlen_k``.
     """
+    _unsupported(
+        "attention_varlen",
+        dropout_p=(dropout_p, 0.0, "pass dropout_p=0.0 (inference); attnkit.attention takes "
+                   "dropout_p for training"),
+        return_attn_probs=(return_attn_probs, False, "attnkit.explain(q, k, v, ...) returns "
+                           "the weights of one sequence"))
+    del deterministic                           # flash-attn's backward flag; no backward here
     paged = block_table is not None
     q = _tensor(q, "q", 3, "(total_q, H_q, D)")
     k = _tensor(k, "k", 4 if paged else 3,
