@@ -531,6 +531,8 @@ def test_sdpa_layout_mistakes_name_the_transpose():
     pool = torch.randn(6, 4, 2, 8, dtype=DT)                        # (num_blocks, bs, H_kv, D)
     flipped = pool.transpose(1, 2)                                  # vLLM-style (.., H, bs, D)
     table = torch.tensor([[0, 1, -1], [2, 3, -1]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="needs block_table="):   # a pool, no table
+        ak.attention_with_kvcache(q, pool, pool, cache_seqlens=torch.tensor([6, 6]))
     with pytest.raises(ValueError, match="pages of block_size = 2"):
         ak.attention_with_kvcache(q, flipped, flipped, cache_seqlens=torch.tensor([6, 6]),
                                   block_table=table)

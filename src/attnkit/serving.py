@@ -760,7 +760,8 @@ def attention_with_kvcache(
                          f"layout) needs q.transpose(1, 2)")
     if not paged and k_cache.shape[0] != batch:
         raise ValueError(f"a contiguous k_cache must be (B, N_cache, H_kv, D) with q's B = "
-                         f"{batch}, got {_shape(k_cache)} (cache_batch_idx is not supported)")
+                         f"{batch}, got {_shape(k_cache)} (cache_batch_idx is not supported; "
+                         "a paged pool (num_blocks, block_size, H_kv, D) needs block_table=)")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.dtype != q.dtype or t.device != q.device:
             raise TypeError(f"{name} is {t.dtype} on {t.device}, q is {q.dtype} on {q.device}: "
