@@ -88,8 +88,8 @@ class PagedKVCache:
 
     Args:
         num_blocks: pages in the pool (allocated at once, zero-filled).
-        block_size: tokens per page (any size >= 1; flash-attn's CUDA kernels need a
-            multiple of 256, attnkit does not).
+        block_size: tokens per page (any size >= 1; flash-attn 2's CUDA kernels need a
+            multiple of 256, vLLM's build of them 16, attnkit neither).
         n_kv_heads: key/value heads ``H_kv``.
         head_dim: key width ``D``.
         dtype: ``torch.float32``, ``torch.bfloat16`` or ``torch.float16`` (``torch.float64``
