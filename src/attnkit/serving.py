@@ -55,6 +55,9 @@ Caution
   ``num_splits`` is accepted and ignored; block_size may be any size; D_v may differ from D;
   float64 is accepted).
 - Inference only: the caches are written in place outside autograd (as flash-attn's).
+- The layout is checked by shape only: a ``(B, H, N, D)`` tensor (SDPA's) whose shape also
+  reads as ``(B, N, H, D)`` (MQA decoding: ``q (B, H_q, 1, D)`` with H_kv = 1) is taken as
+  the latter; transpose SDPA-layout tensors first (``.transpose(1, 2)``).
 """
 
 from __future__ import annotations
