@@ -503,7 +503,7 @@ class PagedKVCache:
                         f"which {self._refs[p]} sequences share (a fork): writing would change "
                         "the other sequences' keys. Call cache.reserve(seqs, n_new) first "
                         "(it copies shared pages: copy-on-write), or use cache.attention")
-        b = self._stray_row(read)
+        b = self._stray_row([(r[0], r[-1], len(r)) if r else (-1, -1, 0) for r in read])
         if b is not None:
             raise ValueError(
                 f"block_table row {b} reads pages {read[b]}, which are not the leading pages of "
@@ -536,21 +536,29 @@ class PagedKVCache:
         if not all(refs[p] <= 1 for b, start in written
                    for p in t[b, start // bs: need[b]].tolist()):
             return False
-        return self._stray_row([t[b, :need[b]].tolist() for b in range(len(seqlens))]) is None
+        rows = np.arange(len(seqlens))
+        n = need[:len(seqlens)]
+        last = t[rows, np.maximum(n - 1, 0)] if t.shape[1] else n
+        return self._stray_row(list(zip(t[rows, 0].tolist() if t.shape[1] else n.tolist(),
+                                        last.tolist(), n.tolist(), strict=True))) is None
 
-    def _stray_row(self, read: list[list[int]]) -> int | None:
-        """The first row whose pages ``read[b]`` are not the leading pages of a live sequence
-        (a table kept past a free: its pages may hold another sequence's tokens now), or
-        None. Refcounts alone pass such a row once the freed pages are handed out again."""
+    def _stray_row(self, ends: list[tuple[int, int, int]]) -> int | None:
+        """The first row whose pages are not the leading pages of a live sequence, from each
+        row's ``(first page, last page read, pages read)`` (a table kept past a free: its
+        pages may hold another sequence's tokens now; refcounts alone pass it once they are
+        handed out again), or None. The ends only: a stale row whose first and last pages
+        sit at the same places of one live sequence passes (as a row equal to one must)."""
+        whole: set[tuple[int, int, int]] = set()             # a table's (first, last, pages)
         by_first: dict[int, list[list[int]]] = {}           # first page -> tables (forks)
         for table in self._tables.values():
             if table:
+                whole.add((table[0], table[-1], len(table)))
                 by_first.setdefault(table[0], []).append(table)
-        for b, r in enumerate(read):
-            n = len(r)                                       # the last page tells forks apart
-            if r and not any(t[n - 1: n] == r[-1:] and t[:n] == r
-                             for t in by_first.get(r[0], ())):
-                return b
+        for b, (first, last, n) in enumerate(ends):
+            if n == 0 or (first, last, n) in whole:          # a row reads all its pages
+                continue
+            if not any(len(t) >= n and t[n - 1] == last for t in by_first.get(first, ())):
+                return b                                     # nor a prefix of a table's
         return None
 
 
