@@ -449,8 +449,8 @@ class PagedKVCache:
         page still referenced), a page more rows (or one row twice) use than the cache's
         refcount allows (a page used by two sequences without a fork), a write into a
         page another sequence holds (it must be copied first: :meth:`reserve`), and a row
-        whose pages are not the leading pages of a live sequence (a table kept past a
-        :meth:`free`, whose pages were handed to another sequence since).
+        whose first and last pages are not where a live sequence holds them (a table kept
+        past a :meth:`free`, whose pages were handed to another sequence since).
         """
         if len(seqlens) > block_table.shape[0]:
             raise ValueError(f"{len(seqlens)} sequence lengths for a block_table of "
