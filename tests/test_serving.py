@@ -553,6 +553,50 @@ def test_varlen_takes_flash_attns_inference_keywords():
         ak.attention_varlen(q, k, v, [0, 2, 5], [0, 3, 7], return_attn_probs=True)
 
 
+@pytest.mark.skipif("triton" not in ak.backends.names(), reason="no triton backend")
+@pytest.mark.parametrize("paged", [True, False])
+def test_a_chosen_engine_that_refuses_after_the_write_leaves_the_cache_as_it_was(
+        paged, monkeypatch):
+    # triton refuses CPU tensors only inside attention(), after the new tokens are written:
+    # the pages (or the contiguous rows) they overwrote are put back before the error
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    k_cache = torch.randn(6, 4, 2, 8, dtype=DT) if paged else torch.randn(2, 9, 2, 8, dtype=DT)
+    v_cache = torch.randn_like(k_cache)
+    table = {"block_table": torch.tensor([[4, 1], [0, 3]], dtype=torch.int32)} if paged else {}
+    q, kn = torch.randn(2, 2, 4, 8, dtype=DT), torch.randn(2, 2, 2, 8, dtype=DT)
+    k0, v0 = k_cache.clone(), v_cache.clone()
+    for scope in ("call", "use"):
+        with pytest.raises(ValueError, match="'triton' cannot run"):
+            if scope == "call":
+                ak.attention_with_kvcache(q, k_cache, v_cache, kn, kn.clone(),
+                                          cache_seqlens=torch.tensor([3, 5]), backend="triton",
+                                          **table)
+            else:
+                with ak.backends.use("triton"):
+                    ak.attention_with_kvcache(q, k_cache, v_cache, kn, kn.clone(),
+                                              cache_seqlens=torch.tensor([3, 5]), **table)
+        assert torch.equal(k_cache, k0) and torch.equal(v_cache, v0)
+
+
+def test_a_backends_use_scope_chooses_the_engine_of_a_paged_call(monkeypatch):
+    # under ak.backends.use("reference") the reference runs, not the native paged kernel
+    def refuse(*a, **kw):
+        raise AssertionError("the native paged kernel ran inside a use('reference') scope")
+
+    import attnkit.serving as serving
+    monkeypatch.setattr(serving._native, "paged_attention", refuse)
+    pool = torch.randn(6, 4, 2, 8, dtype=DT)
+    table = torch.tensor([[4, 1], [0, 3]], dtype=torch.int32)
+    q = torch.randn(2, 1, 4, 8, dtype=DT)
+    with ak.backends.use("reference"):
+        out = ak.attention_with_kvcache(q, pool, pool, cache_seqlens=torch.tensor([7, 5]),
+                                        block_table=table, causal=True)
+    for b, n in enumerate((7, 5)):
+        kk = pool[table[b].long()].flatten(0, 1)[:n]
+        want, _ = _reference(q[b], kk, kk, causal=True)
+        torch.testing.assert_close(out[b], want, rtol=1e-10, atol=1e-10)
+
+
 def test_bad_arguments_are_refused_with_clear_messages():
     k_cache = torch.randn(2, 4, 2, 8)
     q = torch.randn(2, 1, 4, 8)

@@ -20,7 +20,7 @@ Shape legend (flash-attn's layout: batch, sequence, heads, dim)::
     causal / window: query i of b sees keys j with
         i + N_k(b) − N_q − left <= j <= i + N_k(b) − N_q + right     (bottom-right aligned)
 
-How it is computed: with the native kernel (CPU, ``backend`` "auto" or "native"), a paged
+How it is computed: with the native kernel (CPU, ``backend="auto"``), a paged
 call is ONE kernel call that reads the pages through the block table — no gathered copy
 (:func:`attnkit.backends.native.paged_attention`): every sequence's queries over its keys,
 decodes and prefill chunks together, bottom-right causal / window, soft-cap and ALiBi per
@@ -29,7 +29,8 @@ LSE; the threads take items one at a time). Sequences forked from one prompt (th
 leading pool pages) attend to those pages once — one sequence of the call holding all their
 queries — merged with each one's own keys by LSE (cascade; ``shared_prefix``).
 
-Without it (``ATTNKIT_NATIVE=0``, no compiler, another device, a query requiring grad) each
+Without it (``ATTNKIT_NATIVE=0``, no compiler, another device, a query requiring grad, a
+``backend`` other than "auto" or a :func:`attnkit.backends.use` scope: the chosen engine) each
 sequence's pages are read in Python (``index_select`` of the pages it holds — a gathered
 copy) and attended by :func:`attnkit.attention`: single-query rows with no
 position-dependent term (ALiBi, a left window) together in one call, their gathered keys
@@ -353,6 +354,32 @@ def _write(pools: tuple[torch.Tensor, torch.Tensor], pages: list[list[int]] | No
                 pool[page, slot_of.view(-1, n_new) % block_size] = new
 
 
+def _overwritten(pools: tuple[torch.Tensor, torch.Tensor], pages: list[list[int]] | None,
+                 starts: list[int], n_new: int, block_size: int) -> Any:
+    """A copy of what :func:`_write` will overwrite (paged: the pages written; contiguous: the
+    positions ``min(starts) ... max(starts) + n_new − 1`` of every row) → a function that
+    puts it back."""
+    with torch.no_grad():
+        if pages is None:
+            at = slice(min(starts), max(starts) + n_new)
+            kept = [pool[:, at].clone() for pool in pools]
+        else:
+            at = torch.tensor(sorted({row[p // block_size] for row, s in zip(
+                pages, starts, strict=True) for p in range(s, s + n_new)}),
+                dtype=torch.long, device=pools[0].device)
+            kept = [pool[at] for pool in pools]                     # (pages, bs, H_kv, D)
+
+    def undo() -> None:
+        with torch.no_grad():
+            for pool, old in zip(pools, kept, strict=True):
+                if pages is None:
+                    pool[:, at] = old
+                else:
+                    pool[at] = old
+
+    return undo
+
+
 # --------------------------------------------------------------------------- rows
 # raw pools (not a PagedKVCache's) → their gather workspace, dropped when the pool is
 _RAW_WORKSPACES: dict[int, dict[str, torch.Tensor]] = {}
@@ -464,9 +491,10 @@ _LAST_PREFIXES: list[Any] = [None]
 
 def _use_native(qs: list[torch.Tensor], k_pool: torch.Tensor, backend: str) -> bool:
     """Whether a paged call runs in the native kernel through the block table: a CPU pool of
-    a dtype it takes, ``backend`` "auto" or "native", the kernel built and on (not
+    a dtype it takes, ``backend`` "auto" outside any :func:`attnkit.backends.use` scope (a
+    chosen engine runs the per-sequence route), the kernel built and on (not
     ``ATTNKIT_NATIVE=0``), and no gradient asked for (the paged kernel has no backward)."""
-    if backend not in ("auto", "native") or k_pool.device.type != "cpu" \
+    if backend != "auto" or _backends.current() is not None or k_pool.device.type != "cpu" \
             or k_pool.dtype not in _native.DTYPES:
         return False
     if torch.is_grad_enabled() and any(q.requires_grad for q in qs):
@@ -815,18 +843,27 @@ def attention_with_kvcache(
         raise ValueError(f"sequence {b} needs {lengths[b]} tokens (cache_seqlens {starts[b]} + "
                          f"{n_new} new), but the contiguous cache holds {k_cache.shape[1]}: "
                          "a sequence longer than its cache")
+    undo = None
     if k is not None:
         assert v is not None
+        if backend != "auto" or _backends.current() is not None:
+            # a chosen engine may refuse the call only after the write: keep what it overwrites
+            undo = _overwritten((k_cache, v_cache), pages, starts, n_new, block_size)
         _write((k_cache, v_cache), pages, starts, (k, v), block_size)
     if batch == 0:
         out = q.new_zeros(0, n_q, h_q, v_cache.shape[3])
         lse_all = torch.zeros(0, h_q, n_q, dtype=compute_dtype(q.dtype), device=q.device)
     else:
-        out, lse_rows = _attend_rows(list(q.unbind(0)), k_cache, v_cache, pages, lengths,
-                                     table=block_table, scale=softmax_scale, window=window,
-                                     softcap=float(softcap), slopes=slopes, backend=backend,
-                                     shared_prefix=shared_prefix)   # (B·N_q, H_q, D_v)
-        out = out.view(batch, n_q, h_q, v_cache.shape[3])
+        try:
+            out, lse_rows = _attend_rows(list(q.unbind(0)), k_cache, v_cache, pages, lengths,
+                                         table=block_table, scale=softmax_scale, window=window,
+                                         softcap=float(softcap), slopes=slopes,
+                                         backend=backend, shared_prefix=shared_prefix)
+        except Exception:
+            if undo is not None:
+                undo()                                  # the pool as it was before the call
+            raise
+        out = out.view(batch, n_q, h_q, v_cache.shape[3])           # (B·N_q, H_q, D_v) rows
         lse_all = lse_rows.view(batch, n_q, h_q).transpose(1, 2).contiguous()
     return (out, lse_all) if return_softmax_lse else out
 
