@@ -518,6 +518,31 @@ def test_paged_cache_refuses_a_table_kept_past_a_free_once_its_pages_are_handed_
         [7, 9]), block_table=cache.block_table([n, b]))
 
 
+def test_paged_cache_refuses_reads_and_writes_past_a_sequences_tokens():
+    # flash-attn's habit, lengths kept by hand: a raw write from past the cache's length (a
+    # missed commit) would leave slots never written, and a varlen read past it (a missed
+    # append) would read them — both refused, every call (a remembered table included)
+    cache = ak.PagedKVCache(8, 4, 1, 4, dtype=DT)
+    a = cache.new_sequence()
+    cache.append(a, torch.randn(5, 1, 4, dtype=DT), torch.randn(5, 1, 4, dtype=DT))
+    q, kn = torch.randn(1, 1, 1, 4, dtype=DT), torch.randn(1, 1, 1, 4, dtype=DT)
+    cache.reserve([a], 2)
+    table = cache.block_table([a])
+    ak.attention_with_kvcache(q, cache.k_pages, cache.v_pages, kn, kn.clone(),
+                              cache_seqlens=cache.seqlens([a]), block_table=table)  # token 5
+    _assert_refused(cache.k_pages, cache.v_pages, "call cache.commit", q, cache.k_pages,
+                    cache.v_pages, kn, kn.clone(), cache_seqlens=torch.tensor([6]),
+                    block_table=table)                               # no commit of token 5
+    with pytest.raises(ValueError, match="reads 6 tokens, but its sequence holds 5"):
+        ak.attention_varlen(q[0], cache.k_pages, cache.v_pages, [0, 1], [0, 6],
+                            block_table=table)
+    cache.commit([a], 1)                                            # now both are fine
+    ak.attention_varlen(q[0], cache.k_pages, cache.v_pages, [0, 1], [0, 6], block_table=table)
+    ak.attention_with_kvcache(q, cache.k_pages, cache.v_pages, kn, kn.clone(),
+                              cache_seqlens=torch.tensor([6]), block_table=table)
+    ak.attention_varlen(q[0], cache.k_pages, cache.v_pages, [0, 1], [0, 3], block_table=table)
+
+
 def test_sdpa_layout_mistakes_name_the_transpose():
     # a port from SDPA code passes (B, H, N, D); where the heads do not fit, the message says
     # flash-attn's layout and the fix; a transposed pool's short rows name its block_size

@@ -758,7 +758,8 @@ def attention_with_kvcache(
       by another in the same call, a sequence longer than its pages or cache; and, when
       ``k_cache`` is a :class:`attnkit.PagedKVCache`'s pool, a freed page still referenced
       (also once handed to another sequence: a row's first and last pages must be where a
-      live sequence holds them) and a page shared without ``fork``.
+      live sequence holds them), a page shared without ``fork``, and a read or write past a
+      sequence's tokens (a missed ``append`` or ``commit``).
     - Keyword-only after ``v`` (flash-attn also takes them by position).
     - New ``k``/``v`` with ``cache_seqlens=None`` are refused (flash-attn's behaviour there is
       not defined by its documentation).
