@@ -744,9 +744,11 @@ def attention_with_kvcache(
     - A query with no allowed key (a length-0 sequence; causal with ``N_q > N_k``) gets
       output 0 and LSE **−∞** (flash-attn: output 0, LSE +inf) — attnkit's convention, which
       :func:`attnkit.backends.base.merge_partials` merges correctly.
-    - With ``causal`` and ``alibi_slopes``, flash-attn adds ``slope · j`` (the same weights
+    - With ``causal`` and ``alibi_slopes`` and no left window (flash-attn's causal case,
+      which ``window_size=(-1, 0)`` is too), flash-attn adds ``slope · j`` (the same weights
       after the softmax) where attnkit adds ``−slope · |i + N_k − N_q − j|``: outputs are
-      equal, the LSE differs by ``slope · (i + N_k − N_q)``.
+      equal, attnkit's LSE is lower by ``slope · (i + N_k − N_q)``. With a left window both
+      add the latter.
     - ``rotary_cos`` / ``rotary_sin``, ``cache_batch_idx`` and ``cache_leftpad`` are
       refused (``NotImplementedError``; ``rotary_interleaved`` alone is ignored): rotate q
       and k with :mod:`attnkit.rope` before the call; index the cache rows yourself.
