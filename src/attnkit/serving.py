@@ -754,7 +754,8 @@ def attention_with_kvcache(
       and k with :mod:`attnkit.rope` before the call; index the cache rows yourself.
     - Any ``block_size`` works (flash-attn 2 needs a multiple of 256, vLLM's build of it
       16); ``D_v`` may differ from ``D``; float64 is accepted; a block table entry past a
-      sequence's pages may be -1.
+      sequence's pages may be -1; ``block_table`` and ``cache_seqlens`` may be of any
+      integer dtype (flash-attn: int32), ``cache_seqlens`` also an int or a list.
     - Bad input is refused before anything is written, each with one message: a block
       table entry out of range, a page listed twice, a page written by one sequence and read
       by another in the same call, a sequence longer than its pages or cache; and, when
