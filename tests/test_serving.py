@@ -188,6 +188,19 @@ def test_empty_sequence_gives_zero_and_lse_minus_inf():
     assert (lse[0] == -math.inf).all() and torch.isfinite(lse[1]).all()
 
 
+@pytest.mark.parametrize("paged", [True, False])
+def test_an_empty_batch_with_new_tokens_is_empty(paged):
+    # B = 0 with k, v given (an idle step of a server loop): nothing written, empty results
+    pool = torch.randn(4, 2, 1, 4, dtype=DT) if paged else torch.randn(0, 5, 1, 4, dtype=DT)
+    before = pool.clone()
+    kn = torch.randn(0, 1, 1, 4, dtype=DT)
+    out, lse = ak.attention_with_kvcache(
+        torch.randn(0, 1, 1, 4, dtype=DT), pool, pool, kn, kn.clone(),
+        cache_seqlens=torch.zeros(0, dtype=torch.int32), return_softmax_lse=True,
+        block_table=torch.zeros(0, 1, dtype=torch.int32) if paged else None)
+    assert out.shape == (0, 1, 1, 4) and lse.shape == (0, 1, 1) and torch.equal(pool, before)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("opts", [{"causal": True}, {"softcap": 4.0, "window_size": (5, 0)},
                                   {"alibi": True, "causal": True}],

@@ -329,7 +329,7 @@ def _write(pools: tuple[torch.Tensor, torch.Tensor], pages: list[list[int]] | No
     ...`` of each row of ``pools = (k_cache, v_cache)`` (the positions' slots found once for
     both)."""
     n_new = news[0].shape[1]
-    if n_new == 0:
+    if n_new == 0 or not starts:                        # no tokens, or no rows (B = 0)
         return
     dev = pools[0].device
     with torch.no_grad():
@@ -850,7 +850,7 @@ def attention_with_kvcache(
     undo = None
     if k is not None:
         assert v is not None
-        if backend != "auto" or _backends.current() is not None:
+        if batch and n_new and (backend != "auto" or _backends.current() is not None):
             # a chosen engine may refuse the call only after the write: keep what it overwrites
             undo = _overwritten((k_cache, v_cache), pages, starts, n_new, block_size)
         _write((k_cache, v_cache), pages, starts, (k, v), block_size)
