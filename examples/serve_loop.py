@@ -12,7 +12,7 @@ system prompt: its pages are computed once and ``fork``-ed (copy-on-write). Requ
 for admission when the pool has too few free pages.
 
 The check: every request's generated tokens equal the tokens it gets when generated alone
-with a contiguous ``ak.KVCache`` (``tests/test_examples_serve_loop.py`` runs this in CI).
+with a contiguous ``ak.KVCache`` (``tests/test_serve_loop_example.py`` runs this in CI).
 """
 
 from __future__ import annotations

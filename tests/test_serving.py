@@ -188,6 +188,19 @@ def test_empty_sequence_gives_zero_and_lse_minus_inf():
     assert (lse[0] == -math.inf).all() and torch.isfinite(lse[1]).all()
 
 
+@pytest.mark.parametrize("paged", [True, False])
+def test_an_empty_batch_with_new_tokens_is_empty(paged):
+    # B = 0 with k, v given (an idle step of a server loop): nothing written, empty results
+    pool = torch.randn(4, 2, 1, 4, dtype=DT) if paged else torch.randn(0, 5, 1, 4, dtype=DT)
+    before = pool.clone()
+    kn = torch.randn(0, 1, 1, 4, dtype=DT)
+    out, lse = ak.attention_with_kvcache(
+        torch.randn(0, 1, 1, 4, dtype=DT), pool, pool, kn, kn.clone(),
+        cache_seqlens=torch.zeros(0, dtype=torch.int32), return_softmax_lse=True,
+        block_table=torch.zeros(0, 1, dtype=torch.int32) if paged else None)
+    assert out.shape == (0, 1, 1, 4) and lse.shape == (0, 1, 1) and torch.equal(pool, before)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("opts", [{"causal": True}, {"softcap": 4.0, "window_size": (5, 0)},
                                   {"alibi": True, "causal": True}],
@@ -484,6 +497,142 @@ def test_paged_cache_state_errors_freed_page_and_shared_without_fork():
     _assert_refused(cache.k_pages, cache.v_pages, "sequences share", q, cache.k_pages,
                     cache.v_pages, kn, kn.clone(), cache_seqlens=torch.tensor([3]),
                     block_table=cache.block_table([c]))
+
+
+def test_paged_cache_refuses_a_table_kept_past_a_free_once_its_pages_are_handed_out():
+    # a's table kept past free(a): its pages go to a new sequence n, so every page has a
+    # holder again and the refcounts pass it; the row is no live sequence's pages -> refused,
+    # before the write that would land in n's tokens
+    cache = ak.PagedKVCache(8, 4, 1, 4, dtype=DT)
+    a, b = cache.new_sequence(), cache.new_sequence()
+    for s, n in ((a, 6), (b, 9)):
+        cache.append(s, torch.randn(n, 1, 4, dtype=DT), torch.randn(n, 1, 4, dtype=DT))
+    stale, lens = cache.block_table([a, b]), cache.seqlens([a, b])
+    q = torch.randn(2, 1, 1, 4, dtype=DT)
+    kn = torch.randn(2, 1, 1, 4, dtype=DT)
+    ak.attention_with_kvcache(q, cache.k_pages, cache.v_pages, cache_seqlens=lens,
+                              block_table=stale)                    # passed (and remembered)
+    cache.free(a)
+    n = cache.new_sequence()
+    cache.append(n, torch.randn(7, 1, 4, dtype=DT), torch.randn(7, 1, 4, dtype=DT))
+    assert sorted(cache.pages(n)) == sorted(stale[0, :2].tolist())  # a's pages, n's tokens
+    for new in ((), (kn, kn.clone())):
+        _assert_refused(cache.k_pages, cache.v_pages, "not the leading pages of any sequence",
+                        q, cache.k_pages, cache.v_pages, *new, cache_seqlens=lens,
+                        block_table=stale)
+    with pytest.raises(ValueError, match="not the leading pages"):
+        ak.attention_varlen(q[:, 0], cache.k_pages, cache.v_pages, [0, 1, 2], [0, 6, 15],
+                            block_table=stale)
+    # a fork's own rows, a prefix of a sequence's pages, and the rebuilt table pass
+    f = cache.fork(b)
+    ak.attention_varlen(q[:, 0], cache.k_pages, cache.v_pages, [0, 1, 2], [0, 5, 9],
+                        block_table=cache.block_table([b, f]))
+    ak.attention_with_kvcache(q, cache.k_pages, cache.v_pages, cache_seqlens=torch.tensor(
+        [7, 9]), block_table=cache.block_table([n, b]))
+
+
+def test_paged_cache_refuses_reads_and_writes_past_a_sequences_tokens():
+    # flash-attn's habit, lengths kept by hand: a raw write from past the cache's length (a
+    # missed commit) would leave slots never written, and a varlen read past it (a missed
+    # append) would read them — both refused, every call (a remembered table included)
+    cache = ak.PagedKVCache(8, 4, 1, 4, dtype=DT)
+    a = cache.new_sequence()
+    cache.append(a, torch.randn(5, 1, 4, dtype=DT), torch.randn(5, 1, 4, dtype=DT))
+    q, kn = torch.randn(1, 1, 1, 4, dtype=DT), torch.randn(1, 1, 1, 4, dtype=DT)
+    cache.reserve([a], 2)
+    table = cache.block_table([a])
+    ak.attention_with_kvcache(q, cache.k_pages, cache.v_pages, kn, kn.clone(),
+                              cache_seqlens=cache.seqlens([a]), block_table=table)  # token 5
+    _assert_refused(cache.k_pages, cache.v_pages, "call cache.commit", q, cache.k_pages,
+                    cache.v_pages, kn, kn.clone(), cache_seqlens=torch.tensor([6]),
+                    block_table=table)                               # no commit of token 5
+    with pytest.raises(ValueError, match="reads 6 tokens, but its sequence holds 5"):
+        ak.attention_varlen(q[0], cache.k_pages, cache.v_pages, [0, 1], [0, 6],
+                            block_table=table)
+    cache.commit([a], 1)                                            # now both are fine
+    ak.attention_varlen(q[0], cache.k_pages, cache.v_pages, [0, 1], [0, 6], block_table=table)
+    ak.attention_with_kvcache(q, cache.k_pages, cache.v_pages, kn, kn.clone(),
+                              cache_seqlens=torch.tensor([6]), block_table=table)
+    ak.attention_varlen(q[0], cache.k_pages, cache.v_pages, [0, 1], [0, 3], block_table=table)
+
+
+def test_sdpa_layout_mistakes_name_the_transpose():
+    # a port from SDPA code passes (B, H, N, D); where the heads do not fit, the message says
+    # flash-attn's layout and the fix; a transposed pool's short rows name its block_size
+    k_cache = torch.randn(2, 6, 2, 8, dtype=DT)
+    q = torch.randn(2, 1, 4, 8, dtype=DT)
+    with pytest.raises(ValueError, match=r"q.transpose\(1, 2\)"):
+        ak.attention_with_kvcache(q.transpose(1, 2), k_cache, k_cache)
+    kn = torch.randn(2, 2, 1, 8, dtype=DT)                          # (B, H_kv, N_new, D)
+    with pytest.raises(ValueError, match=r"k.transpose\(1, 2\)"):
+        ak.attention_with_kvcache(q, k_cache, k_cache, kn, kn, cache_seqlens=1)
+    pool = torch.randn(6, 4, 2, 8, dtype=DT)                        # (num_blocks, bs, H_kv, D)
+    flipped = pool.transpose(1, 2)                                  # vLLM-style (.., H, bs, D)
+    table = torch.tensor([[0, 1, -1], [2, 3, -1]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="needs block_table="):   # a pool, no table
+        ak.attention_with_kvcache(q, pool, pool, cache_seqlens=torch.tensor([6, 6]))
+    with pytest.raises(ValueError, match="pages of block_size = 2"):
+        ak.attention_with_kvcache(q, flipped, flipped, cache_seqlens=torch.tensor([6, 6]),
+                                  block_table=table)
+
+
+def test_varlen_takes_flash_attns_inference_keywords():
+    # flash_attn_varlen_func(..., dropout_p=0.0, deterministic=..., return_attn_probs=False)
+    # as inference code writes it runs; what attnkit cannot do is refused, saying so
+    q, k, v = torch.randn(5, 2, 8, dtype=DT), torch.randn(7, 1, 8, dtype=DT), torch.randn(
+        7, 1, 8, dtype=DT)
+    plain = ak.attention_varlen(q, k, v, [0, 2, 5], [0, 3, 7], causal=True)
+    out = ak.attention_varlen(q, k, v, [0, 2, 5], [0, 3, 7], 3, 4, dropout_p=0.0,
+                              deterministic=True, return_attn_probs=False, causal=True)
+    assert torch.equal(out, plain)
+    with pytest.raises(NotImplementedError, match="dropout_p.*inference"):
+        ak.attention_varlen(q, k, v, [0, 2, 5], [0, 3, 7], dropout_p=0.1)
+    with pytest.raises(NotImplementedError, match="return_attn_probs.*attnkit.explain"):
+        ak.attention_varlen(q, k, v, [0, 2, 5], [0, 3, 7], return_attn_probs=True)
+
+
+@pytest.mark.skipif("triton" not in ak.backends.names(), reason="no triton backend")
+@pytest.mark.parametrize("paged", [True, False])
+def test_a_chosen_engine_that_refuses_after_the_write_leaves_the_cache_as_it_was(
+        paged, monkeypatch):
+    # triton refuses CPU tensors only inside attention(), after the new tokens are written:
+    # the pages (or the contiguous rows) they overwrote are put back before the error
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    k_cache = torch.randn(6, 4, 2, 8, dtype=DT) if paged else torch.randn(2, 9, 2, 8, dtype=DT)
+    v_cache = torch.randn_like(k_cache)
+    table = {"block_table": torch.tensor([[4, 1], [0, 3]], dtype=torch.int32)} if paged else {}
+    q, kn = torch.randn(2, 2, 4, 8, dtype=DT), torch.randn(2, 2, 2, 8, dtype=DT)
+    k0, v0 = k_cache.clone(), v_cache.clone()
+    for scope in ("call", "use"):
+        with pytest.raises(ValueError, match="'triton' cannot run"):
+            if scope == "call":
+                ak.attention_with_kvcache(q, k_cache, v_cache, kn, kn.clone(),
+                                          cache_seqlens=torch.tensor([3, 5]), backend="triton",
+                                          **table)
+            else:
+                with ak.backends.use("triton"):
+                    ak.attention_with_kvcache(q, k_cache, v_cache, kn, kn.clone(),
+                                              cache_seqlens=torch.tensor([3, 5]), **table)
+        assert torch.equal(k_cache, k0) and torch.equal(v_cache, v0)
+
+
+def test_a_backends_use_scope_chooses_the_engine_of_a_paged_call(monkeypatch):
+    # under ak.backends.use("reference") the reference runs, not the native paged kernel
+    def refuse(*a, **kw):
+        raise AssertionError("the native paged kernel ran inside a use('reference') scope")
+
+    import attnkit.serving as serving
+    monkeypatch.setattr(serving._native, "paged_attention", refuse)
+    pool = torch.randn(6, 4, 2, 8, dtype=DT)
+    table = torch.tensor([[4, 1], [0, 3]], dtype=torch.int32)
+    q = torch.randn(2, 1, 4, 8, dtype=DT)
+    with ak.backends.use("reference"):
+        out = ak.attention_with_kvcache(q, pool, pool, cache_seqlens=torch.tensor([7, 5]),
+                                        block_table=table, causal=True)
+    for b, n in enumerate((7, 5)):
+        kk = pool[table[b].long()].flatten(0, 1)[:n]
+        want, _ = _reference(q[b], kk, kk, causal=True)
+        torch.testing.assert_close(out[b], want, rtol=1e-10, atol=1e-10)
 
 
 def test_bad_arguments_are_refused_with_clear_messages():

@@ -20,7 +20,7 @@ Shape legend (flash-attn's layout: batch, sequence, heads, dim)::
     causal / window: query i of b sees keys j with
         i + N_k(b) − N_q − left <= j <= i + N_k(b) − N_q + right     (bottom-right aligned)
 
-How it is computed: with the native kernel (CPU, ``backend`` "auto" or "native"), a paged
+How it is computed: with the native kernel (CPU, ``backend="auto"``), a paged
 call is ONE kernel call that reads the pages through the block table — no gathered copy
 (:func:`attnkit.backends.native.paged_attention`): every sequence's queries over its keys,
 decodes and prefill chunks together, bottom-right causal / window, soft-cap and ALiBi per
@@ -29,7 +29,8 @@ LSE; the threads take items one at a time). Sequences forked from one prompt (th
 leading pool pages) attend to those pages once — one sequence of the call holding all their
 queries — merged with each one's own keys by LSE (cascade; ``shared_prefix``).
 
-Without it (``ATTNKIT_NATIVE=0``, no compiler, another device, a query requiring grad) each
+Without it (``ATTNKIT_NATIVE=0``, no compiler, another device, a query requiring grad, a
+``backend`` other than "auto" or a :func:`attnkit.backends.use` scope: the chosen engine) each
 sequence's pages are read in Python (``index_select`` of the pages it holds — a gathered
 copy) and attended by :func:`attnkit.attention`: single-query rows with no
 position-dependent term (ALiBi, a left window) together in one call, their gathered keys
@@ -55,6 +56,9 @@ Caution
   ``num_splits`` is accepted and ignored; block_size may be any size; D_v may differ from D;
   float64 is accepted).
 - Inference only: the caches are written in place outside autograd (as flash-attn's).
+- The layout is checked by shape only: a ``(B, H, N, D)`` tensor (SDPA's) whose shape also
+  reads as ``(B, N, H, D)`` (MQA decoding: ``q (B, H_q, 1, D)`` with H_kv = 1) is taken as
+  the latter; transpose SDPA-layout tensors first (``.transpose(1, 2)``).
 """
 
 from __future__ import annotations
@@ -152,11 +156,11 @@ def _check_scale_backend(scale: Any, backend: Any) -> None:
     _backends.check_name(backend)
 
 
-def _unsupported(**given: Any) -> None:
+def _unsupported(call: str, **given: Any) -> None:
     for name, (value, default, fix) in given.items():
         if value is not default and (default is None or value != default):
             raise NotImplementedError(f"{name} is not supported by attnkit's "
-                                      f"attention_with_kvcache yet: {fix}")
+                                      f"{call} yet: {fix}")
 
 
 # --------------------------------------------------------------------------- one sequence
@@ -231,8 +235,9 @@ def _check_pages(block_table: Any, batch: int, num_blocks: int, block_size: int,
         row = rows[b][:need]
         if row and (min(row) < 0 or max(row) >= num_blocks):     # then find the entry
             j, p = next((j, p) for j, p in enumerate(row) if not 0 <= p < num_blocks)
-            why = (" (-1 is padding: the row has fewer pages than the sequence's length "
-                   "needs — a sequence longer than its pages)" if p == -1 else "")
+            why = (f" (-1 is padding: the row has fewer pages than the sequence's {n} tokens "
+                   f"need in pages of block_size = {block_size}, k_cache being (num_blocks, "
+                   "block_size, H_kv, D) — a sequence longer than its pages)" if p == -1 else "")
             raise ValueError(
                 f"block_table[{b}, {j}] = {p} is out of range: the pool has {num_blocks} "
                 f"pages (0..{num_blocks - 1}){why}")
@@ -324,7 +329,7 @@ def _write(pools: tuple[torch.Tensor, torch.Tensor], pages: list[list[int]] | No
     ...`` of each row of ``pools = (k_cache, v_cache)`` (the positions' slots found once for
     both)."""
     n_new = news[0].shape[1]
-    if n_new == 0:
+    if n_new == 0 or not starts:                        # no tokens, or no rows (B = 0)
         return
     dev = pools[0].device
     with torch.no_grad():
@@ -347,6 +352,32 @@ def _write(pools: tuple[torch.Tensor, torch.Tensor], pages: list[list[int]] | No
             else:
                 page = slot_of.view(-1, n_new) // block_size    # (B, N_new)
                 pool[page, slot_of.view(-1, n_new) % block_size] = new
+
+
+def _overwritten(pools: tuple[torch.Tensor, torch.Tensor], pages: list[list[int]] | None,
+                 starts: list[int], n_new: int, block_size: int) -> Any:
+    """A copy of what :func:`_write` will overwrite (paged: the pages written; contiguous: the
+    positions ``min(starts) ... max(starts) + n_new − 1`` of every row) → a function that
+    puts it back."""
+    with torch.no_grad():
+        if pages is None:
+            at = slice(min(starts), max(starts) + n_new)
+            kept = [pool[:, at].clone() for pool in pools]
+        else:
+            at = torch.tensor(sorted({row[p // block_size] for row, s in zip(
+                pages, starts, strict=True) for p in range(s, s + n_new)}),
+                dtype=torch.long, device=pools[0].device)
+            kept = [pool[at] for pool in pools]                     # (pages, bs, H_kv, D)
+
+    def undo() -> None:
+        with torch.no_grad():
+            for pool, old in zip(pools, kept, strict=True):
+                if pages is None:
+                    pool[:, at] = old
+                else:
+                    pool[at] = old
+
+    return undo
 
 
 # --------------------------------------------------------------------------- rows
@@ -460,9 +491,10 @@ _LAST_PREFIXES: list[Any] = [None]
 
 def _use_native(qs: list[torch.Tensor], k_pool: torch.Tensor, backend: str) -> bool:
     """Whether a paged call runs in the native kernel through the block table: a CPU pool of
-    a dtype it takes, ``backend`` "auto" or "native", the kernel built and on (not
+    a dtype it takes, ``backend`` "auto" outside any :func:`attnkit.backends.use` scope (a
+    chosen engine runs the per-sequence route), the kernel built and on (not
     ``ATTNKIT_NATIVE=0``), and no gradient asked for (the paged kernel has no backward)."""
-    if backend not in ("auto", "native") or k_pool.device.type != "cpu" \
+    if backend != "auto" or _backends.current() is not None or k_pool.device.type != "cpu" \
             or k_pool.dtype not in _native.DTYPES:
         return False
     if torch.is_grad_enabled() and any(q.requires_grad for q in qs):
@@ -712,24 +744,31 @@ def attention_with_kvcache(
     - A query with no allowed key (a length-0 sequence; causal with ``N_q > N_k``) gets
       output 0 and LSE **−∞** (flash-attn: output 0, LSE +inf) — attnkit's convention, which
       :func:`attnkit.backends.base.merge_partials` merges correctly.
-    - With ``causal`` and ``alibi_slopes``, flash-attn adds ``slope · j`` (the same weights
+    - With ``causal`` and ``alibi_slopes`` and no left window (flash-attn's causal case,
+      which ``window_size=(-1, 0)`` is too), flash-attn adds ``slope · j`` (the same weights
       after the softmax) where attnkit adds ``−slope · |i + N_k − N_q − j|``: outputs are
-      equal, the LSE differs by ``slope · (i + N_k − N_q)``.
+      equal, attnkit's LSE is lower by ``slope · (i + N_k − N_q)``. With a left window both
+      add the latter.
     - ``rotary_cos`` / ``rotary_sin``, ``cache_batch_idx`` and ``cache_leftpad`` are
       refused (``NotImplementedError``; ``rotary_interleaved`` alone is ignored): rotate q
       and k with :mod:`attnkit.rope` before the call; index the cache rows yourself.
-    - Any ``block_size`` works (flash-attn needs a multiple of 256); ``D_v`` may differ from
-      ``D``; float64 is accepted; a block table entry past a sequence's pages may be -1.
+    - Any ``block_size`` works (flash-attn 2 needs a multiple of 256, vLLM's build of it
+      16); ``D_v`` may differ from ``D``; float64 is accepted; a block table entry past a
+      sequence's pages may be -1; ``block_table`` and ``cache_seqlens`` may be of any
+      integer dtype (flash-attn: int32), ``cache_seqlens`` also an int or a list.
     - Bad input is refused before anything is written, each with one message: a block
       table entry out of range, a page listed twice, a page written by one sequence and read
       by another in the same call, a sequence longer than its pages or cache; and, when
       ``k_cache`` is a :class:`attnkit.PagedKVCache`'s pool, a freed page still referenced
-      and a page shared without ``fork``.
+      (also once handed to another sequence: a row's first and last pages must be where a
+      live sequence holds them), a page shared without ``fork``, and a read or write past a
+      sequence's tokens (a missed ``append`` or ``commit``).
     - Keyword-only after ``v`` (flash-attn also takes them by position).
     - New ``k``/``v`` with ``cache_seqlens=None`` are refused (flash-attn's behaviour there is
       not defined by its documentation).
     """
     _unsupported(
+        "attention_with_kvcache",
         rotary_cos=(rotary_cos, None, "rotate q and k with attnkit.rope before the call"),
         rotary_sin=(rotary_sin, None, "rotate q and k with attnkit.rope before the call"),
         cache_batch_idx=(cache_batch_idx, None, "pass k_cache[cache_batch_idx] (a paged "
@@ -752,10 +791,13 @@ def attention_with_kvcache(
                          f"width D (last dim)")
     if h_kv == 0 or h_q % h_kv:
         raise ValueError(f"H_q = {h_q} query heads (q {_shape(q)}) must be a multiple of "
-                         f"H_kv = {h_kv} key/value heads (k_cache {_shape(k_cache)})")
+                         f"H_kv = {h_kv} key/value heads (k_cache {_shape(k_cache)}); q is "
+                         f"flash-attn's (B, N_q, H_q, D): a (B, H_q, N_q, D) tensor (SDPA's "
+                         f"layout) needs q.transpose(1, 2)")
     if not paged and k_cache.shape[0] != batch:
         raise ValueError(f"a contiguous k_cache must be (B, N_cache, H_kv, D) with q's B = "
-                         f"{batch}, got {_shape(k_cache)} (cache_batch_idx is not supported)")
+                         f"{batch}, got {_shape(k_cache)} (cache_batch_idx is not supported; "
+                         "a paged pool (num_blocks, block_size, H_kv, D) needs block_table=)")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.dtype != q.dtype or t.device != q.device:
             raise TypeError(f"{name} is {t.dtype} on {t.device}, q is {q.dtype} on {q.device}: "
@@ -771,7 +813,9 @@ def attention_with_kvcache(
         want_v = (batch, n_new, h_kv, v_cache.shape[3])
         if tuple(k.shape) != want_k or tuple(v.shape) != want_v:
             raise ValueError(f"new k, v must be (B, N_new, H_kv, D) = {want_k} and "
-                             f"{want_v}, got k {_shape(k)}, v {_shape(v)}")
+                             f"{want_v}, got k {_shape(k)}, v {_shape(v)}" + (
+                                 " (a (B, H_kv, N_new, D) tensor, SDPA's layout, needs "
+                                 "k.transpose(1, 2))" if k.shape[2] != h_kv else ""))
         for name, t in (("k", k), ("v", v)):
             if t.dtype != q.dtype or t.device != q.device:
                 raise TypeError(f"{name} is {t.dtype} on {t.device}, q is {q.dtype} on "
@@ -803,18 +847,27 @@ def attention_with_kvcache(
         raise ValueError(f"sequence {b} needs {lengths[b]} tokens (cache_seqlens {starts[b]} + "
                          f"{n_new} new), but the contiguous cache holds {k_cache.shape[1]}: "
                          "a sequence longer than its cache")
+    undo = None
     if k is not None:
         assert v is not None
+        if batch and n_new and (backend != "auto" or _backends.current() is not None):
+            # a chosen engine may refuse the call only after the write: keep what it overwrites
+            undo = _overwritten((k_cache, v_cache), pages, starts, n_new, block_size)
         _write((k_cache, v_cache), pages, starts, (k, v), block_size)
     if batch == 0:
         out = q.new_zeros(0, n_q, h_q, v_cache.shape[3])
         lse_all = torch.zeros(0, h_q, n_q, dtype=compute_dtype(q.dtype), device=q.device)
     else:
-        out, lse_rows = _attend_rows(list(q.unbind(0)), k_cache, v_cache, pages, lengths,
-                                     table=block_table, scale=softmax_scale, window=window,
-                                     softcap=float(softcap), slopes=slopes, backend=backend,
-                                     shared_prefix=shared_prefix)   # (B·N_q, H_q, D_v)
-        out = out.view(batch, n_q, h_q, v_cache.shape[3])
+        try:
+            out, lse_rows = _attend_rows(list(q.unbind(0)), k_cache, v_cache, pages, lengths,
+                                         table=block_table, scale=softmax_scale, window=window,
+                                         softcap=float(softcap), slopes=slopes,
+                                         backend=backend, shared_prefix=shared_prefix)
+        except Exception:
+            if undo is not None:
+                undo()                                  # the pool as it was before the call
+            raise
+        out = out.view(batch, n_q, h_q, v_cache.shape[3])           # (B·N_q, H_q, D_v) rows
         lse_all = lse_rows.view(batch, n_q, h_q).transpose(1, 2).contiguous()
     return (out, lse_all) if return_softmax_lse else out
 
@@ -835,6 +888,9 @@ def attention_varlen(
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     return_softmax_lse: bool = False,
+    dropout_p: float = 0.0,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
     shared_prefix: bool = True,
     backend: str = "auto",
 ) -> Any:
@@ -856,8 +912,18 @@ def attention_varlen(
     given. Nothing is written: append new tokens to a :class:`attnkit.PagedKVCache` first.
     ``shared_prefix`` is :func:`attention_with_kvcache`'s (cascade over shared pages).
     Differences from flash-attn: as :func:`attention_with_kvcache`'s (LSE −∞ for a row
-    with no key); no dropout, no ``return_attn_probs``.
+    with no key); ``dropout_p`` other than 0 and ``return_attn_probs=True`` are refused
+    (``NotImplementedError``: serving is inference; :func:`attnkit.attention` has dropout,
+    :func:`attnkit.explain` the weights); ``deterministic`` (flash-attn's backward) is
+    accepted and ignored; keyword-only after ``max_seqlen_k``.
     """
+    _unsupported(
+        "attention_varlen",
+        dropout_p=(dropout_p, 0.0, "pass dropout_p=0.0 (inference); attnkit.attention takes "
+                   "dropout_p for training"),
+        return_attn_probs=(return_attn_probs, False, "attnkit.explain(q, k, v, ...) returns "
+                           "the weights of one sequence"))
+    del deterministic                           # flash-attn's backward flag; no backward here
     paged = block_table is not None
     q = _tensor(q, "q", 3, "(total_q, H_q, D)")
     k = _tensor(k, "k", 4 if paged else 3,

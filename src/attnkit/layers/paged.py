@@ -88,8 +88,8 @@ class PagedKVCache:
 
     Args:
         num_blocks: pages in the pool (allocated at once, zero-filled).
-        block_size: tokens per page (any size >= 1; flash-attn's CUDA kernels need a
-            multiple of 256, attnkit does not).
+        block_size: tokens per page (any size >= 1; flash-attn 2's CUDA kernels need a
+            multiple of 256, vLLM's build of them 16, attnkit neither).
         n_kv_heads: key/value heads ``H_kv``.
         head_dim: key width ``D``.
         dtype: ``torch.float32``, ``torch.bfloat16`` or ``torch.float16`` (``torch.float64``
@@ -130,8 +130,9 @@ class PagedKVCache:
         self._next_id = 0
         self._owner: weakref.ref[Any] | None = None      # the layer that wrote first
         self._workspace: dict[str, torch.Tensor] = {}       # gathered keys, reused per step
-        # block tables check_block_table passed, since the refcounts last changed
-        self._checked: set[tuple[Any, ...]] = set()
+        # block tables check_block_table passed, since the refcounts last changed -> the
+        # rows held to a sequence's length (checked every call)
+        self._checked: dict[tuple[Any, ...], list[tuple[int, list[int]]]] = {}
         _POOLS[id(self.k_pages)] = self
 
     # ------------------------------------------------------------------ inspection
@@ -209,7 +210,7 @@ class PagedKVCache:
         state = self.__dict__.copy()            # a weak reference does not pickle
         state["_owner"] = None
         state["_workspace"] = {}
-        state["_checked"] = set()
+        state["_checked"] = {}
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -447,8 +448,12 @@ class PagedKVCache:
         ``seqlens[b]`` tokens of row b are read; ``written`` lists ``(row, first token)``
         pairs of rows that write from that token on. Refused: a page that is free (a freed
         page still referenced), a page more rows (or one row twice) use than the cache's
-        refcount allows (a page used by two sequences without a fork), and a write into a
-        page another sequence holds (it must be copied first: :meth:`reserve`).
+        refcount allows (a page used by two sequences without a fork), a write into a
+        page another sequence holds (it must be copied first: :meth:`reserve`), a row
+        whose first and last pages are not where a live sequence holds them (a table kept
+        past a :meth:`free`, whose pages were handed to another sequence since), and a row
+        over all of a sequence's pages that reads past its tokens or writes from past them
+        (slots never written: a missed :meth:`append` or :meth:`commit`).
         """
         if len(seqlens) > block_table.shape[0]:
             raise ValueError(f"{len(seqlens)} sequence lengths for a block_table of "
@@ -459,14 +464,22 @@ class PagedKVCache:
         key = None if raw.size > _CHECKED_ENTRIES else (
             raw.dtype.str, raw.shape, raw.tobytes(), tuple(-(-int(n) // bs) for n in seqlens),
             tuple((b, int(start) // bs) for b, start in written))
-        if key in self._checked:
-            return
-        if self._table_ok(block_table, seqlens, written):
-            if key is not None:
+        held = self._checked.get(key) if key is not None else None
+        if held is None:
+            held = self._table_ok(block_table, seqlens, written)
+            if held is not None and key is not None:
                 if len(self._checked) >= _CHECKED_MAX:
                     self._checked.clear()
-                self._checked.add(key)
-            return
+                self._checked[key] = held
+        if held is None:
+            held = self._table_errors(block_table, seqlens, written)
+        self._check_lengths(held, seqlens, written)
+
+    def _table_errors(self, block_table: torch.Tensor, seqlens: Sequence[int],
+                      written: Sequence[tuple[int, int]]) -> list[tuple[int, list[int]]]:
+        """:meth:`check_block_table`'s error path (its fast check failed): raise naming the
+        first offending page in the rows' order, else → the rows held to a length."""
+        bs = self.block_size
         rows = block_table.tolist()
         read = [rows[b][: -(-int(n) // bs)] for b, n in enumerate(seqlens)]  # pages row b reads
         for b, r in enumerate(read):
@@ -474,8 +487,6 @@ class PagedKVCache:
                 if not 0 <= p < len(self._refs):
                     raise ValueError(f"block_table[{b}, {j}] = {p} is not a page of this "
                                      f"PagedKVCache (pages 0..{len(self._refs) - 1})")
-        # (the table's fast check, _table_ok, failed: this is the error path, which names
-        # the first offending page in the rows' order)
         uses = Counter(itertools.chain.from_iterable(read))
         for p, count in uses.items():
             if self._refs[p] == 0 or count > self._refs[p]:
@@ -501,31 +512,107 @@ class PagedKVCache:
                         f"which {self._refs[p]} sequences share (a fork): writing would change "
                         "the other sequences' keys. Call cache.reserve(seqs, n_new) first "
                         "(it copies shared pages: copy-on-write), or use cache.attention")
+        b, held = self._stray_row([(r[0], r[-1], len(r)) if r else (-1, -1, 0) for r in read])
+        if b is not None:
+            raise ValueError(
+                f"block_table row {b} reads pages {read[b]}, which are not the leading pages of "
+                "any sequence of this PagedKVCache: a table kept past a free (the freed pages "
+                "now hold another sequence's tokens) or put together by hand. Rebuild the table "
+                "with cache.block_table(seqs) after every free")
+        return held
+
+    def _check_lengths(self, held: list[tuple[int, list[int]]], seqlens: Sequence[int],
+                       written: Sequence[tuple[int, int]]) -> None:
+        """Every call (the lengths change without the pages): a row reading all of a
+        sequence's pages (``held``: the row and the sequences holding just those pages) reads
+        at most the tokens it holds, and writes from at most there — past them, slots never
+        written (a missed append or commit)."""
+        lengths, starts = self._lengths, dict(written)
+        for b, sids in held:
+            n = lengths[sids[0]] if len(sids) == 1 else max(lengths[s] for s in sids)
+            start = starts.get(b)
+            if start is None:
+                if seqlens[b] <= n:
+                    continue
+            elif start <= n:
+                continue
+            if start is not None:
+                raise ValueError(
+                    f"block_table row {b} writes from token {start}, but its sequence holds {n} "
+                    f"tokens: tokens {n}..{int(start) - 1} would never be written. Pass "
+                    "cache_seqlens=cache.seqlens(seqs) and call cache.commit(seqs, n_new) after "
+                    "each call that writes (cache.attention does both)")
+            raise ValueError(
+                f"block_table row {b} reads {int(seqlens[b])} tokens, but its sequence holds "
+                f"{n}: the tokens past {n} were never written. Append them first "
+                "(cache.append, or cache.reserve + attention_with_kvcache with k=, v= + "
+                "cache.commit), or read the sequence's length (cache.seqlens(seqs))")
 
 
     def _table_ok(self, block_table: torch.Tensor, seqlens: Sequence[int],
-                  written: Sequence[tuple[int, int]]) -> bool:
+                  written: Sequence[tuple[int, int]]) -> list[tuple[int, list[int]]] | None:
         """:meth:`check_block_table`'s rules at once, NumPy on the table's memory and the
         refcounts of the pages read only (a decode step of 16 forks of a 4096-token prefix:
-        0.15 -> 0.05 ms) → whether all hold; False sends the caller through its checks,
-        which name what is wrong."""
+        0.15 -> 0.05 ms) → the rows held to a length (:meth:`_stray_row`) if all hold; None
+        sends the caller through its checks, which name what is wrong."""
         bs, refs = self.block_size, self._refs
         t = block_table.detach().cpu().numpy().astype(np.int64)             # (B, W)
         need = np.zeros(t.shape[0], dtype=np.int64)       # rows past seqlens: not read
         need[:len(seqlens)] = [-(-int(n) // bs) for n in seqlens]
         flat = t[np.arange(t.shape[1]) < need[:, None]]                     # pages read
         if flat.size == 0:
-            return True
+            return []
         if flat.min() < 0 or flat.max() >= len(refs):
-            return False
+            return None
         counts = np.bincount(flat)
         used = np.flatnonzero(counts)                                       # pages read
-        held = np.fromiter((refs[p] for p in used.tolist()), dtype=np.int64, count=used.size)
-        if (counts[used] > held).any():                  # a free page (held 0), or a page
-            return False                                 # in more rows than hold it
+        holders = np.fromiter((refs[p] for p in used.tolist()), dtype=np.int64,
+                              count=used.size)
+        if (counts[used] > holders).any():               # a free page (held 0), or a page
+            return None                                  # in more rows than hold it
         # a row writes only into pages no other sequence holds
-        return all(refs[p] <= 1 for b, start in written
-                   for p in t[b, start // bs: need[b]].tolist())
+        if not all(refs[p] <= 1 for b, start in written
+                   for p in t[b, start // bs: need[b]].tolist()):
+            return None
+        rows = np.arange(len(seqlens))
+        n = need[:len(seqlens)]
+        last = t[rows, np.maximum(n - 1, 0)] if t.shape[1] else n
+        b, held = self._stray_row(list(zip(t[rows, 0].tolist() if t.shape[1] else n.tolist(),
+                                           last.tolist(), n.tolist(), strict=True)))
+        return held if b is None else None
+
+    def _stray_row(self, ends: list[tuple[int, int, int]]
+                   ) -> tuple[int | None, list[tuple[int, list[int]]]]:
+        """From each row's ``(first page, last page read, pages read)``: the first row whose
+        pages are not the leading pages of a live sequence (a table kept past a free: its
+        pages may hold another sequence's tokens now; refcounts alone pass it once they are
+        handed out again), or None; and the rows that read all of a sequence's pages, each
+        with the sequences holding just those (:meth:`_check_lengths`). The ends only: a
+        stale row whose first and last pages sit at the same places of one live sequence
+        passes (as a row equal to one must)."""
+        whole: dict[tuple[int, int, int], list[int]] = {}   # (first, last, pages) -> seqs
+        by_first: dict[int, list[list[int]]] = {}           # first page -> tables (forks)
+        for sid, table in self._tables.items():
+            if table:
+                key = (table[0], table[-1], len(table))
+                if key in whole:
+                    whole[key].append(sid)
+                else:
+                    whole[key] = [sid]
+                if table[0] in by_first:
+                    by_first[table[0]].append(table)
+                else:
+                    by_first[table[0]] = [table]
+        held = []
+        for b, (first, last, n) in enumerate(ends):
+            if n == 0:
+                continue
+            sids = whole.get((first, last, n))              # a row reads all its pages
+            if sids is not None:
+                held.append((b, sids))
+            elif not any(len(t) >= n and t[n - 1] == last for t in by_first.get(first, ())):
+                return b, held                               # nor a prefix of a table's
+        return None, held
 
 
 class PagedBatch:
