@@ -185,7 +185,7 @@ attend(const Tensor& q, const Tensor& k, const Tensor& v, double scale, double s
       a.q_bad = &bad[0];
       a.out_bad = out_read ? &bad[1] : nullptr;
       kv_read = !a.mod || (a.lowp && a.cache_kt);
-      a.kv_bad = a.mod && kv_read ? &bad[2] : nullptr;
+      a.kv_bad = a.mod && kv_read && out_read ? &bad[2] : nullptr;   // (split: not vouched)
     }
     out = at::empty({a.B, a.Hq, a.Nq, a.Dv}, q.options());
     lse = at::empty({a.B, a.Hq, a.Nq}, q.options().dtype(c10::CppTypeToScalarType<A>::value));
@@ -267,6 +267,9 @@ std::tuple<Tensor, Tensor, bool> attend_lean(const Tensor& q_in, const Tensor& k
 // element) is finite; 2 ran and something is not finite (the caller's full path screens
 // K/V); 1 did not run — another shape or dtype, a tensor off the CPU, or gradients
 // needed (grad mode on and an input requiring grad): out and lse are then undefined.
+// (eager.SLOT_FINITE, SLOT_DECLINED, SLOT_NOT_FINITE)
+enum SlotStatus : int64_t { SLOT_FINITE = 0, SLOT_DECLINED = 1, SLOT_NOT_FINITE = 2 };
+
 std::tuple<Tensor, Tensor, int64_t> attend_slot(const Tensor& q, const Tensor& k,
                                                 const Tensor& v, const Tensor& q_sig,
                                                 const Tensor& k_sig, const Tensor& v_sig,
@@ -280,11 +283,11 @@ std::tuple<Tensor, Tensor, int64_t> attend_slot(const Tensor& q, const Tensor& k
   if (!fits(q, q_sig) || !fits(k, k_sig) || !fits(v, v_sig) ||
       (c10::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() ||
                                        v.requires_grad())))
-    return {Tensor(), Tensor(), 1};
+    return {Tensor(), Tensor(), SLOT_DECLINED};
   static const std::optional<Tensor> none;
   auto [out, lse, finite] = attend_lean(q, k, v, scale, softcap, band_lo, band_hi, none,
                                         splits, block_q, check_q);
-  return {out, lse, finite ? 0 : 2};
+  return {out, lse, finite ? SLOT_FINITE : SLOT_NOT_FINITE};
 }
 
 // Backward: (dq, dk, dv) like q, k, v (contiguous), d rel_table (H_q, 2M+1) in A (empty

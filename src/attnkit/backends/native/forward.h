@@ -533,16 +533,6 @@ void values_axpy(const Args<A>& a, const T* vh, i64 k0, i64 n, i64 R, Buffers<A>
   values_axpy(a, head_rows(a, vh, vh, k0), n, R, buf);     // (its K rows are not read)
 }
 
-// Whether the n rows x + j * ld (D values each) hold no inf/NaN: all_finite's bit test, over
-// all n * D values at once when the rows follow one another (ld == D), else row by row. (It
-// replaced lane sums of x * 0, one chain of FMAs: a tenth of the fp32 forward's own work
-// outside the GEMMs and the row pass at a 512-key window, N = 8192, perf.)
-template <typename A> inline bool rows_finite(const A* x, i64 ld, i64 n, i64 D) {
-  if (ld == D) return all_finite(x, n * D);
-  for (i64 j = 0; j < n; ++j)                              // row j (D,)
-    if (!all_finite(x + j * ld, D)) return false;
-  return true;
-}
 
 // Whether V rows [k0, k0 + n) of the item's head vh (in A) hold no inf/NaN. With the head
 // cache a tile's rows are read once per head and thread (a tile whose rows do hold inf/NaN

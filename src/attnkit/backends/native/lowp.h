@@ -565,8 +565,8 @@ void packed_tile(const Args<A>& a, const T* kh, const T* vh, const Item& it, i64
   if (!lb.cache || !lb.done[t]) {
     pack_kt_tile(a, kh, k0, len, ktt, lb);
     lb.v_bad[t] = pack_v_tile(a, vh, k0, len, vt, lb);
-    lb.done[t] = 1;
     screen_kv_rows(a, kh + k0 * a.sk[2], a.sk[2], vh + k0 * a.sv[2], a.sv[2], len, lb.v_bad[t]);
+    lb.done[t] = 1;
   }
   kt = ktt;
   v = vt;
