@@ -19,7 +19,7 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "attnkit"
 # What must not be spelled anywhere in src/attnkit but _compat.py.
 PRIVATE = ["_scaled_dot_product_flash_attention_for_cpu", "_pytree", "DisableTorchFunction",
            "_global_mapping", "_ForceDispatchKeyGuard", "_dispatch_tls_local",
-           "_disable_dynamo", "compiler.disable"]
+           "_disable_dynamo", "compiler.disable", "_is_compiling_flag", "_get_tracing_state"]
 
 
 def test_private_apis_are_reached_from_compat_only():
@@ -99,6 +99,36 @@ def test_hf_builtin_attention_names():
 
     builtin = integration._BUILTIN_NAMES                  # taken before attnkit registers
     assert {"sdpa", "eager"} <= builtin and "attnkit" not in builtin
+
+
+def test_compiling_answers_as_is_compiling(monkeypatch):
+    """_compat.compiling gives torch.compiler.is_compiling()'s answer: False eagerly, True
+    with the flag torch.export / a compile session set, True while Dynamo traces."""
+    assert _compat.compiling() is False and torch.compiler.is_compiling() is False
+    seen = []
+
+    def f(x):
+        seen.append(_compat.compiling())
+        return x + 1
+
+    torch.compiler.reset()
+    torch.compile(f, backend="eager", fullgraph=True)(torch.ones(2))
+    torch.compiler.reset()
+    assert seen == [True]
+    monkeypatch.setattr(torch.compiler, "_is_compiling_flag", True, raising=False)
+    assert _compat.compiling() is True and torch.compiler.is_compiling() is True
+
+
+def test_jit_tracing_state_is_none_unless_a_trace_records():
+    seen = []
+
+    def f(x):
+        seen.append(_compat.jit_tracing_state() is not None)
+        return x * 2
+
+    assert _compat.jit_tracing_state() is None
+    torch.jit.trace(f, torch.ones(2), check_trace=False)
+    assert seen == [True] and _compat.jit_tracing_state() is None
 
 
 def test_run_outside_graph_breaks_the_graph_and_runs_eagerly():

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import attnkit as ak
-from attnkit import api, eager, masks
+from attnkit import _compat, api, eager, masks
 from attnkit.backends import REGISTRY, native
 from attnkit.backends.base import Problem
 from helpers.tolerance import assert_low_precision_close
@@ -942,15 +942,15 @@ def test_attention_asks_the_compiling_flag(monkeypatch):
 
     if "_is_compiling_flag" in inspect.getsource(torch.compiler.is_compiling) \
             and hasattr(torch.compiler, "is_dynamo_compiling"):
-        assert api._FLAG_READ
+        assert _compat.FLAG_READ and api._compiling is not torch.compiler.is_compiling
     seen: list[str] = []
     monkeypatch.setattr(api, "_traced", lambda *a, **kw: seen.append("traced") or "traced")
     q, k, v = _decode_qkv()
     with torch.no_grad():
         _warm(lambda: ak.attention(q, k, v))
         monkeypatch.setattr(torch.compiler, "_is_compiling_flag", True, raising=False)
-        if not api._FLAG_READ:
-            monkeypatch.setattr(api, "_is_compiling", lambda: True)
+        if not _compat.FLAG_READ:
+            monkeypatch.setattr(api, "_compiling", lambda: True)
         assert ak.attention(q, k, v) == "traced" and seen == ["traced"]
 
 
@@ -997,6 +997,23 @@ def test_attentions_last_hot_frame_is_tried_first_and_checks_its_options(monkeyp
         assert torch.isnan(got[0, 4:]).all() and torch.isfinite(got[0, :4]).all()
 
 
+def test_a_jit_trace_after_a_warm_decode_frame_records_the_keyed_operator():
+    """torch.jit.trace of a function calling attention() once its frame is hot: the hot
+    frame (attend_slot, whose int status a trace cannot record) stays out of the trace, and
+    the traced function answers as the reference."""
+    if not native.available():
+        pytest.skip("native kernel unavailable")
+    q, k, v = _decode_qkv()
+    with torch.no_grad():
+        _warm(lambda: ak.attention(q, k, v))
+        assert eager._HOT is not None
+        traced = torch.jit.trace(lambda q, k, v: ak.attention(q, k, v), (q, k, v),
+                                 check_trace=False)
+        want = ak.attention(q.double(), k.double(), v.double(), backend="reference")
+        torch.testing.assert_close(traced(q, k, v).double(), want, rtol=1e-5, atol=1e-6)
+        assert "attend_slot" not in str(traced.graph)
+
+
 def test_attend_slot_checks_the_signature_and_the_gradients():
     """``attend_slot`` runs ``attend_lean`` (bit for bit) only for tensors of its signature
     tensors' sizes and dtypes, on the CPU, and declines (status 1, nothing computed) a call
@@ -1024,3 +1041,13 @@ def test_attend_slot_checks_the_signature_and_the_gradients():
     v_bad = v.clone()
     v_bad[0, 0, 3, 3] = inf
     assert ops.attend_slot(q, k, v_bad, *sigs, *tail)[2] == 2
+
+
+def test_attentions_inline_lane_check_reads_every_field_of_the_lane_state():
+    """attnkit.attention's hot frame compares eager._lane_state's fields by position (0..6)
+    and loader.hot_state's three: a new field there must be read there too (this fails
+    first, pointing at api.attention's inline copy of eager._lane_holds)."""
+    from attnkit.backends.native import loader
+
+    assert len(eager._lane_state("auto")) == 7, "update api.attention's hot-frame check"
+    assert len(loader.hot_state()) == 3, "update api.attention's hot-frame check"

@@ -18,6 +18,13 @@ there rather than as a wrong answer somewhere else.
 - :func:`hf_builtin_attention_names`: the names of transformers' own attention
   implementations, ``AttentionInterface._global_mapping`` (so registering ``"attnkit"`` never
   shadows ``"sdpa"``); transformers is optional and imported only when asked.
+- :func:`compiling`: ``torch.compiler.is_compiling()``'s answer in one function, reading
+  ``torch.compiler._is_compiling_flag`` (which torch.compile's session and torch.export hold
+  True) after ``is_dynamo_compiling()`` (True while Dynamo traces); ``is_compiling`` itself
+  is two Python functions (it asks ``torch.jit.is_scripting`` first), microseconds each on
+  a cold per-token call. Where this torch lacks either piece: ``is_compiling`` itself.
+- :data:`jit_tracing_state`: ``torch._C._get_tracing_state`` (None unless ``torch.jit.trace``
+  is recording): the per-token call's hot frame stays out of a TorchScript trace.
 - :func:`run_outside_graph`: ``torch._disable_dynamo``, ``torch.compiler.disable`` with the
   import of ``torch._dynamo`` put off to the decorated function's first call. The public
   decorator imports Dynamo at once, and that import is most of ``import attnkit``'s time
@@ -33,7 +40,8 @@ import torch
 import torch.utils._pytree as _pytree
 
 __all__ = ["flash_cpu", "flash_cpu_backward", "tree_flatten", "tree_leaves",
-           "torch_function_disabled", "hf_builtin_attention_names", "run_outside_graph"]
+           "torch_function_disabled", "hf_builtin_attention_names", "run_outside_graph",
+           "compiling", "jit_tracing_state"]
 
 flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 flash_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -52,6 +60,25 @@ def tree_leaves(tree: Any) -> list[Any]:
 # ``with torch_function_disabled():`` tensor methods called inside skip every
 # ``__torch_function__`` override and mode (a class, used as a context manager).
 torch_function_disabled = torch._C.DisableTorchFunction
+
+
+_compiler = torch.compiler
+_dynamo_compiling = getattr(_compiler, "is_dynamo_compiling", None)
+FLAG_READ = (_dynamo_compiling is not None
+             and type(getattr(_compiler, "_is_compiling_flag", None)) is bool
+             and "_is_compiling_flag" in getattr(getattr(_compiler.is_compiling, "__code__",
+                                                         None), "co_names", ()))
+
+
+def _compiling() -> bool:
+    return _dynamo_compiling() or _compiler._is_compiling_flag  # type: ignore[misc,return-value]
+
+
+# torch.compile / torch.export tracing: True (what torch.compiler.is_compiling() says)
+compiling: Callable[[], bool] = _compiling if FLAG_READ else _compiler.is_compiling
+
+# None unless torch.jit.trace is recording (a C function: one call)
+jit_tracing_state = torch._C._get_tracing_state
 
 
 def run_outside_graph(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -60,6 +60,7 @@ from typing import Any, Literal, overload
 import numpy as np
 import torch
 
+from . import _compat
 from . import backends as _backends
 from . import eager as _eager
 from . import masks as _masks
@@ -72,17 +73,10 @@ __all__ = ["attention", "scaled_dot_product_attention", "prepare", "Prepared", "
 _is_compiling = torch.compiler.is_compiling     # (Dynamo knows the function, not its name)
 _any_autocast = _ops.any_autocast
 _Tensor = torch.Tensor
-# torch.compiler.is_compiling() is two Python functions (it asks torch.jit.is_scripting, then
-# reads the flag torch.compiler._is_compiling_flag, which torch.compile's session and
-# torch.export hold True); on a cold decode call each function entered costs microseconds.
-# Where torch has both, attention() asks is_dynamo_compiling() (one function, which Dynamo
-# answers True while it traces) and reads the flag itself — the same answer.
-_compiler = torch.compiler
-_is_dynamo_compiling = getattr(_compiler, "is_dynamo_compiling", None)
-_FLAG_READ = (_is_dynamo_compiling is not None
-              and type(getattr(_compiler, "_is_compiling_flag", None)) is bool
-              and "_is_compiling_flag" in getattr(getattr(_is_compiling, "__code__", None),
-                                                  "co_names", ()))
+# (torch.compiler.is_compiling()'s answer in one function, see _compat.compiling)
+_compiling = _compat.compiling
+_jit_tracing = _compat.jit_tracing_state
+_SLOT_FINITE, _SLOT_NOT_FINITE = _eager.SLOT_FINITE, _eager.SLOT_NOT_FINITE
 _PLAIN = _eager._PLAIN
 _grad_enabled = torch.is_grad_enabled
 _SCOPE, _NATIVE = _eager._SCOPE, _eager._NATIVE
@@ -167,8 +161,7 @@ def attention(
     # costs microseconds of cache misses)
     if type(backend) is not str or backend != "auto":
         _backends.check_name(backend)
-    if (_is_dynamo_compiling() or _compiler._is_compiling_flag) if _FLAG_READ \
-            else _is_compiling():           # torch.compile / torch.export: one operator
+    if _compiling():                        # torch.compile / torch.export: one operator
         return _traced(q, k, v, mask=mask, is_causal=is_causal, scale=scale, softcap=softcap,
                        score_mod=score_mod, dropout_p=dropout_p, backend=backend,
                        return_lse=return_lse)
@@ -189,8 +182,9 @@ def attention(
     if mask is None and score_mod is None and type(q) is _Tensor and type(k) is _Tensor \
             and type(v) is _Tensor and type(scale) in _PLAIN and type(softcap) in _PLAIN \
             and type(dropout_p) in _PLAIN and (is_causal is True or is_causal is False):
-        hot = _eager._HOT
-        if hot is not None and hot.frames is _eager._FRAMES and is_causal is hot.is_causal \
+        hot = _eager._HOT                   # (not while torch.jit.trace records: the
+        if hot is not None and _jit_tracing() is None and hot.frames is _eager._FRAMES \
+                and is_causal is hot.is_causal \
                 and scale == hot.scale and softcap == hot.softcap \
                 and dropout_p == hot.dropout_p:
             lane = hot.frame.lane
@@ -213,11 +207,11 @@ def attention(
                 if holds:
                     out, lse, status = launch.slot(  # type: ignore[operator]
                         q, k, v, *hot.sigs, *launch.slot_tail)
-                    if status == 0:
+                    if status == _SLOT_FINITE:
                         if _COUNTS.get() is not None:
                             _count(native=1)
                         return (out, lse) if return_lse else out
-                    if status == 2:                 # not finite: the full path screens
+                    if status == _SLOT_NOT_FINITE:  # the full path screens
                         return _eager.run_frame(hot.frame, q, k, v, None, backend, return_lse)
         if q.is_cpu and k.is_cpu and v.is_cpu \
                 and not (_grad_enabled() and (q.requires_grad or k.requires_grad
