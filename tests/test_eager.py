@@ -51,3 +51,55 @@ def test_attention_is_the_eager_path_outside_a_graph() -> None:
     torch.testing.assert_close(got, want, atol=0, rtol=0)
     torch.testing.assert_close(lse, want_lse, atol=0, rtol=0)
     assert ak.api.prepare is eager.prepare and ak.api.Prepared is eager.Prepared
+
+
+def _drop_key_3(score, b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202
+    return torch.where(kv_idx == 3, -float("inf"), score)
+
+
+def test_a_backend_without_screens_kv_keeps_the_kv_screen_up_front(monkeypatch) -> None:
+    """Backend.forward_screened's ``finite`` vouches for K/V only where the backend says so
+    (``screens_kv``): one whose ``finite`` tells of ``out`` alone still gets the K/V screen,
+    so a NaN V row a score_mod scores −∞ gives NaN where a query sees the key, as the
+    reference gives."""
+    from attnkit.backends import REGISTRY, base
+
+    tiled = REGISTRY["tiled"]
+
+    class OutOnly(base.Backend):
+        name = "out_only"
+        capabilities = tiled.capabilities
+
+        def forward(self, p):  # noqa: ANN001, ANN202
+            return tiled.forward(p)
+
+        def forward_screened(self, p):  # noqa: ANN001, ANN202
+            out, lse = self.forward(p)
+            return out, lse, bool(torch.isfinite(out).all())     # of out only
+
+    monkeypatch.setitem(REGISTRY, "out_only", OutOnly())
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 64, 32) for _ in range(3))
+    v[..., 3, :] = float("nan")
+    with torch.no_grad():
+        got = ak.attention(q, k, v, score_mod=_drop_key_3, backend="out_only")
+    want = ak.attention(q.double(), k.double(), v.double(), score_mod=_drop_key_3,
+                        backend="reference")
+    assert torch.equal(got.isnan(), want.isnan()) and want.isnan().any()
+
+
+def test_dropout_under_a_score_mod_draws_its_weights_once(monkeypatch) -> None:
+    """With dropout, a non-finite K row under a score_mod is screened before the call (not
+    after, which would run the call twice and draw the dropout mask twice): the rows that
+    cannot see the bad key get the same output as the clean call with the same seed."""
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 48, 16) for _ in range(3))
+    k_bad = k.clone()
+    k_bad[0, 0, 3, 5] = float("inf")                  # key 3: scored −∞, seen by rows >= 3
+    with torch.no_grad():
+        torch.manual_seed(7)
+        clean = ak.attention(q, k, v, is_causal=True, score_mod=_drop_key_3, dropout_p=0.3)
+        torch.manual_seed(7)
+        got = ak.attention(q, k_bad, v, is_causal=True, score_mod=_drop_key_3, dropout_p=0.3)
+    assert torch.equal(got[0, 0, :3], clean[0, 0, :3])
+    assert got[0, 0, 3:].isnan().all()

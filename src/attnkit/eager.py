@@ -487,13 +487,15 @@ def _run(p: Problem, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     # (Up front: the kernel's one pass over K and V first, _non_finite_kv_rows; the rows'
     # exact test cost 6% of a float32 causal forward + backward at N = 2048.) Without
     # autograd, a user score_mod's K/V screen comes after the call instead, and only where
-    # the backend's screened forward could not vouch for the K/V rows it read (its finite
-    # says so under a user score_mod, see Backend.forward_screened): the same result, as a
+    # the backend's screened forward could not vouch for the K/V rows it read (a backend
+    # with screens_kv: its finite says so, see Backend.forward_screened): the same result, as a
     # call with finite K/V gets the same output either way, and one with a non-finite row
     # is run again below on cleaned K/V as it would have been (the native kernel's own K/V
     # screen: ~2% of a bf16 causal call at N = 4096, one thread).
     up_front = p.requires_grad or _may_score_minus_inf(p)
-    late = up_front and not p.requires_grad and p.lowered.terms.user is not None
+    # (not with dropout: a rerun on cleaned K/V would draw the weights' mask anew)
+    late = up_front and not p.requires_grad and p.lowered.terms.user is not None \
+        and not p.dropout_p and getattr(chosen, "screens_kv", False) is True
     bad = _non_finite_kv_rows(p) if up_front and not late else None
     if bad is None:
         screened = getattr(chosen, "forward_screened", None)   # (a duck-typed backend:
@@ -666,6 +668,8 @@ class _Hot:
 
 
 _HOT: _Hot | None = None
+# attend_slot's status: ran and every output finite / declined (nothing run) / ran, not finite
+SLOT_FINITE, SLOT_DECLINED, SLOT_NOT_FINITE = 0, 1, 2
 
 
 # ------------------------------------------------------------------ the backend, remembered

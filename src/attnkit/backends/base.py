@@ -381,12 +381,18 @@ class Backend:
         """Return ``(out, lse)`` with shapes ``(B, H_q, N_q, D_v)`` and ``(B, H_q, N_q)``."""
         raise NotImplementedError
 
+    #: Whether :meth:`forward_screened`'s ``finite`` under a user score_mod also vouches for
+    #: the K/V rows read (then the eager path screens K/V after the call, only where it is
+    #: False, instead of before it). Opt-in: a backend whose ``finite`` tells of ``out``
+    #: alone keeps the K/V screen up front.
+    screens_kv: bool = False
+
     def forward_screened(self, p: Problem) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """:meth:`forward` → ``(out, lse, finite)``: ``finite`` True when the backend knows
         every element of ``out`` to be finite (it read them as it wrote them), so the caller
-        may skip its own pass over ``out`` (the NaN/inf screen) — and, for a call with a
-        user score_mod (``p.lowered.terms.user``), also every K and V row it read (its
-        tiles a mask leaves empty aside), so the caller may skip its K/V screen; False =
-        not known (the default: the caller screens)."""
+        may skip its own pass over ``out`` (the NaN/inf screen) — and, for a backend with
+        :attr:`screens_kv` and a call with a user score_mod (``p.lowered.terms.user``), also
+        every K and V row it read (its tiles a mask leaves empty aside), so the caller may
+        skip its K/V screen; False = not known (the default: the caller screens)."""
         out, lse = self.forward(p)
         return out, lse, False

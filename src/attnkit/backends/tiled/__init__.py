@@ -169,6 +169,7 @@ class TiledBackend(Backend):
                    "batched matmuls for softcap/score_mod/dropout); O(N) memory; autograd")
     capabilities = Capabilities(devices=("cpu",),
                                 hints=(("devices", "use backend='triton' on GPU"),))
+    screens_kv = True         # (the native kernel's screened forward: forward_screened)
 
     def lean(self, p: Problem) -> native.LeanLaunch | None:
         """The native kernel's lean launch of ``p`` (:func:`native.lean_launch`, its flag
