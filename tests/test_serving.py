@@ -499,6 +499,38 @@ def test_paged_cache_state_errors_freed_page_and_shared_without_fork():
                     block_table=cache.block_table([c]))
 
 
+def test_a_check_that_races_a_free_is_not_remembered(monkeypatch):
+    """A table check that another thread's free() overtakes (simulated: the free lands
+    between the check and its memo) is not remembered: the next call over the freed pages
+    is refused, and the racing call itself gets a clear error, not a KeyError."""
+    cache = ak.PagedKVCache(8, 2, 1, 4, dtype=torch.float32)
+    a, b = cache.new_sequence(), cache.new_sequence()
+    for s in (a, b):
+        cache.append(s, torch.randn(3, 1, 4), torch.randn(3, 1, 4))
+    q = torch.randn(1, 1, 1, 4)
+    table = cache.block_table([b])
+    real = type(cache)._table_ok
+    fired: list[int] = []
+
+    def racing(self, *args):
+        held = real(self, *args)
+        if not fired:
+            fired.append(1)
+            self.free(b)                                # "thread B", right now
+        return held
+
+    monkeypatch.setattr(type(cache), "_table_ok", racing)
+    with pytest.raises(ValueError, match="freed while the call checked it"):
+        ak.attention_with_kvcache(q, cache.k_pages, cache.v_pages,
+                                  cache_seqlens=torch.tensor([3]), block_table=table)
+    monkeypatch.setattr(type(cache), "_table_ok", real)
+    before = cache.k_pages.clone()
+    with pytest.raises(ValueError, match="which is free"):
+        ak.attention_with_kvcache(q, cache.k_pages, cache.v_pages,
+                                  cache_seqlens=torch.tensor([3]), block_table=table)
+    assert torch.equal(cache.k_pages, before)
+
+
 def test_paged_cache_refuses_a_table_kept_past_a_free_once_its_pages_are_handed_out():
     # a's table kept past free(a): its pages go to a new sequence n, so every page has a
     # holder again and the refcounts pass it; the row is no live sequence's pages -> refused,

@@ -133,6 +133,9 @@ class PagedKVCache:
         # block tables check_block_table passed, since the refcounts last changed -> the
         # rows held to a sequence's length (checked every call)
         self._checked: dict[tuple[Any, ...], list[tuple[int, list[int]]]] = {}
+        # bumped after every change of the page refcounts or tables (_changed): a check's
+        # key holds the epoch it read, so a check that raced a change is never found again
+        self._epoch = 0
         _POOLS[id(self.k_pages)] = self
 
     # ------------------------------------------------------------------ inspection
@@ -214,7 +217,7 @@ class PagedKVCache:
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
+        self.__dict__.update({"_checked": {}, "_epoch": 0, **state})
         _POOLS[id(self.k_pages)] = self
 
     def workspace(self, name: str, rows: int, pages: int) -> torch.Tensor:
@@ -281,8 +284,8 @@ class PagedKVCache:
         sid = self.new_sequence()
         for p in pages:
             self._refs[p] += 1
-        self._checked.clear()
         self._tables[sid], self._lengths[sid] = pages, self._lengths[seq]
+        self._changed()
         return sid
 
     def free(self, seq: int) -> None:
@@ -291,8 +294,8 @@ class PagedKVCache:
             self._refs[p] -= 1
             if self._refs[p] == 0:
                 self._free.append(p)
-        self._checked.clear()
         del self._lengths[seq]
+        self._changed()
 
     def truncate(self, seq: int, length: int) -> None:
         """Keep the first ``length`` tokens of ``seq`` (e.g. drop rejected draft tokens);
@@ -307,10 +310,11 @@ class PagedKVCache:
             self._refs[p] -= 1
             if self._refs[p] == 0:
                 self._free.append(p)
-        if table[keep:]:
-            self._checked.clear()
+        dropped = bool(table[keep:])
         del table[keep:]
         self._lengths[seq] = length
+        if dropped:
+            self._changed()
 
     # ------------------------------------------------------------------ writing
     def _plan(self, seq: int, n_new: int, refs: list[int]) -> tuple[int, list[int]]:
@@ -354,8 +358,6 @@ class PagedKVCache:
                 f"{len(self._free)} of {self.num_blocks} are free (block_size "
                 f"{self.block_size}): free finished sequences with cache.free(seq), or create "
                 "the cache with more num_blocks")
-        if need:
-            self._checked.clear()                  # pages change hands
         for s, (fresh, shared) in zip(seqs, plans, strict=True):
             table = self._tables[s]
             for i in shared:                       # copy-on-write: a page of our own first
@@ -369,6 +371,13 @@ class PagedKVCache:
                 p = self._free.pop()
                 self._refs[p] = 1
                 table.append(p)
+        if need:
+            self._changed()                        # pages changed hands
+
+    def _changed(self) -> None:
+        """After a change of the refcounts or tables: the checks remembered are void."""
+        self._epoch += 1
+        self._checked.clear()
 
     def commit(self, seqs: Sequence[int], n_new: int | Sequence[int]) -> None:
         """Count ``n_new`` tokens, already written into reserved pages (e.g. by
@@ -462,7 +471,8 @@ class PagedKVCache:
         bs = self.block_size
         raw = block_table.detach().cpu().numpy()                            # (B, W)
         key = None if raw.size > _CHECKED_ENTRIES else (
-            raw.dtype.str, raw.shape, raw.tobytes(), tuple(-(-int(n) // bs) for n in seqlens),
+            self._epoch, raw.dtype.str, raw.shape, raw.tobytes(),
+            tuple(-(-int(n) // bs) for n in seqlens),
             tuple((b, int(start) // bs) for b, start in written))
         held = self._checked.get(key) if key is not None else None
         if held is None:
@@ -529,6 +539,9 @@ class PagedKVCache:
         written (a missed append or commit)."""
         lengths, starts = self._lengths, dict(written)
         for b, sids in held:
+            if any(s not in lengths for s in sids):     # (another thread freed it meanwhile)
+                raise ValueError(f"block_table row {b}'s sequence was freed while the call "
+                                 "checked it: rebuild the table with cache.block_table(seqs)")
             n = lengths[sids[0]] if len(sids) == 1 else max(lengths[s] for s in sids)
             start = starts.get(b)
             if start is None:
