@@ -26,6 +26,24 @@ pytestmark = pytest.mark.skipif(not native.available(), reason="native kernel un
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 
 
+def _drop_key_3(score, b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202
+    return torch.where(kv_idx == 3, -math.inf, score - 0.01 * (q_idx - kv_idx).abs())
+
+
+def _assert_as_reference(got: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                         v: torch.Tensor) -> None:
+    """``got`` = the causal call under ``_drop_key_3`` as the float64 reference gives it
+    (float32: within 1e-5; bf16 / fp16: the low-precision rule)."""
+    ref64 = ak.attention(q.double(), k.double(), v.double(), is_causal=True,
+                         score_mod=_drop_key_3, backend="reference")
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got.double(), ref64, rtol=1e-5, atol=1e-6)
+    else:
+        ref_lowp = ak.attention(q, k, v, is_causal=True, score_mod=_drop_key_3,
+                                backend="reference")
+        assert_low_precision_close(got, ref_lowp, ref64)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", [1, 19, 64, 111])
 def test_all_finite_agrees_with_torch_at_every_position(dtype, d):
@@ -97,25 +115,14 @@ def test_score_mod_screen_still_finds_a_nan_v_row_it_scores_minus_inf(dtype):
     gives NaN, as the formula); the rows without one match the float64 reference."""
     torch.manual_seed(2)
     q, k, v = (torch.randn(1, 4, 37, 19).to(dtype) for _ in range(3))
-
-    def drop_key_3(score, b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202
-        return torch.where(kv_idx == 3, -math.inf, score - 0.01 * (q_idx - kv_idx).abs())
-
     with torch.no_grad():
-        clean = ak.attention(q, k, v, is_causal=True, score_mod=drop_key_3)
-        ref64 = ak.attention(q.double(), k.double(), v.double(), is_causal=True,
-                             score_mod=drop_key_3, backend="reference")
-        if dtype == torch.float32:
-            torch.testing.assert_close(clean.double(), ref64, rtol=1e-5, atol=1e-6)
-        else:
-            ref_lowp = ak.attention(q, k, v, is_causal=True, score_mod=drop_key_3,
-                                    backend="reference")
-            assert_low_precision_close(clean, ref_lowp, ref64)
+        clean = ak.attention(q, k, v, is_causal=True, score_mod=_drop_key_3)
+        _assert_as_reference(clean, q, k, v)
         v_bad = v.clone()
         v_bad[0, 1, 3, 18] = math.nan             # key 3 of head 1, its last dim
-        got = ak.attention(q, k, v_bad, is_causal=True, score_mod=drop_key_3)
+        got = ak.attention(q, k, v_bad, is_causal=True, score_mod=_drop_key_3)
         want = ak.attention(q.double(), k.double(), v_bad.double(), is_causal=True,
-                            score_mod=drop_key_3, backend="reference")
+                            score_mod=_drop_key_3, backend="reference")
         assert torch.equal(got.isnan(), want.isnan())
         assert got[0, 1, 3:].isnan().all() and not got[0, 1, :3].isnan().any()
         assert torch.equal(got[:, [0, 2, 3]], clean[:, [0, 2, 3]])
@@ -161,8 +168,6 @@ def _kernel_screens_kv(dtype: torch.dtype) -> bool:
         "bfloat16 GEMMs")
 
 
-def _drop_key_3(score, b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202
-    return torch.where(kv_idx == 3, -math.inf, score - 0.01 * (q_idx - kv_idx).abs())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -177,14 +182,7 @@ def test_score_mod_kv_screen_without_autograd_is_the_kernels(dtype, monkeypatch)
     with torch.no_grad():
         got = ak.attention(q, k, v, is_causal=True, score_mod=_drop_key_3)
     assert len(screens) == (0 if _kernel_screens_kv(dtype) else 1)
-    ref64 = ak.attention(q.double(), k.double(), v.double(), is_causal=True,
-                         score_mod=_drop_key_3, backend="reference")
-    if dtype == torch.float32:
-        torch.testing.assert_close(got.double(), ref64, rtol=1e-5, atol=1e-6)
-    else:
-        ref_lowp = ak.attention(q, k, v, is_causal=True, score_mod=_drop_key_3,
-                                backend="reference")
-        assert_low_precision_close(got, ref_lowp, ref64)
+    _assert_as_reference(got, q, k, v)
     screens.clear()
     qg = q.clone().requires_grad_(True)
     out = ak.attention(qg, k, v, is_causal=True, score_mod=_drop_key_3)
