@@ -80,6 +80,53 @@ compiling: Callable[[], bool] = _compiling if FLAG_READ else _compiler.is_compil
 # None unless torch.jit.trace is recording (a C function: one call)
 jit_tracing_state = torch._C._get_tracing_state
 
+# How many TorchDispatchModes are on the stack, and whether one of them is a tracer's —
+# make_fx's proxy mode, FakeTensorMode, FunctionalTensorMode (torch's "infra" modes, which
+# record operators or run them on tensors without data) — or a torch.func transform (grad,
+# vmap, jacrev …) is running: while a tracer or a transform is on, a call must be made of
+# operators it knows — attnkit::attention (with its fake and autograd rules) or plain torch —
+# not the native kernel's, which it would record as garbage or reject. A mode of the user's
+# (a recorder, FlopCounterMode) runs the operators on real tensors: the call runs as eager.
+# (C functions, ~30-100 ns each.)
+dispatch_modes = torch._C._len_torch_dispatch_stack
+func_transforms: Callable[[], bool] = getattr(torch._C, "_are_functorch_transforms_active",
+                                              lambda: False)
+_get_mode = torch._C._get_dispatch_mode
+_TRACER_KEYS = tuple(getattr(torch._C._TorchDispatchModeKey, name)
+                     for name in ("PROXY", "FAKE", "FUNCTIONAL")
+                     if hasattr(torch._C._TorchDispatchModeKey, name))
+_PYTHON_KEY = torch._C.DispatchKey.Python
+
+
+def tracer_mode() -> bool:
+    """Whether make_fx's proxy mode, FakeTensorMode or FunctionalTensorMode is on."""
+    return any(_get_mode(key) is not None for key in _TRACER_KEYS)
+
+
+def intercepted(*tensors: Any) -> bool:
+    """Whether a tracer's dispatch mode or a torch.func transform is on (see
+    :data:`dispatch_modes`), or one of ``tensors`` is a tensor subclass that handles its
+    operators in Python (``__torch_dispatch__``: FakeTensor, DTensor, a user's subclass; not
+    ``nn.Parameter``)."""
+    if (dispatch_modes() and tracer_mode()) or func_transforms():
+        return True
+    return any(type(t) is not torch.Tensor and isinstance(t, torch.Tensor)
+               and torch._C._dispatch_keys(t).has(_PYTHON_KEY) for t in tensors)
+
+
+_functorch = torch._C._functorch
+_TRANSFORMS = getattr(_functorch, "TransformType", None)
+_NOT_DIFFERENTIATING = {getattr(_TRANSFORMS, name, None) for name in ("Vmap", "Functionalize")}
+
+
+def differentiating() -> bool:
+    """Whether a torch.func transform that differentiates (grad, vjp, jacrev, jvp, hessian …)
+    is running: it cannot go through torch.library's or an autograd.Function's backward
+    unless they define functorch rules, so the call must be plain torch operators. (vmap
+    alone and functionalize take the attnkit::attention operator.)"""
+    stack = getattr(_functorch, "get_interpreter_stack", lambda: None)() or ()
+    return any(i.key() not in _NOT_DIFFERENTIATING for i in stack)
+
 
 def run_outside_graph(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` run eagerly, outside any graph torch.compile / torch.export is tracing (a graph

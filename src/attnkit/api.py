@@ -76,6 +76,8 @@ _Tensor = torch.Tensor
 # (torch.compiler.is_compiling()'s answer in one function, see _compat.compiling)
 _compiling = _compat.compiling
 _jit_tracing = _compat.jit_tracing_state
+_dispatch_modes, _tracer_mode = _compat.dispatch_modes, _compat.tracer_mode
+_func_transforms = _compat.func_transforms
 _SLOT_FINITE, _SLOT_NOT_FINITE = _eager.SLOT_FINITE, _eager.SLOT_NOT_FINITE
 _PLAIN = _eager._PLAIN
 _grad_enabled = torch.is_grad_enabled
@@ -161,7 +163,8 @@ def attention(
     # costs microseconds of cache misses)
     if type(backend) is not str or backend != "auto":
         _backends.check_name(backend)
-    if _compiling():                        # torch.compile / torch.export: one operator
+    # torch.compile / torch.export, make_fx, FakeTensorMode, torch.func: one operator
+    if _compiling() or (_dispatch_modes() and _tracer_mode()) or _func_transforms():
         return _traced(q, k, v, mask=mask, is_causal=is_causal, scale=scale, softcap=softcap,
                        score_mod=score_mod, dropout_p=dropout_p, backend=backend,
                        return_lse=return_lse)
@@ -232,6 +235,11 @@ def attention(
                         _count(native=1)
                     return (out, lse) if return_lse else out
                 return _eager.run_frame(frame, q, k, v, None, backend, return_lse)
+    elif (type(q) is not _Tensor or type(k) is not _Tensor or type(v) is not _Tensor) \
+            and _compat.intercepted(q, k, v):       # FakeTensor, DTensor … : one operator
+        return _traced(q, k, v, mask=mask, is_causal=is_causal, scale=scale, softcap=softcap,
+                       score_mod=score_mod, dropout_p=dropout_p, backend=backend,
+                       return_lse=return_lse)
     return _eager.attend(q, k, v, mask=mask, is_causal=is_causal, scale=scale,
                          softcap=softcap, score_mod=score_mod, dropout_p=dropout_p,
                          backend=backend, return_lse=return_lse)
@@ -242,10 +250,16 @@ def _traced(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: float 
             return_lse: bool) -> Any:
     """:func:`attention` while torch.compile / torch.export trace: one ``attnkit::attention``
     operator node (see :mod:`attnkit.ops`), or — for what an operator argument cannot carry —
-    the eager call outside the graph, with one warning per call site."""
+    the eager call outside the graph, with one warning per call site. Under a dispatch mode
+    or a torch.func transform (make_fx, FakeTensorMode, grad, vmap …) or with a tensor
+    subclass that dispatches in Python, the same operator — or, for what it cannot carry,
+    the eager call in plain torch operators (the native kernel off), which they follow."""
     options = dict(mask=mask, is_causal=is_causal, scale=scale, softcap=softcap,
                    score_mod=score_mod, dropout_p=dropout_p, backend=backend,
                    return_lse=return_lse)
+    compiling = _compiling()
+    if not compiling and _compat.differentiating():     # torch.func.grad, jacrev, jvp …
+        return _ops.eager_in_torch(q, k, v, differentiable=True, **options)
     reason: str | None = None
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         reason = "NumPy inputs"
@@ -256,6 +270,8 @@ def _traced(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: float 
         args = _ops.op_args(_masks.causal() if is_causal else mask, q.shape[-2], k.shape[-2])
         if isinstance(args, str):
             reason = args
+    if reason is not None and not compiling:
+        return _ops.eager_in_torch(q, k, v, **options)
     if reason is not None:
         warnings.warn(
             f"attnkit.attention under torch.compile/export: {reason} cannot be an operator "
@@ -343,8 +359,9 @@ def scaled_dot_product_attention(
     if attn_mask is not None and attn_mask.dtype.is_floating_point:
         attn_mask, poison = _sdpa_poison(attn_mask)
     drop = float(dropout_p) if dropout_p < 1 else 0.0
-    if cast_to is None and not _is_compiling():
-        # attention()'s eager call, its checks done: no autocast region, backend "auto"
+    if cast_to is None and not _is_compiling() and not _compat.intercepted(q, k, v):
+        # attention()'s eager call, its checks done: no autocast region, backend "auto",
+        # no tracer (make_fx, FakeTensorMode, torch.func …: attention() makes it one operator)
         out = _eager.attend(q, k, v, mask=attn_mask, is_causal=is_causal, scale=scale,
                             dropout_p=drop)
     else:

@@ -88,7 +88,7 @@ from .reference import safe_softmax
 from .scores import soft_cap, soft_cap_grad
 
 __all__ = ["OpArgs", "op_args", "rebuild_mask", "attention_op", "attention_backward_op",
-           "eager_fallback", "attention_weights", "attention_weights_op",
+           "eager_fallback", "eager_in_torch", "attention_weights", "attention_weights_op",
            "attention_weights_backward_op", "autocast_dtype", "autocast_cast"]
 
 Tensor = torch.Tensor
@@ -528,6 +528,22 @@ attention_op.register_autograd(_backward, setup_context=_setup_context)
 def eager_fallback(q: Any, k: Any, v: Any, **options: Any) -> Any:
     """The plain eager :func:`attnkit.attention`, run outside any graph being traced."""
     return attend(q, k, v, **options)
+
+
+def eager_in_torch(q: Any, k: Any, v: Any, *, differentiable: bool = False,
+                   **options: Any) -> Any:
+    """The eager :func:`attnkit.attention` in plain torch operators (the native kernel off):
+    what a dispatch mode or a torch.func transform can follow, for a call the operator cannot
+    carry (a Python score_mod …). ``differentiable``: on the reference engine (the formula
+    materialised, O(N_q·N_k) memory), whose backward is torch's own — what torch.func.grad /
+    jvp differentiate (the other engines' backward is an autograd.Function, which they
+    reject)."""
+    from .backends.native import use_native
+
+    if differentiable:
+        options["backend"] = "reference"
+    with use_native(False):
+        return attend(q, k, v, **options)
 
 
 # ------------------------------------------------------------------ the attention weights

@@ -76,6 +76,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import _compat
 from . import backends as _backends
 from . import masks as _masks
 from .api import attention
@@ -493,9 +494,11 @@ def _use_native(qs: list[torch.Tensor], k_pool: torch.Tensor, backend: str) -> b
     """Whether a paged call runs in the native kernel through the block table: a CPU pool of
     a dtype it takes, ``backend`` "auto" outside any :func:`attnkit.backends.use` scope (a
     chosen engine runs the per-sequence route), the kernel built and on (not
-    ``ATTNKIT_NATIVE=0``), and no gradient asked for (the paged kernel has no backward)."""
+    ``ATTNKIT_NATIVE=0``), no gradient asked for (the paged kernel has no backward), and no
+    tracer (make_fx, FakeTensorMode, torch.func: the per-sequence route is operators they
+    know)."""
     if backend != "auto" or _backends.current() is not None or k_pool.device.type != "cpu" \
-            or k_pool.dtype not in _native.DTYPES:
+            or k_pool.dtype not in _native.DTYPES or _compat.intercepted(k_pool, *qs):
         return False
     if torch.is_grad_enabled() and any(q.requires_grad for q in qs):
         return False

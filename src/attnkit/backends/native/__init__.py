@@ -119,6 +119,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ... import _compat
 from ..base import Problem, refuse_double_backward
 from . import loader
 from .score_mod import CompiledScoreMod, compile_score_mod, for_problem
@@ -805,8 +806,9 @@ def forward_problem_screened(p: Problem,
 def all_finite(t: torch.Tensor) -> bool | None:
     """Whether every element of the 4-D CPU tensor ``t`` is finite, in one pass of the
     kernel's vector loop over its rows (any strides); None when the kernel is not loaded
-    or does not take ``t`` (a GPU tensor never loads it; see :func:`known_finite`)."""
-    if t.dim() != 4 or not t.is_cpu or t.dtype not in DTYPES:
+    or does not take ``t`` (a GPU tensor never loads it; see :func:`known_finite`), and
+    under a dispatch mode or a torch.func transform (``t`` may hold no data)."""
+    if t.dim() != 4 or not t.is_cpu or t.dtype not in DTYPES or _compat.intercepted(t):
         return None
     op = getattr(loader.load(), "all_finite", None)
     return None if op is None else bool(op(t))
