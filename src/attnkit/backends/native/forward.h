@@ -296,12 +296,16 @@ inline void q_to_bf16(const Args<float>& a, i64 R, i64 DKE, const float* q, at::
 }
 
 // Whether the K pass also prefetches the tile's V rows (values_bf16 prefetches them as it
-// reads them anyway): only on a call whose K/V outgrow the caches. One core, alternating runs:
-// 1x32768 D=128 (128 MB, DRAM) 7.3-7.6 ms with against 8.5-11 without; (1, 8, 1, 64) over
-// 4096 keys (8 MB) 0.79 against 0.88 of SDPA's speed, GQA 32/8 D=128 over 8192 (32 MB) 38
-// against 36 ns per key and K/V head.
+// reads them anyway): on a call whose K/V outgrow the cores' L2s (4 MB here), so that the V
+// pass of a tile finds its rows in L2 and DRAM serves two streams during the K pass. Earlier,
+// one core, alternating runs: 1x32768 D=128 (128 MB, DRAM) 7.3-7.6 ms with against 8.5-11
+// without. (1, 8, 1, 64) over 4096 keys (8 MB), K/V evicted before each call, two threads,
+// SDPA timed in the same process (cold.py, 8 alternating rounds of 40): 1.03-1.09x SDPA's
+// speed with against 0.94-1.02x without (the 64 MB threshold this replaced); with K/V left
+// in L3 between calls it costs: 0.85-0.95x against 0.99-1.09x (streaming from DRAM is what
+// a decode step does: the model's weights pass through the caches between its calls).
 inline bool v_with_k(const Args<float>& a) {
-  return a.B * a.Hkv * a.Nk * (a.Dk + a.Dv) * i64(sizeof(at::BFloat16)) > (i64(64) << 20);
+  return a.B * a.Hkv * a.Nk * (a.Dk + a.Dv) * i64(sizeof(at::BFloat16)) > (i64(4) << 20);
 }
 
 // scores_dot for bf16 q and K: 16 keys at a time (dots16), the tail key by key (dots_bf16<1>),
